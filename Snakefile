@@ -1,0 +1,26 @@
+# dflash-build: the target model's own answers to a prompt mix, as a content-addressed build.
+# Every store path carries the hash of what determines its content; see README.md and DESIGN notes
+# in dflash_build/plan.py. `snakemake -n` lists every shard job that would run.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/prepare.smk"
+include: "rules/generate.smk"
+include: "rules/tokenize.smk"
+include: "rules/mix.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        get_final_targets(),
+
+
+onsuccess:
+    print_summary()

@@ -1,0 +1,91 @@
+"""Atomic writes: every store file appears whole or not at all.
+
+A file is written under a temporary name in its destination folder, flushed, fsync'd and renamed over
+the destination; the folder is fsync'd so the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``dest``; on success fsync it and rename it to ``dest``."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_open(dest: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[Any]]:
+    with atomic_path(dest) as tmp, open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        yield f
+
+
+def write_json(dest: str | os.PathLike[str], obj: Any) -> None:
+    with atomic_open(dest) as f:
+        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_text(dest: str | os.PathLike[str], text: str) -> None:
+    with atomic_open(dest) as f:
+        f.write(text)
+
+
+def write_parquet(dest: str | os.PathLike[str], table: pa.Table) -> None:
+    with atomic_path(dest) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a folder under a temporary name beside ``dest``, then swap it in with renames.
+
+    Every file inside must already be fsync'd by the caller (use the write_* helpers).
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        yield tmp
+        old = None
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
+            os.replace(dest, old / dest.name)
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

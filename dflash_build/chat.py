@@ -1,0 +1,93 @@
+"""The target model's tokenizer and chat template: how every prompt is rendered into token ids.
+
+Generation sends token ids, never text, so the ids the model saw are exactly the ids the training
+sample holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dflash_build.config import ModelSpec
+
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "dflash_probe_tool",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+]
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def load_tokenizer(model: ModelSpec) -> Any:
+    from transformers import AutoTokenizer
+
+    path = model.tokenizer or model.path
+    if path.endswith(".gguf"):
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=model.revision)
+    if model.chat_template is not None:
+        with open(model.chat_template, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    if not tokenizer.chat_template:
+        raise TemplateError(
+            f"config key 'model.chat_template': the tokenizer at '{path}' has no chat template; give one"
+        )
+    return tokenizer
+
+
+def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
+    """End-of-answer ids: the tokenizer's eos plus the model's generation_config eos ids."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_config = os.path.join(model_path, "generation_config.json")
+    if os.path.isdir(model_path) and os.path.exists(gen_config):
+        import json
+
+        with open(gen_config, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise TemplateError(f"model '{model_path}': no eos token in its tokenizer or generation_config.json")
+    return ids
+
+
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: Mapping[str, Any],
+) -> list[int]:
+    """Prompt token ids exactly as the target sees them, ending with the assistant header."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **dict(template_kwargs)
+    )
+    # The template already wrote any BOS; the tokenizer must not add another.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_renders_tools(tokenizer: Any, template_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a template that silently ignores tool schemas: tool rows would lose their tools."""
+    probe = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, **dict(template_kwargs))
+    with_tools = tokenizer.apply_chat_template(
+        probe, tools=_PROBE_TOOLS, add_generation_prompt=True, tokenize=False, **dict(template_kwargs)
+    )
+    if plain == with_tools:
+        raise TemplateError(
+            "config key 'model.chat_template': this source has rows with tools, but the chat template "
+            "ignores `tools`; give a template that renders them"
+        )

@@ -1,0 +1,253 @@
+"""Typed configuration, built from the dict that `snakemake.utils.validate` checked and filled.
+
+The JSON schema (config/schema.yaml) checks types and refuses unknown keys; this module checks what a
+schema cannot: cross-references (every source category has a mix share), files that must exist,
+pinned revisions. Every error names the config key it is about.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+FORMATS = ("sharegpt", "messages", "alpaca", "prompt", "hermes")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed", "samples_per_prompt")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+# Field names each format reads, and their default column names; config `fields` renames them.
+FORMAT_FIELDS: dict[str, dict[str, str]] = {
+    "sharegpt": {"conversations": "conversations", "role": "from", "content": "value", "system": "system"},
+    "hermes": {
+        "conversations": "conversations",
+        "role": "from",
+        "content": "value",
+        "system": "system",
+        "tools": "tools",
+    },
+    "messages": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
+    "alpaca": {"instruction": "instruction", "input": "input", "system": "system"},
+    "prompt": {"prompt": "prompt", "system": "system"},
+}
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config key '{key}': {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_new_tokens: int
+    seed: int
+    samples_per_prompt: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS}
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    path: str
+    name: str | None
+    split: str
+    revision: str | None
+    data_files: str | list[str] | None
+
+    @property
+    def is_local(self) -> bool:
+        return os.path.isdir(self.path)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    category: str
+    format: str
+    files: tuple[str, ...]
+    hf: HubSpec | None
+    fields: Mapping[str, str]
+    roles: Mapping[str, str]
+    max_samples: int | None
+    seed: int
+    min_chars: int
+    max_chars: int | None
+    sampling: Sampling
+    chat_template_kwargs: Mapping[str, Any]
+
+    def content_spec(self) -> dict[str, Any]:
+        """What in this source's config changes the prompts (goes into prompt_key)."""
+        return {
+            "format": self.format,
+            "fields": dict(self.fields),
+            "roles": dict(self.roles),
+            "max_samples": self.max_samples,
+            "seed": self.seed,
+            "filters": {"min_chars": self.min_chars, "max_chars": self.max_chars},
+            "turns": "first",
+        }
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    revision: str | None
+    tokenizer: str | None
+    chat_template: str | None
+    chat_template_kwargs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Config:
+    store: Path
+    logs: Path
+    dataset_name: str
+    dataset_out: Path
+    rows_per_file: int
+    model: ModelSpec
+    backend: str
+    engine_options: Mapping[str, Any]
+    shard_size: int
+    truncated: str
+    mix_categories: Mapping[str, float]
+    mix_budget_tokens: int | None
+    mix_seed: int
+    sources: Mapping[str, SourceSpec] = field(default_factory=dict)
+
+    @property
+    def dataset_dir(self) -> Path:
+        return self.dataset_out / self.dataset_name
+
+
+def expand_files(patterns: tuple[str, ...] | list[str], key: str) -> list[Path]:
+    """Expand globs, in sorted order; a pattern that matches nothing is an error."""
+    out: list[Path] = []
+    for i, pattern in enumerate(patterns):
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise ConfigError(f"{key}[{i}]", f"'{pattern}' matches no file (working directory {os.getcwd()})")
+        for m in matches:
+            if not m.endswith(LOCAL_SUFFIXES):
+                raise ConfigError(f"{key}[{i}]", f"'{m}' is not a {'/'.join(LOCAL_SUFFIXES)} file")
+            out.append(Path(m))
+    return out
+
+
+def _sampling(base: Mapping[str, Any], override: Mapping[str, Any], key: str) -> Sampling:
+    merged = {**base, **override}
+    missing = [f for f in SAMPLING_FIELDS if f not in merged]
+    if missing:
+        raise ConfigError(key, f"missing sampling fields {missing}")
+    if merged["top_k"] < -1:
+        raise ConfigError(f"{key}.top_k", "must be -1, 0 (disabled) or positive")
+    return Sampling(**{f: merged[f] for f in SAMPLING_FIELDS})
+
+
+def _source(
+    name: str, raw: Mapping[str, Any], base_sampling: Mapping[str, Any], mix: Mapping[str, float]
+) -> SourceSpec:
+    key = f"sources.{name}"
+    has_files, has_hf = "files" in raw, "hf" in raw
+    if has_files == has_hf:
+        raise ConfigError(key, "give exactly one of 'files' (local json/jsonl/parquet) or 'hf' (datasets.load_dataset)")
+    if raw["category"] not in mix:
+        raise ConfigError(
+            f"{key}.category", f"'{raw['category']}' has no share in mix.categories ({', '.join(sorted(mix))})"
+        )
+    for field_name in raw.get("fields", {}):
+        if field_name not in FORMAT_FIELDS[raw["format"]]:
+            allowed = ", ".join(FORMAT_FIELDS[raw["format"]])
+            raise ConfigError(f"{key}.fields.{field_name}", f"format '{raw['format']}' reads only {allowed}")
+    if raw["format"] == "prompt" and "prompt" not in raw.get("fields", {}):
+        raise ConfigError(f"{key}.fields.prompt", "format 'prompt' needs the name of the prompt column")
+    hf = None
+    if has_hf:
+        h = raw["hf"]
+        hf = HubSpec(h["path"], h.get("name"), h.get("split", "train"), h.get("revision"), h.get("data_files"))
+        if not hf.is_local and not _COMMIT.fullmatch(hf.revision or ""):
+            raise ConfigError(
+                f"{key}.hf.revision",
+                f"hub dataset '{hf.path}' needs a pinned revision: a 40-hex-digit commit, not {hf.revision!r} "
+                "(content behind a branch can change under the same key)",
+            )
+    filters = raw.get("filters", {})
+    return SourceSpec(
+        name=name,
+        category=raw["category"],
+        format=raw["format"],
+        files=tuple(raw.get("files", ())),
+        hf=hf,
+        fields=dict(raw.get("fields", {})),
+        roles=dict(raw.get("roles", {})),
+        max_samples=raw.get("max_samples"),
+        seed=raw.get("seed", 0),
+        min_chars=filters.get("min_chars", 0),
+        max_chars=filters.get("max_chars"),
+        sampling=_sampling(base_sampling, raw.get("sampling", {}), f"{key}.sampling"),
+        chat_template_kwargs=dict(raw.get("chat_template_kwargs", {})),
+    )
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build the typed config from a schema-validated dict (defaults already filled)."""
+    mix = raw["mix"]
+    # Shares are weights: 46/26/11/9/7 sums to 99 and means exactly what it says.
+    weights = {str(k): float(v) for k, v in mix["categories"].items()}
+    total = sum(weights.values())
+    categories = {k: v / total for k, v in weights.items()}
+    model = raw["model"]
+    if model.get("revision") is None and not os.path.exists(model["path"]):
+        raise ConfigError("model.path", f"'{model['path']}' does not exist (a hub id needs model.revision)")
+    for opt in ("tokenizer", "chat_template"):
+        if model.get(opt) is not None and not os.path.exists(model[opt]):
+            raise ConfigError(f"model.{opt}", f"'{model[opt]}' does not exist")
+    sources = {name: _source(name, s, raw["sampling"], categories) for name, s in raw["sources"].items()}
+    dataset = raw["dataset"]
+    return Config(
+        store=Path(raw["store"]),
+        logs=Path(raw["logs"]),
+        dataset_name=dataset["name"],
+        dataset_out=Path(dataset["out"]),
+        rows_per_file=dataset["rows_per_file"],
+        model=ModelSpec(
+            path=model["path"],
+            revision=model.get("revision"),
+            tokenizer=model.get("tokenizer"),
+            chat_template=model.get("chat_template"),
+            chat_template_kwargs=dict(model.get("chat_template_kwargs", {})),
+        ),
+        backend=raw["engine"]["backend"],
+        engine_options=dict(raw["engine"]["options"]),
+        shard_size=raw["shard_size"],
+        truncated=raw["truncated"],
+        mix_categories=categories,
+        mix_budget_tokens=mix.get("budget_tokens"),
+        mix_seed=mix.get("seed", 0),
+        sources=sources,
+    )
+
+
+def load(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load, schema-validate (filling defaults) and build a config file outside Snakemake."""
+    from snakemake.utils import validate
+
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f) or {}
+    raw.update(overrides or {})
+    validate(raw, str(SCHEMA_PATH))
+    return from_dict(raw)

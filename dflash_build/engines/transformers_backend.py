@@ -1,0 +1,142 @@
+"""Transformers backend: CPU demo, tests and small GPU runs.
+
+It runs its own decoding loop instead of ``model.generate`` so that every row samples from its own
+``torch.Generator`` seeded with the row's seed: a row's answer does not depend on which rows share its
+batch. Rows are batched by prompt length; finished rows leave the batch (and the KV cache) at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from dflash_build.engines import Request, Result
+
+log = logging.getLogger(__name__)
+
+KNOWN_OPTIONS = frozenset({"device", "dtype", "batch_size", "threads"})
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(path: str, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=dtype
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Apply temperature, then top-k, min-p and top-p cut-offs, to a (batch, vocab) tensor of logits."""
+    logits = logits.float() / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if min_p > 0:
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+class TransformersEngine:
+    def __init__(self, model_path: str, options: Mapping[str, Any], stop_token_ids: list[int]) -> None:
+        unknown = set(options) - KNOWN_OPTIONS
+        if unknown:
+            raise ValueError(f"config key 'engine.options': unknown transformers options {sorted(unknown)}")
+        self.device = str(options.get("device", "cpu"))
+        dtype_name = str(options.get("dtype", "float32" if self.device == "cpu" else "bfloat16"))
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"config key 'engine.options.dtype': '{dtype_name}' is not one of {sorted(_DTYPES)}")
+        self.batch_size = int(options.get("batch_size", 8))
+        if "threads" in options:
+            torch.set_num_threads(int(options["threads"]))
+        self.stop_token_ids = set(stop_token_ids)
+        self.model = load_model(model_path, self.device, _DTYPES[dtype_name])
+        config = self.model.config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else stop_token_ids[0]
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        ordered = sorted(requests, key=lambda r: (-len(r.prompt_ids), r.prompt_id, r.sample_idx))
+        for start in range(0, len(ordered), self.batch_size):
+            yield from self._batch(ordered[start : start + self.batch_size])
+
+    def close(self) -> None:
+        del self.model
+
+    @torch.inference_mode()
+    def _batch(self, batch: list[Request]) -> Iterator[Result]:
+        params = batch[0].params
+        if any(r.params != params for r in batch):
+            raise ValueError("one batch holds one set of sampling params")
+        width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            attention[i, width - len(r.prompt_ids) :] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        generators = [torch.Generator().manual_seed(r.seed) for r in batch]
+        outputs: list[list[int]] = [[] for _ in batch]
+        active = list(range(len(batch)))  # batch rows still generating, in cache order
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+        )
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :]
+        while active:
+            tokens = self._sample(logits, params, [generators[i] for i in active])
+            still: list[int] = []
+            for pos, row in enumerate(active):
+                token = int(tokens[pos])
+                if token in self.stop_token_ids:
+                    yield Result(batch[row].prompt_id, batch[row].sample_idx, outputs[row], "stop", stop_token_id=token)
+                    continue
+                outputs[row].append(token)
+                if len(outputs[row]) >= params.max_new_tokens:
+                    yield Result(batch[row].prompt_id, batch[row].sample_idx, outputs[row], "length")
+                    continue
+                still.append(pos)
+            if not still:
+                return
+            if len(still) < len(active):
+                keep = torch.tensor(still, device=self.device)
+                cache.batch_select_indices(keep)
+                attention, tokens = attention[keep], tokens[keep]
+                active = [active[p] for p in still]
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=-1)
+            out = self.model(
+                input_ids=tokens.unsqueeze(-1).to(self.device),
+                attention_mask=attention,
+                position_ids=attention.sum(-1, keepdim=True) - 1,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: Any, generators: list[torch.Generator]) -> torch.Tensor:
+        if params.temperature == 0:
+            return logits.argmax(dim=-1).cpu()
+        probs = torch.softmax(
+            filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p), dim=-1
+        ).cpu()
+        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])

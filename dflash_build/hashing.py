@@ -1,0 +1,111 @@
+"""Content keys: a SHA-256 over canonical JSON, and cached file fingerprints.
+
+Canonical JSON sorts keys, has no insignificant whitespace, and writes every number one way: integral
+floats become ints (``1.0`` and ``1`` are the same sampling value) and other floats use ``repr``,
+the shortest string that round-trips. A key is the first 16 hex digits of the digest; the full digest
+and every component go into the manifest next to the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash_build import atomic
+
+KEY_LENGTH = 16
+_CHUNK = 8 << 20
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite number {value!r} cannot enter a content key")
+        return int(value) if value.is_integer() else value
+    if isinstance(value, Mapping):
+        return {str(k): _normalise(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normalise(v) for v in value]
+    raise TypeError(f"{type(value).__name__} cannot enter a content key: {value!r}")
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(_normalise(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest(value: Any) -> str:
+    """Full SHA-256 hex digest of the canonical JSON of ``value``."""
+    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+
+
+def content_key(components: Mapping[str, Any]) -> str:
+    """The 16-hex-digit path segment for a key built from ``components``."""
+    return digest(components)[:KEY_LENGTH]
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class FingerprintCache:
+    """File content hashes cached by (path, size, mtime, inode).
+
+    A dry run over a 50 GB model must not re-read it; a ``touch`` or a copy invalidates the entry
+    and the file is hashed again (to the same digest when the bytes did not change).
+    """
+
+    def __init__(self, cache_file: str | os.PathLike[str] | None) -> None:
+        self.cache_file = Path(cache_file) if cache_file is not None else None
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._dirty = False
+        if self.cache_file is not None and self.cache_file.exists():
+            try:
+                self._entries = json.loads(self.cache_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                self._entries = {}  # a broken cache is only a cache: rebuild it
+
+    def file(self, path: str | os.PathLike[str]) -> str:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+        entry = self._entries.get(real)
+        if entry is not None and all(entry.get(k) == v for k, v in stamp.items()):
+            return str(entry["sha256"])
+        sha = sha256_file(real)
+        self._entries[real] = {**stamp, "sha256": sha}
+        self._dirty = True
+        return sha
+
+    def files(
+        self, paths: Iterable[str | os.PathLike[str]], root: str | os.PathLike[str] | None = None
+    ) -> dict[str, str]:
+        """Digest per file, named relative to ``root`` (so moving a model folder keeps its key)."""
+        out = {}
+        for p in sorted(Path(x) for x in paths):
+            name = str(p.relative_to(root)) if root is not None else p.name
+            out[name] = self.file(p)
+        return out
+
+    def memo(self, key: str) -> Any:
+        """A value derived from file contents (e.g. a row count), keyed by a content digest."""
+        return self._entries.get(key, {}).get("value")
+
+    def set_memo(self, key: str, value: Any) -> None:
+        self._entries[key] = {"value": value}
+        self._dirty = True
+
+    def save(self) -> None:
+        if self._dirty and self.cache_file is not None:
+            atomic.write_json(self.cache_file, self._entries)
+            self._dirty = False

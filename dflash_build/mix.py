@@ -1,0 +1,284 @@
+"""Mix stage: token shards → the final dataset at the target category mix, by tokens.
+
+Selection reads only the small columns of every shard, ranks each category's samples by a seeded
+hash (deterministic, independent of shard order) and fills each category up to its token target.
+Without a budget the dataset is the largest one that meets every share: the scarcest category is
+taken whole. With a budget, a category that has too few tokens is taken whole and reported short.
+The data is then streamed shard by shard into parquet files, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dflash_build import atomic, hashing
+from dflash_build import records as R
+from dflash_build.plan import Plan
+from dflash_build.versions import MIX_VERSION
+
+log = logging.getLogger(__name__)
+_SELECT_COLUMNS = ["prompt_id", "sample_idx", "category", "n_tokens"]
+SHARE_TOLERANCE = 0.01  # achieved shares further than this from target are stated in the manifest
+
+
+@dataclass(frozen=True)
+class Candidate:
+    shard: int  # index into the input list
+    row: int
+    rank: str
+    n_tokens: int
+
+
+def category_targets(shares: dict[str, float], available: dict[str, int], budget: int | None) -> dict[str, float]:
+    """Token target per category."""
+    if budget is not None:
+        return {c: share * budget for c, share in shares.items()}
+    limits = [available.get(c, 0) / share for c, share in shares.items() if available.get(c, 0) > 0]
+    total = min(limits) if limits else 0.0
+    return {c: share * total for c, share in shares.items()}
+
+
+def select(candidates: list[Candidate], target: float) -> list[Candidate]:
+    """Take samples in rank order whenever one brings the category closer to ``target`` tokens.
+
+    A sample is taken when it overshoots the target by less than the gap it closes, so the error
+    per category stays under half a sample; a category whose target is all it has takes everything.
+    """
+    chosen, used = [], 0
+    for cand in sorted(candidates, key=lambda c: c.rank):
+        if used + cand.n_tokens / 2 <= target * (1 + 1e-9):
+            chosen.append(cand)
+            used += cand.n_tokens
+    return chosen
+
+
+def _percentile(sorted_values: list[int], q: float) -> int:
+    if not sorted_values:
+        return 0
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def length_stats(lengths: list[int]) -> dict[str, float | int]:
+    values = sorted(lengths)
+    return {
+        "mean": round(sum(values) / len(values), 2) if values else 0,
+        "p50": _percentile(values, 0.5),
+        "p90": _percentile(values, 0.9),
+        "max": values[-1] if values else 0,
+    }
+
+
+def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
+    cfg = plan.config
+    inputs = [(source, path) for source in plan.sources for path in plan.token_shards(source)]
+    by_category: dict[str, list[Candidate]] = defaultdict(list)
+    available: Counter[str] = Counter()
+    for index, (_, path) in enumerate(inputs):
+        table = pq.read_table(path, columns=_SELECT_COLUMNS).to_pylist()
+        for row_index, row in enumerate(table):
+            rank = hashing.digest(
+                {"seed": cfg.mix_seed, "prompt_id": row["prompt_id"], "sample_idx": row["sample_idx"]}
+            )
+            by_category[row["category"]].append(Candidate(index, row_index, rank, row["n_tokens"]))
+            available[row["category"]] += row["n_tokens"]
+    shares = dict(cfg.mix_categories)
+    targets = category_targets(shares, dict(available), cfg.mix_budget_tokens)
+    chosen_rows: dict[int, list[int]] = defaultdict(list)
+    for category in shares:
+        for cand in select(by_category.get(category, []), targets[category]):
+            chosen_rows[cand.shard].append(cand.row)
+
+    rows_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
+    tokens_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
+    finish: Counter[str] = Counter()
+    lengths: list[int] = []
+    loss_tokens = 0
+    with atomic.atomic_dir(out_dir) as tmp:
+        writer = _RollingWriter(tmp / "data", cfg.rows_per_file)
+        for index, (_, path) in enumerate(inputs):
+            if not chosen_rows.get(index):
+                continue
+            table = pq.read_table(path).take(pa.array(sorted(chosen_rows[index]), type=pa.int64()))
+            for col, counter in rows_by.items():
+                for value, n in zip(*_value_counts(table, col), strict=True):
+                    counter[value] += n
+            for row in table.select(["source", "category", "n_tokens", "n_loss_tokens", "finish_reason"]).to_pylist():
+                tokens_by["source"][row["source"]] += row["n_tokens"]
+                tokens_by["category"][row["category"]] += row["n_tokens"]
+                finish[row["finish_reason"]] += 1
+                lengths.append(row["n_tokens"])
+                loss_tokens += row["n_loss_tokens"]
+            writer.write(table)
+        files = writer.close()
+        total = sum(tokens_by["category"].values())
+        manifest = {
+            "stage": "mix",
+            "scheme": MIX_VERSION,
+            "dataset": cfg.dataset_name,
+            "files": files,
+            "rows": len(lengths),
+            "tokens": total,
+            "loss_tokens": loss_tokens,
+            "mix": {
+                "seed": cfg.mix_seed,
+                "budget_tokens": cfg.mix_budget_tokens,
+                "categories": {
+                    c: {
+                        "target_share": shares[c],
+                        "achieved_share": round(tokens_by["category"][c] / total, 6) if total else 0.0,
+                        "target_tokens": round(targets[c]),
+                        "tokens": tokens_by["category"][c],
+                        "available_tokens": available[c],
+                        "rows": rows_by["category"][c],
+                    }
+                    for c in shares
+                },
+            },
+            "shortfalls": _shortfalls(shares, targets, tokens_by["category"], available, cfg.mix_budget_tokens),
+            "sources": {
+                name: {
+                    "category": sp.spec.category,
+                    "rows": rows_by["source"][name],
+                    "tokens": tokens_by["source"][name],
+                    "prompt_key": sp.prompt_key,
+                    "gen_key": sp.gen_key,
+                    "tok_key": sp.tok_key,
+                    "components": {"prompt": sp.prompt_components, "gen": sp.gen_components, "tok": sp.tok_components},
+                    "shards": [str(p) for p in plan.token_shards(name)],
+                }
+                for name, sp in plan.sources.items()
+            },
+            "model_fingerprint": plan.model_fingerprint,
+            "template_fingerprint": plan.template_fingerprint,
+            "finish_reasons": dict(sorted(finish.items())),
+            "length": length_stats(lengths),
+        }
+        atomic.write_json(tmp / "manifest.json", manifest)
+        atomic.write_text(tmp / "README.md", dataset_card(manifest))
+    log.info("%s", summary(manifest, Path(out_dir)))
+    return manifest
+
+
+def _value_counts(table: pa.Table, column: str) -> tuple[list[str], list[int]]:
+    counts = pc.value_counts(table[column]).to_pylist()
+    return [c["values"] for c in counts], [c["counts"] for c in counts]
+
+
+def _shortfalls(
+    shares: dict[str, float], targets: dict[str, float], got: Counter[str], available: Counter[str], budget: int | None
+) -> list[str]:
+    """Plain statements of every way the dataset misses its configured mix."""
+    notes = []
+    total = sum(got.values())
+    for category, share in shares.items():
+        achieved = got[category] / total if total else 0.0
+        if available[category] == 0:
+            notes.append(f"category '{category}' has no samples: its target share {share:.1%} is not met")
+        elif budget is not None and available[category] < targets[category]:
+            notes.append(
+                f"category '{category}' falls short: {available[category]} tokens available, "
+                f"{round(targets[category])} targeted; all of them are used"
+            )
+        elif abs(achieved - share) > SHARE_TOLERANCE:
+            notes.append(
+                f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: its samples are "
+                f"too long for a target of {round(targets[category])} tokens"
+            )
+    return notes
+
+
+class _RollingWriter:
+    """Writes tables into data/train-XXXXX.parquet files of at most ``rows_per_file`` rows."""
+
+    def __init__(self, folder: Path, rows_per_file: int) -> None:
+        self.folder, self.rows_per_file = folder, rows_per_file
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+        self.files: list[Path] = []
+
+    def write(self, table: pa.Table) -> None:
+        while table.num_rows:
+            take = min(table.num_rows, self.rows_per_file - self.pending_rows)
+            self.pending.append(table.slice(0, take))
+            self.pending_rows += take
+            table = table.slice(take)
+            if self.pending_rows == self.rows_per_file:
+                self._flush()
+
+    def _flush(self) -> None:
+        path = self.folder / f"part-{len(self.files):05d}.parquet"
+        data = pa.concat_tables(self.pending) if self.pending else R.SAMPLE_SCHEMA.empty_table()
+        atomic.write_parquet(path, data)
+        self.files.append(path)
+        self.pending, self.pending_rows = [], 0
+
+    def close(self) -> list[str]:
+        if self.pending_rows or not self.files:
+            self._flush()
+        # Hugging Face's naming lets `datasets` see one train split.
+        n = len(self.files)
+        names = []
+        for i, path in enumerate(self.files):
+            final = path.with_name(f"train-{i:05d}-of-{n:05d}.parquet")
+            path.rename(final)
+            names.append(str(Path("data") / final.name))
+        atomic.fsync_dir(self.folder)
+        return names
+
+
+def summary(manifest: dict[str, Any], where: Path) -> str:
+    counts = f"{manifest['rows']} rows, {manifest['tokens']} tokens, {manifest['loss_tokens']} loss tokens"
+    lines = [f"dataset: {where} ({counts})"]
+    lines.append(f"{'category':<16}{'target':>8}{'achieved':>10}{'tokens':>12}{'rows':>8}")
+    for category, c in manifest["mix"]["categories"].items():
+        lines.append(
+            f"{category:<16}{c['target_share']:>8.1%}{c['achieved_share']:>10.1%}{c['tokens']:>12}{c['rows']:>8}"
+        )
+    length = manifest["length"]
+    lines.append(f"length: mean {length['mean']}, p50 {length['p50']}, p90 {length['p90']}, max {length['max']}")
+    lines.extend(f"note: {s}" for s in manifest["shortfalls"])
+    return "\n".join(lines)
+
+
+def dataset_card(manifest: dict[str, Any]) -> str:
+    sources = "\n".join(
+        f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
+        for name, s in manifest["sources"].items()
+    )
+    shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
+    return f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.parquet
+---
+# {manifest["dataset"]}
+
+Built by dflash-build. Each row is one training sample: `input_ids` are the prompt as the target model's
+chat template rendered it, followed by the model's own answer; `loss_mask` is 1 on the generated tokens
+only. Content keys of every input shard are in `manifest.json`.
+
+```
+{summary(manifest, Path("."))}
+```
+
+| source | category | rows | tokens | gen_key |
+|---|---|---|---|---|
+{sources}
+
+Shortfalls:
+{shortfalls}
+
+Finish reasons: {json.dumps(manifest["finish_reasons"])}
+"""

@@ -1,0 +1,226 @@
+"""The build plan: every content key, shard count and store path, computed when the Snakefile is parsed.
+
+Keys are known before any job runs, so ``snakemake -n`` lists every shard job. Shard counts come from
+cheap row counts (parquet footers, JSONL line counts, cached by file content) capped by max_samples;
+rows are assigned to shards by the order of their prompt ids, so the assignment does not depend on the
+input's row order. Dropped rows make shards smaller, never fewer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_build import hashing
+from dflash_build.config import Config, ConfigError, SourceSpec, expand_files
+from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
+
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "tokenizer.model",
+        "spiece.model",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
+
+
+def shard_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    spec: SourceSpec
+    input_files: tuple[Path, ...]
+    n_shards: int
+    prompt_components: dict[str, Any]
+    gen_components: dict[str, Any]
+    tok_components: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def prompt_key(self) -> str:
+        return hashing.content_key(self.prompt_components)
+
+    @property
+    def gen_key(self) -> str:
+        return hashing.content_key(self.gen_components)
+
+    @property
+    def tok_key(self) -> str:
+        return hashing.content_key(self.tok_components)
+
+    @property
+    def shards(self) -> list[str]:
+        return [shard_name(i) for i in range(self.n_shards)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: Config
+    model_fingerprint: dict[str, Any]
+    template_fingerprint: dict[str, Any]
+    sources: dict[str, SourcePlan]
+
+    # Store paths. One place builds them so rules, stages and commands agree.
+    def prompt_dir(self, source: str) -> Path:
+        return self.config.store / "prompts" / source / self.sources[source].prompt_key
+
+    def completion_dir(self, source: str) -> Path:
+        return self.config.store / "completions" / source / self.sources[source].gen_key
+
+    def token_dir(self, source: str) -> Path:
+        return self.config.store / "tokens" / source / self.sources[source].tok_key
+
+    def journal_dir(self, source: str, shard: str) -> Path:
+        return self.config.store / "journal" / self.sources[source].gen_key / shard
+
+    def prompt_shards(self, source: str) -> list[Path]:
+        return [self.prompt_dir(source) / f"{s}.parquet" for s in self.sources[source].shards]
+
+    def completion_shards(self, source: str) -> list[Path]:
+        return [self.completion_dir(source) / f"{s}.parquet" for s in self.sources[source].shards]
+
+    def token_shards(self, source: str) -> list[Path]:
+        return [self.token_dir(source) / f"{s}.parquet" for s in self.sources[source].shards]
+
+    def all_token_shards(self) -> list[Path]:
+        return [p for s in self.sources for p in self.token_shards(s)]
+
+
+def _model_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+
+
+def fingerprint_model(config: Config, cache: hashing.FingerprintCache) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model fingerprint, tokenizer + chat template fingerprint).
+
+    A folder's weights and config are hashed apart from its tokenizer files, so the manifest says which
+    of the two changed. A GGUF file carries both, so both derive from its one digest.
+    """
+    model = config.model
+    if model.revision is not None and not os.path.exists(model.path):
+        weights: dict[str, Any] = {"hub": model.path, "revision": model.revision}
+        template: dict[str, Any] = {"hub": model.path, "revision": model.revision}
+    else:
+        root = Path(model.path)
+        files = _model_files(root)
+        if not files:
+            raise ConfigError("model.path", f"'{root}' holds no files")
+        digests = cache.files(files, root if root.is_dir() else root.parent)
+        weights = {"files": {k: v for k, v in digests.items() if Path(k).name not in TOKENIZER_FILES}}
+        template = {
+            "files": {k: v for k, v in digests.items() if Path(k).name in TOKENIZER_FILES or k.endswith(".gguf")}
+        }
+    if model.tokenizer is not None:
+        tok_root = Path(model.tokenizer)
+        template = {"files": cache.files(_model_files(tok_root), tok_root if tok_root.is_dir() else tok_root.parent)}
+    if model.chat_template is not None:
+        template = {**template, "chat_template": cache.file(model.chat_template)}
+    return {"digest": hashing.digest(weights), **weights}, {"digest": hashing.digest(template), **template}
+
+
+def _count_rows(path: Path, cache: hashing.FingerprintCache) -> int:
+    sha = cache.file(path)
+    memo_key = f"rows:{sha}"
+    if (hit := cache.memo(memo_key)) is not None:
+        return int(hit)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        n = pq.ParquetFile(path).metadata.num_rows
+    elif path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            n = sum(1 for line in f if line.strip())
+    else:
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError("sources", f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+        n = len(data) if isinstance(data, list) else 1
+    cache.set_memo(memo_key, n)
+    return n
+
+
+def _source_input(
+    spec: SourceSpec, cache: hashing.FingerprintCache
+) -> tuple[tuple[Path, ...], dict[str, Any], int | None]:
+    """(local files, content identity, raw row count or None when unknown)."""
+    key = f"sources.{spec.name}"
+    if spec.hf is None:
+        files = expand_files(spec.files, f"{key}.files")
+        # Sorted digests: prepare is order-independent, so file names and order do not matter.
+        identity = {"files": sorted(cache.file(f) for f in files)}
+        return tuple(files), identity, sum(_count_rows(f, cache) for f in files)
+    hf = spec.hf
+    ident: dict[str, Any] = {"name": hf.name, "split": hf.split, "data_files": hf.data_files}
+    if hf.is_local:
+        root = Path(hf.path)
+        files = tuple(_model_files(root))
+        ident["local"] = sorted(cache.file(f) for f in files)
+        return files, ident, None
+    ident.update(hub=hf.path, revision=hf.revision)
+    return (), ident, None
+
+
+def build(config: Config) -> Plan:
+    """Compute every key and shard count for ``config``; hashes are cached in the store."""
+    cache = hashing.FingerprintCache(config.store / ".cache" / "fingerprints.json")
+    model_fp, template_fp = fingerprint_model(config, cache)
+    sources = {}
+    for name, spec in config.sources.items():
+        files, identity, raw_rows = _source_input(spec, cache)
+        rows = raw_rows if spec.max_samples is None else min(spec.max_samples, raw_rows or spec.max_samples)
+        if rows is None:
+            raise ConfigError(
+                f"sources.{name}.max_samples",
+                "the row count of an 'hf' source is not known before loading it; set max_samples "
+                "(it also fixes the shard count, so `snakemake -n` can list every shard)",
+            )
+        n_shards = max(1, math.ceil(rows / config.shard_size))
+        prompt_components = {
+            "scheme": PREP_VERSION,
+            "source": name,
+            "category": spec.category,
+            "spec": spec.content_spec(),
+            "input": identity,
+            "n_shards": n_shards,
+        }
+        gen_components = {
+            "scheme": GEN_VERSION,
+            "prompt_key": hashing.content_key(prompt_components),
+            "model": model_fp["digest"],
+            "template": template_fp["digest"],
+            "chat_template_kwargs": {**config.model.chat_template_kwargs, **spec.chat_template_kwargs},
+            "sampling": spec.sampling.as_dict(),
+        }
+        tok_components = {
+            "scheme": TOK_VERSION,
+            "gen_key": hashing.content_key(gen_components),
+            "truncated": config.truncated,
+        }
+        sources[name] = SourcePlan(spec, files, n_shards, prompt_components, gen_components, tok_components)
+    cache.save()
+    return Plan(config, model_fp, template_fp, sources)

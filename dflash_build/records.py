@@ -1,0 +1,70 @@
+"""Record schemas of the store's parquet files and the names of per-shard stats.
+
+Stat names are constants so the stages that write a sidecar and the commands that read it agree.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("category", pa.string()),
+        ("messages", pa.string()),  # JSON list of {role, content}
+        ("tools", pa.string()),  # JSON list of tool schemas, or null
+        ("meta", pa.string()),  # JSON: where the row came from
+    ]
+)
+
+COMPLETION_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("seed", pa.int64()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),  # without the stop token; see stop_token_id
+        ("stop_token_id", pa.int32()),  # the token that ended the answer, null unless finish_reason=stop
+        ("text", pa.string()),
+        ("finish_reason", pa.string()),  # stop | length | abort | error
+        ("error", pa.string()),  # why a row could not be generated, else null
+        ("n_prompt_tokens", pa.int32()),
+        ("n_output_tokens", pa.int32()),
+    ]
+)
+
+SAMPLE_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("source", pa.string()),
+        ("category", pa.string()),
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("n_loss_tokens", pa.int32()),
+    ]
+)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+
+# Stats sidecar names.
+STAT_INPUT_ROWS = "input_rows"
+STAT_OK = "ok"
+STAT_TRUNCATED = "truncated"
+STAT_ERROR = "error"
+STAT_SKIPPED = "skipped"
+STAT_PROMPT_TOKENS = "prompt_tokens"
+STAT_OUTPUT_TOKENS = "output_tokens"
+STAT_WALL_SECONDS = "wall_seconds"
+STAT_OUTPUT_TOK_PER_S = "output_tokens_per_second"
+STAT_ROWS_OUT = "rows_out"
+STAT_DROPPED = "dropped"
+STAT_TOKENS = "tokens"
+STAT_LOSS_TOKENS = "loss_tokens"

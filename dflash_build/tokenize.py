@@ -1,0 +1,86 @@
+"""Tokenize stage: completions → training samples, without re-tokenizing any generated text.
+
+A sample is the prompt ids the model saw, then the ids it generated, then the stop token it emitted
+when it stopped on its own. loss_mask is 1 exactly on the generated ids (stop token included).
+Truncated answers follow the `truncated` policy; rows the engine could not generate are dropped.
+Every dropped row is counted by reason in the stats sidecar.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_build import atomic
+from dflash_build import records as R
+from dflash_build.plan import Plan
+
+log = logging.getLogger(__name__)
+
+DROP_TRUNCATED = "truncated"
+DROP_ENGINE_ERROR = "engine_error"
+DROP_EMPTY_ANSWER = "empty_answer"
+
+
+def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], list[int]] | str:
+    """(input_ids, loss_mask) of one completion, or the reason it is dropped."""
+    reason = row["finish_reason"]
+    if reason in (R.FINISH_ERROR, R.FINISH_ABORT):
+        return DROP_ENGINE_ERROR
+    if reason == R.FINISH_LENGTH and truncated_policy == "drop":
+        return DROP_TRUNCATED
+    generated = list(row["output_ids"])
+    if reason == R.FINISH_STOP:
+        generated.append(row["stop_token_id"])
+    if not generated:
+        return DROP_EMPTY_ANSWER
+    prompt = list(row["prompt_ids"])
+    return prompt + generated, [0] * len(prompt) + [1] * len(generated)
+
+
+def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
+    sp = plan.sources[source]
+    completions = pq.read_table(plan.completion_dir(source) / f"{shard}.parquet").to_pylist()
+    drops: Counter[str] = Counter()
+    samples = []
+    for row in completions:
+        sample = to_sample(row, plan.config.truncated)
+        if isinstance(sample, str):
+            drops[sample] += 1
+            continue
+        input_ids, loss_mask = sample
+        samples.append(
+            {
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+                "source": source,
+                "category": sp.spec.category,
+                "prompt_id": row["prompt_id"],
+                "sample_idx": row["sample_idx"],
+                "finish_reason": row["finish_reason"],
+                "n_tokens": len(input_ids),
+                "n_loss_tokens": sum(loss_mask),
+            }
+        )
+    out_dir = plan.token_dir(source)
+    stats = {
+        "stage": "tokenize",
+        "source": source,
+        "shard": shard,
+        "tok_key": sp.tok_key,
+        "components": sp.tok_components,
+        R.STAT_INPUT_ROWS: len(completions),
+        R.STAT_ROWS_OUT: len(samples),
+        R.STAT_DROPPED: dict(sorted(drops.items())),
+        R.STAT_TRUNCATED: sum(r["finish_reason"] == R.FINISH_LENGTH for r in completions),
+        R.STAT_TOKENS: sum(s["n_tokens"] for s in samples),
+        R.STAT_LOSS_TOKENS: sum(s["n_loss_tokens"] for s in samples),
+    }
+    atomic.write_parquet(out_dir / f"{shard}.parquet", pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA))
+    atomic.write_json(out_dir / f"{shard}.stats.json", stats)
+    log.info("%s/%s: %d samples, dropped %s", source, shard, len(samples), dict(drops))
+    return stats

@@ -1,0 +1,65 @@
+from snakemake.utils import validate
+
+import dflash_build.config
+import dflash_build.engines
+import dflash_build.plan
+from dflash_build.mix import summary
+
+validate(config, schema="../config/schema.yaml")
+
+
+CONFIG = dflash_build.config.from_dict(config)
+PLAN = dflash_build.plan.build(CONFIG)
+STORE = str(CONFIG.store)
+LOGS = str(CONFIG.logs)
+DATASET_DIR = str(CONFIG.dataset_dir)
+GPUS_PER_JOB = int(dflash_build.engines.uses_gpu(CONFIG.backend, CONFIG.engine_options))
+
+
+wildcard_constraints:
+    source=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+    key=r"[0-9a-f]{16}",
+    shard=r"\d{5}",
+
+
+def get_final_targets():
+    return [DATASET_DIR]
+
+
+def get_prompt_shard(wildcards):
+    return ancient(
+        str(PLAN.prompt_dir(wildcards.source) / f"{wildcards.shard}.parquet")
+    )
+
+
+def get_completion_shard(wildcards):
+    return ancient(
+        str(PLAN.completion_dir(wildcards.source) / f"{wildcards.shard}.parquet")
+    )
+
+
+def get_token_shards():
+    return [ancient(str(p)) for p in PLAN.all_token_shards()]
+
+
+def get_generate_threads():
+    return int(CONFIG.engine_options.get("threads", 1))
+
+
+def get_mix_params():
+    # Recorded so that a mix edit (shares, budget, seed) reruns the mix via the params trigger.
+    return {
+        "categories": dict(CONFIG.mix_categories),
+        "budget_tokens": CONFIG.mix_budget_tokens,
+        "seed": CONFIG.mix_seed,
+        "rows_per_file": CONFIG.rows_per_file,
+    }
+
+
+def print_summary():
+    import json
+    from pathlib import Path
+
+    manifest = Path(DATASET_DIR) / "manifest.json"
+    if manifest.exists():
+        print(summary(json.loads(manifest.read_text()), Path(DATASET_DIR)))

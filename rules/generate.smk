@@ -1,0 +1,15 @@
+rule generate:
+    input:
+        get_prompt_shard,
+    output:
+        data=f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.parquet",
+        stats=f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.stats.json",
+    log:
+        f"{LOGS}/completions/{{source}}/{{key}}/{{shard}}.log",
+    conda:
+        "../envs/generate.yaml"
+    threads: get_generate_threads()
+    resources:
+        gpu=GPUS_PER_JOB,
+    script:
+        "scripts/generate.py"

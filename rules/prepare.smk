@@ -1,0 +1,20 @@
+# One prepare rule per source: a source writes all of its prompt shards in one pass
+# (dedup and max_samples look at every row), and each shard is a declared output.
+for source_name, source_plan in PLAN.sources.items():
+
+    rule:
+        name:
+            f"prepare_{source_name.replace('-', '_').replace('.', '_')}"
+        input:
+            [ancient(str(f)) for f in source_plan.input_files],
+        output:
+            manifest=str(PLAN.prompt_dir(source_name) / "manifest.json"),
+            shards=[str(p) for p in PLAN.prompt_shards(source_name)],
+        log:
+            f"{LOGS}/prompts/{source_name}/{source_plan.prompt_key}/prepare.log",
+        conda:
+            "../envs/cpu.yaml"
+        params:
+            source=source_name,
+        script:
+            "scripts/prepare.py"
