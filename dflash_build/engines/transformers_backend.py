@@ -7,6 +7,7 @@ batch. Rows are batched by prompt length; finished rows leave the batch (and the
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -67,6 +68,8 @@ class TransformersEngine:
             torch.set_num_threads(int(options["threads"]))
         self.stop_token_ids = set(stop_token_ids)
         self.model = load_model(model_path, self.device, _DTYPES[dtype_name])
+        # transformers 5 renamed `past_key_values` to `cache` (the old name goes in 5.40)
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else stop_token_ids[0]
 
@@ -99,7 +102,7 @@ class TransformersEngine:
             position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
         )
-        cache = out.past_key_values
+        cache = getattr(out, self.cache_arg)
         logits = out.logits[:, -1, :]
         while active:
             tokens = self._sample(logits, params, [generators[i] for i in active])
@@ -126,10 +129,10 @@ class TransformersEngine:
                 input_ids=tokens.unsqueeze(-1).to(self.device),
                 attention_mask=attention,
                 position_ids=attention.sum(-1, keepdim=True) - 1,
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_arg: cache},
             )
-            cache = out.past_key_values
+            cache = getattr(out, self.cache_arg)
             logits = out.logits[:, -1, :]
 
     @staticmethod

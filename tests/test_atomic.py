@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_build import atomic
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    dest = tmp_path / "out.json"
+    atomic.write_json(dest, {"v": 1})
+    with pytest.raises(RuntimeError), atomic.atomic_open(dest) as f:
+        f.write('{"v": 2')
+        raise RuntimeError("killed mid-write")
+    assert dest.read_text().strip().endswith("}")
+    assert '"v": 1' in dest.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_parquet_and_folder_swaps(tmp_path: Path) -> None:
+    atomic.write_parquet(tmp_path / "t.parquet", pa.table({"a": [1, 2]}))
+    assert pq.read_table(tmp_path / "t.parquet")["a"].to_pylist() == [1, 2]
+    target = tmp_path / "dist"
+    for version in ("one", "two"):
+        with atomic.atomic_dir(target) as tmp:
+            atomic.write_text(tmp / "v.txt", version)
+    assert (target / "v.txt").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dist", "t.parquet"]

@@ -1,0 +1,184 @@
+"""Every config error path, and what goes into which key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import plan as plan_mod
+from tests.conftest import REPO, Workflow, write_jsonl
+
+
+@pytest.fixture
+def raw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "tokenizer.json").write_text("{}")
+    write_jsonl(tmp_path / "a.jsonl", [{"instruction": "hi"}, {"instruction": "yo"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p"}])
+    return {
+        "model": {"path": str(model)},
+        "sources": {
+            "a": {"category": "coding", "format": "alpaca", "files": ["a.jsonl"]},
+            "b": {"category": "math", "format": "prompt", "files": ["b.jsonl"], "fields": {"prompt": "prompt"}},
+        },
+        "mix": {"categories": {"coding": 46, "math": 11}},
+    }
+
+
+def build(raw: dict[str, Any], tmp_path: Path) -> plan_mod.Plan:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return plan_mod.build(cfg.load(path))
+
+
+def edit(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    *parents, last = dotted.split(".")
+    node = out
+    for p in parents:
+        node = node[p]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return out
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "key"),
+    [
+        ("sources.a.category", "cooking", "sources.a.category"),
+        ("sources.a.hf", {"path": "org/data", "revision": "a" * 40}, "sources.a"),
+        ("sources.a.files", _DELETE, "sources.a"),
+        ("sources.a.fields", {"bogus": "x"}, "sources.a.fields.bogus"),
+        ("sources.b.fields", {}, "sources.b.fields.prompt"),
+        ("sources.a.sampling", {"top_k": -5}, "sources.a.sampling.top_k"),
+        ("model.path", "/no/such/model", "model.path"),
+        ("model.tokenizer", "/no/such/tokenizer", "model.tokenizer"),
+        ("model.chat_template", "/no/such/template.jinja", "model.chat_template"),
+        ("sources.a.files", ["nothing-*.jsonl"], "sources.a.files[0]"),
+        ("sources.a.files", ["config.yaml"], "sources.a.files[0]"),
+    ],
+)
+def test_config_errors_name_their_key(raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str) -> None:
+    with pytest.raises(cfg.ConfigError) as err:
+        build(edit(raw, dotted, value), tmp_path)
+    assert err.value.key == key
+    assert f"'{key}'" in str(err.value)
+
+
+@pytest.mark.parametrize("revision", [None, "main", "v1.0"])
+def test_hub_sources_need_a_pinned_commit(raw: dict[str, Any], tmp_path: Path, revision: str | None) -> None:
+    changed = edit(raw, "sources.a", {"category": "coding", "format": "alpaca", "hf": {"path": "org/data"}})
+    changed["sources"]["a"]["hf"]["revision"] = revision
+    with pytest.raises(cfg.ConfigError, match=r"sources\.a\.hf\.revision"):
+        build(changed, tmp_path)
+
+
+def test_hub_source_without_max_samples_has_no_known_shard_count(raw: dict[str, Any], tmp_path: Path) -> None:
+    changed = edit(
+        raw, "sources.a", {"category": "coding", "format": "alpaca", "hf": {"path": "org/data", "revision": "a" * 40}}
+    )
+    with pytest.raises(cfg.ConfigError, match=r"sources\.a\.max_samples"):
+        build(changed, tmp_path)
+    changed["sources"]["a"]["max_samples"] = 10000
+    plan = build(changed, tmp_path)
+    assert plan.sources["a"].n_shards == 3  # 10000 rows / 4096 per shard
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "message"),
+    [
+        ("model.typo", 1, "'typo' was unexpected"),
+        ("sources.a.max_sample", 5, "'max_sample' was unexpected"),
+        ("sources.a.format", "csv", "'csv' is not one of"),
+        ("sources.a.sampling", {"temprature": 0.5}, "'temprature' was unexpected"),
+        ("shard_size", 0, "0 is less than the minimum"),
+        ("truncated", "maybe", "'maybe' is not one of"),
+        ("sources.bad name", {"category": "coding", "format": "alpaca", "files": ["a.jsonl"]}, "does not match"),
+    ],
+)
+def test_schema_refuses_unknown_keys_and_bad_values(
+    raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, message: str
+) -> None:
+    from snakemake.exceptions import WorkflowError
+
+    with pytest.raises(WorkflowError, match=message):
+        build(edit(raw, dotted, value) if "." in dotted else dict(raw, **{dotted: value}), tmp_path)
+
+
+def test_mix_shares_are_weights(raw: dict[str, Any], tmp_path: Path) -> None:
+    plan = build(raw, tmp_path)
+    assert plan.config.mix_categories == pytest.approx({"coding": 46 / 57, "math": 11 / 57})
+
+
+def _keys(plan: plan_mod.Plan, source: str) -> tuple[str, str, str]:
+    sp = plan.sources[source]
+    return sp.prompt_key, sp.gen_key, sp.tok_key
+
+
+def test_what_goes_into_each_key(raw: dict[str, Any], tmp_path: Path) -> None:
+    base = build(raw, tmp_path)
+    a, b = _keys(base, "a"), _keys(base, "b")
+    assert build(copy.deepcopy(raw), tmp_path).sources["a"].gen_key == a[1]
+
+    sampled = build(edit(raw, "sources.a.sampling", {"temperature": 0.7}), tmp_path)
+    assert _keys(sampled, "a")[0] == a[0] and _keys(sampled, "a")[1] != a[1]
+    assert _keys(sampled, "b") == b
+
+    options = build(edit(raw, "engine", {"options": {"batch_size": 99, "threads": 7}}), tmp_path)
+    assert _keys(options, "a") == a and _keys(options, "b") == b
+
+    thinking = build(edit(raw, "model.chat_template_kwargs", {"enable_thinking": False}), tmp_path)
+    assert _keys(thinking, "a")[1] != a[1] and _keys(thinking, "b")[1] != b[1]
+
+    truncated = build(dict(raw, truncated="keep"), tmp_path)
+    assert _keys(truncated, "a")[:2] == a[:2] and _keys(truncated, "a")[2] != a[2]
+
+    selected = build(edit(raw, "sources.a.max_samples", 1), tmp_path)
+    assert _keys(selected, "a")[0] != a[0] and _keys(selected, "b") == b
+
+    (Path(raw["model"]["path"]) / "model.safetensors").write_bytes(b"other weights")
+    reweighted = build(raw, tmp_path)
+    assert reweighted.model_fingerprint != base.model_fingerprint
+    assert reweighted.template_fingerprint == base.template_fingerprint
+    assert _keys(reweighted, "a")[1] != a[1] and _keys(reweighted, "b")[1] != b[1]
+
+
+def test_prompt_key_follows_content_not_file_names(raw: dict[str, Any], tmp_path: Path) -> None:
+    before = build(raw, tmp_path).sources["a"].prompt_key
+    (tmp_path / "a.jsonl").rename(tmp_path / "renamed.jsonl")
+    assert build(edit(raw, "sources.a.files", ["renamed.jsonl"]), tmp_path).sources["a"].prompt_key == before
+    write_jsonl(tmp_path / "renamed.jsonl", [{"instruction": "hi"}, {"instruction": "changed"}])
+    assert build(edit(raw, "sources.a.files", ["renamed.jsonl"]), tmp_path).sources["a"].prompt_key != before
+
+
+def test_production_config_is_schema_valid_and_refuses_unpinned_revisions() -> None:
+    from snakemake.utils import validate
+
+    raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate(raw, str(cfg.SCHEMA_PATH))
+    assert sum(raw["mix"]["categories"].values()) == pytest.approx(0.99)
+    with pytest.raises(cfg.ConfigError, match=r"hf.revision"):
+        cfg.from_dict(dict(raw, model={**raw["model"], "revision": "r"}))
+
+
+def test_snakemake_stops_before_any_job_on_a_bad_config(tmp_path: Path) -> None:
+    wf = Workflow(tmp_path)
+    wf.write_config({"model": {"path": "x"}, "sources": {}, "mix": {"categories": {"c": 1}}, "stroe": "s"})
+    proc = wf.run("-n", check=False)
+    assert proc.returncode != 0
+    assert "'stroe' was unexpected" in proc.stdout + proc.stderr
+    assert not (tmp_path / "store").exists()

@@ -1,0 +1,50 @@
+"""The demo configuration's model, end to end through Snakemake: SmolLM2-135M-Instruct from its GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.conftest import REPO, Workflow
+
+
+@pytest.mark.slow
+def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) -> None:
+    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
+    config["model"]["path"] = str(gguf_path)
+    config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
+    config["sampling"].update(max_new_tokens=40, temperature=0.0)
+    config["truncated"] = "keep"
+    keep = {"demo-agent", "demo-math"}
+    config["sources"] = {k: v for k, v in config["sources"].items() if k in keep}
+    for source in config["sources"].values():
+        source["files"] = [str(REPO / f) for f in source["files"]]
+        source["max_samples"] = 2
+        source.pop("sampling", None)
+    wf = Workflow(tmp_path)
+    wf.write_config(config)
+    proc = wf.build()
+    assert "dataset: dist/demo" in proc.stdout + proc.stderr  # the run ends with a summary
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    rows = [
+        r for f in sorted((tmp_path / "dist" / "demo" / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()
+    ]
+    assert {r["category"] for r in rows} == {"agent", "math"}
+    for r in rows:
+        answer = [t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m]
+        prompt = tok.decode(r["input_ids"][: len(r["input_ids"]) - len(answer)])
+        assert prompt.endswith("<|im_start|>assistant\n")
+        if r["category"] == "agent":
+            assert "<tools>" in prompt
+        if r["finish_reason"] == "stop":
+            assert answer[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+        assert len(tok.decode(answer).strip()) > 0
+    manifest = json.loads((tmp_path / "dist" / "demo" / "manifest.json").read_text())
+    assert manifest["rows"] == len(rows)

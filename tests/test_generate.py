@@ -1,0 +1,117 @@
+"""The generation driver around an engine: rendering, accounting, publishing (stand-in engine)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import engines, generate, prepare
+from dflash_build import plan as plan_mod
+from dflash_build.engines import Request, Result
+from tests.conftest import TOOLS_TEMPLATE, write_jsonl
+
+
+class EchoEngine:
+    """Stand-in: answers each request with its last prompt token, stopping or not by parity."""
+
+    def __init__(self, drop: int = 0) -> None:
+        self.requests: list[Request] = []
+        self.closed = False
+        self.drop = drop
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        self.requests = list(requests)
+        for r in self.requests[self.drop :]:
+            if r.sample_idx % 2 == 0:
+                yield Result(r.prompt_id, r.sample_idx, [r.prompt_ids[-1]], "stop", stop_token_id=2)
+            else:
+                yield Result(r.prompt_id, r.sample_idx, [r.prompt_ids[-1]] * 3, "length")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _plan(tmp_path: Path, tiny_model: Path, rows: list[Any], **model: Any) -> plan_mod.Plan:
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    raw = {
+        "store": str(tmp_path / "store"),
+        "model": {"path": str(tiny_model), **model},
+        "sampling": {"samples_per_prompt": 2, "max_new_tokens": 3},
+        "sources": {"s": {"category": "c", "format": "messages", "files": [str(tmp_path / "in.jsonl")]}},
+        "mix": {"categories": {"c": 1}},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+    prepare.run(plan, "s")
+    return plan
+
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "one"}]},
+    {"messages": [{"role": "user", "content": "two"}], "tools": [{"name": "f", "parameters": {}}]},
+    # the template raises on a conversation that does not alternate: recorded, not fatal
+    {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "tool", "content": "t"},
+            {"role": "user", "content": "x"},
+        ]
+    },
+]
+
+
+def test_driver_accounts_for_every_row_and_records_template_failures(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    template = tmp_path / "strict.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' and loop.index0 == 1 %}"
+        "{{ raise_exception('tool turn before any call') }}{% endif %}{% endfor %}" + TOOLS_TEMPLATE.read_text()
+    )
+    plan = _plan(tmp_path, tiny_model, ROWS, chat_template=str(template))
+    stand_in = EchoEngine()
+    monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
+    stats = generate.run(plan, "s", "00000")
+    assert stand_in.closed
+    assert len(stand_in.requests) == 4  # 2 renderable prompts x 2 samples
+    assert len({r.seed for r in stand_in.requests}) == 4
+    assert stats["input_rows"] == 6
+    assert (stats["ok"], stats["truncated"], stats["error"], stats["skipped"]) == (2, 2, 2, 0)
+    rows = pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist()
+    errors = [r for r in rows if r["finish_reason"] == "error"]
+    assert len(errors) == 2 and all("tool turn before any call" in r["error"] for r in errors)
+    for r in rows:
+        if r["finish_reason"] != "error":
+            assert r["output_ids"][0] == r["prompt_ids"][-1] and r["n_prompt_tokens"] == len(r["prompt_ids"])
+            assert r["seed"] == generate.row_seed(0, r["prompt_id"], r["sample_idx"])
+    sidecar = json.loads((plan.completion_dir("s") / "00000.stats.json").read_text())
+    assert sidecar["gen_key"] == plan.sources["s"].gen_key and sidecar["engine"]["backend"] == "transformers"
+
+
+def test_an_engine_that_loses_rows_fails_the_shard_and_publishes_nothing(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _plan(tmp_path, tiny_model, ROWS[:1], chat_template=str(TOOLS_TEMPLATE))
+    monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine(drop=1))
+    with pytest.raises(RuntimeError, match="no result for 1 rows"):
+        generate.run(plan, "s", "00000")
+    assert not (plan.completion_dir("s") / "00000.parquet").exists()
+
+
+def test_a_template_that_ignores_tools_is_refused(tmp_path: Path, tiny_model: Path, gguf_path: Path) -> None:
+    plan = _plan(tmp_path, tiny_model, ROWS[:2])  # the tiny model carries SmolLM2's template: no tools
+    with pytest.raises(Exception, match=r"model\.chat_template"):
+        generate.run(plan, "s", "00000")
+
+
+def test_row_seeds_are_stable_and_distinct() -> None:
+    assert generate.row_seed(0, "a", 0) == generate.row_seed(0, "a", 0)
+    seeds = {generate.row_seed(s, p, i) for s in (0, 1) for p in ("a", "b") for i in (0, 1)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from dflash_build import mix
+
+
+def cands(lengths: list[int]) -> list[mix.Candidate]:
+    return [mix.Candidate(0, i, f"{i:04d}", n) for i, n in enumerate(lengths)]
+
+
+def test_without_budget_the_scarcest_category_sets_the_size() -> None:
+    targets = mix.category_targets({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 1000, "b": 100, "c": 900}, None)
+    assert targets == pytest.approx({"a": 200, "b": 100, "c": 100})
+
+
+def test_a_category_without_samples_does_not_zero_the_others() -> None:
+    targets = mix.category_targets({"a": 0.5, "b": 0.5}, {"a": 1000}, None)
+    assert targets == pytest.approx({"a": 1000, "b": 1000})
+
+
+def test_budget_targets() -> None:
+    assert mix.category_targets({"a": 0.75, "b": 0.25}, {"a": 10, "b": 10}, 400) == {"a": 300, "b": 100}
+
+
+def test_select_stays_within_half_a_sample_and_takes_everything_when_asked() -> None:
+    pool = cands([40, 10, 30, 20, 50])
+    chosen = mix.select(pool, 60)
+    used = sum(c.n_tokens for c in chosen)
+    assert abs(used - 60) <= max(c.n_tokens for c in pool) / 2
+    assert [c.row for c in chosen] == [0, 1, 3]  # 30 would overshoot by more than it closes; 20 does not
+    assert len(mix.select(pool, 150)) == 5
+    assert mix.select(pool, 0) == []
+
+
+def test_selection_follows_rank_not_input_order() -> None:
+    pool = cands([10] * 10)
+    assert [c.row for c in mix.select(list(reversed(pool)), 30)] == [0, 1, 2]
+
+
+def test_shortfalls_are_stated() -> None:
+    shares = {"a": 0.5, "b": 0.3, "c": 0.2}
+    notes = mix._shortfalls(shares, {"a": 500, "b": 300, "c": 200}, Counter(a=500, b=50), Counter(a=900, b=50), 1000)
+    assert any("'b' falls short" in n for n in notes)
+    assert any("'c' has no samples" in n for n in notes)
+    # with b and c short, a's share of what was built is far above its target: said too
+    assert any("'a' reaches 90.9% instead of 50.0%" in n for n in notes)
+    assert mix._shortfalls(shares, {}, Counter(a=500, b=300, c=200), Counter(a=500, b=300, c=200), None) == []
+
+
+def test_length_stats() -> None:
+    assert mix.length_stats([5, 1, 3, 2, 4]) == {"mean": 3.0, "p50": 3, "p90": 5, "max": 5}
+    assert mix.length_stats([]) == {"mean": 0, "p50": 0, "p90": 0, "max": 0}

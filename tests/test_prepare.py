@@ -1,0 +1,224 @@
+"""Formats, counted drops, dedup, order-independent selection and sharding."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import plan as plan_mod
+from dflash_build import prepare
+from tests.conftest import write_jsonl
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+def spec(fmt: str, **kw: Any) -> cfg.SourceSpec:
+    sampling = cfg.Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1)
+    base: dict[str, Any] = {
+        "name": "s",
+        "category": "c",
+        "format": fmt,
+        "files": (),
+        "hf": None,
+        "fields": {},
+        "roles": {},
+        "max_samples": None,
+        "seed": 0,
+        "min_chars": 0,
+        "max_chars": None,
+        "sampling": sampling,
+        "chat_template_kwargs": {},
+    }
+    base.update(kw)
+    return cfg.SourceSpec(**base)
+
+
+def test_sharegpt_keeps_the_conversation_up_to_the_first_assistant_turn() -> None:
+    row = {
+        "conversations": [
+            {"from": "system", "value": "sys"},
+            {"from": "human", "value": "q1"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "q2"},
+        ]
+    }
+    messages, tools = prepare.to_prompt(row, spec("sharegpt"))
+    assert messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"}]
+    assert tools is None
+
+
+def test_messages_with_tools_and_field_mapping() -> None:
+    row = {"chat": [{"speaker": "user", "text": "find x"}], "functions": json.dumps([TOOL["function"]])}
+    s = spec("messages", fields={"messages": "chat", "role": "speaker", "content": "text", "tools": "functions"})
+    messages, tools = prepare.to_prompt(row, s)
+    assert messages == [{"role": "user", "content": "find x"}]
+    assert tools == [TOOL]
+
+
+def test_alpaca_and_prompt_formats() -> None:
+    messages, _ = prepare.to_prompt({"instruction": "Do", "input": "this"}, spec("alpaca"))
+    assert messages == [{"role": "user", "content": "Do\n\nthis"}]
+    messages, _ = prepare.to_prompt({"q": "2+2?", "system": "math"}, spec("prompt", fields={"prompt": "q"}))
+    assert messages == [{"role": "system", "content": "math"}, {"role": "user", "content": "2+2?"}]
+
+
+@pytest.mark.parametrize(
+    "tools_block",
+    [json.dumps([TOOL]), json.dumps(TOOL["function"]) + "\n" + json.dumps(TOOL["function"])],
+)
+def test_hermes_takes_tools_from_the_system_prompt(tools_block: str) -> None:
+    row = {
+        "conversations": [
+            {"from": "system", "value": f"You are a function caller. <tools> {tools_block} </tools> Use them."},
+            {"from": "human", "value": "look it up"},
+            {"from": "gpt", "value": "<tool_call>{}</tool_call>"},
+        ]
+    }
+    messages, tools = prepare.to_prompt(row, spec("hermes"))
+    assert messages == [{"role": "user", "content": "look it up"}]
+    assert tools is not None and tools[0] == TOOL
+
+
+def test_hermes_takes_tools_from_a_column() -> None:
+    row = {"conversations": [{"from": "human", "value": "go"}], "tools": json.dumps([TOOL])}
+    assert prepare.to_prompt(row, spec("hermes"))[1] == [TOOL]
+
+
+@pytest.mark.parametrize(
+    ("row", "fmt", "reason"),
+    [
+        (prepare.Drop(prepare.DROP_MALFORMED), "sharegpt", prepare.DROP_MALFORMED),
+        ([1, 2], "sharegpt", prepare.DROP_MALFORMED),
+        ({"conversations": "text"}, "sharegpt", prepare.DROP_MALFORMED),
+        ({"conversations": [{"from": "gpt", "value": "a"}]}, "sharegpt", prepare.DROP_NO_USER_TURN),
+        ({"conversations": [{"from": "alien", "value": "a"}]}, "sharegpt", prepare.DROP_UNKNOWN_ROLE),
+        ({"conversations": [{"from": "human", "value": "  "}]}, "sharegpt", prepare.DROP_EMPTY_CONTENT),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages", prepare.DROP_NON_STRING_CONTENT),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": "{bad"}, "messages", prepare.DROP_INVALID_TOOLS),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "messages",
+            "invalid_tools",
+        ),
+        ({"text": "x"}, "alpaca", prepare.DROP_MISSING_FIELD),
+        (
+            {"conversations": [{"from": "system", "value": "<tools> {nope </tools>"}, {"from": "human", "value": "q"}]},
+            "hermes",
+            prepare.DROP_INVALID_TOOLS,
+        ),
+    ],
+)
+def test_bad_rows_are_dropped_with_a_reason(row: Any, fmt: str, reason: str) -> None:
+    with pytest.raises(prepare.Drop) as drop:
+        prepare.to_prompt(row, spec(fmt))
+    assert drop.value.reason == reason
+
+
+def test_length_filters() -> None:
+    with pytest.raises(prepare.Drop, match=prepare.DROP_TOO_SHORT):
+        prepare.to_prompt({"instruction": "hi"}, spec("alpaca", min_chars=5))
+    with pytest.raises(prepare.Drop, match=prepare.DROP_TOO_LONG):
+        prepare.to_prompt({"instruction": "hello world"}, spec("alpaca", max_chars=5))
+
+
+def test_extra_role_names_from_config() -> None:
+    row = {"conversations": [{"from": "narrator", "value": "q"}]}
+    assert prepare.to_prompt(row, spec("sharegpt", roles={"narrator": "user"}))[0][0]["role"] == "user"
+
+
+def _build_source(tmp_path: Path, files: list[str], **source: Any) -> tuple[plan_mod.Plan, dict[str, Any]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"gguf")
+    raw = {
+        "store": str(tmp_path / "store"),
+        "shard_size": 4,
+        "model": {"path": str(model)},
+        "sources": {"s": {"category": "c", "format": "alpaca", "files": files, **source}},
+        "mix": {"categories": {"c": 1}},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(path))
+    return plan, prepare.run(plan, "s")
+
+
+def _shard_rows(plan: plan_mod.Plan) -> list[list[dict[str, Any]]]:
+    return [pq.read_table(p).to_pylist() for p in plan.prompt_shards("s")]
+
+
+def test_run_counts_every_drop_and_dedups(tmp_path: Path) -> None:
+    rows = [{"instruction": f"task {i}"} for i in range(7)]
+    rows += [{"instruction": "task  0 "}, {"instruction": "task 1"}, "{broken", {"instruction": ""}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    plan, manifest = _build_source(tmp_path, [str(tmp_path / "in.jsonl")])
+    assert manifest["rows_in"] == 11 and manifest["rows_out"] == 7
+    assert manifest["drops"] == {"duplicate": 2, "empty_content": 1, "malformed_row": 1}
+    assert manifest["rows_in"] == manifest["rows_out"] + sum(manifest["drops"].values())
+    shards = _shard_rows(plan)
+    assert [len(s) for s in shards] == [2, 2, 3]  # 11 raw rows plan 3 shards of 4; the 7 kept spread evenly
+    ids = [r["prompt_id"] for s in shards for r in s]
+    assert ids == sorted(ids) and len(set(ids)) == 7
+    assert manifest["shards"] == {"00000": 2, "00001": 2, "00002": 3}
+
+
+def test_result_does_not_depend_on_row_or_file_order(tmp_path: Path) -> None:
+    rows = [{"instruction": f"task {i}", "input": "x" * (i % 3)} for i in range(30)]
+    rows += rows[:5]
+    write_jsonl(tmp_path / "one" / "a.jsonl", rows[:20])
+    write_jsonl(tmp_path / "one" / "b.jsonl", rows[20:])
+    shuffled = list(rows)
+    random.Random(7).shuffle(shuffled)
+    write_jsonl(tmp_path / "two" / "a.jsonl", shuffled[:11])
+    write_jsonl(tmp_path / "two" / "b.jsonl", shuffled[11:])
+    results = []
+    for variant in ("one", "two"):
+        plan, manifest = _build_source(
+            tmp_path / variant, [str(tmp_path / variant / "*.jsonl")], max_samples=12, seed=3
+        )
+        # (the prompt keys differ: they name the input files, which hold the rows differently)
+        results.append([[r["prompt_id"] for r in s] for s in _shard_rows(plan)])
+        assert manifest["drops"] == {"duplicate": 5, "over_max_samples": 18}
+    assert results[0] == results[1]
+    assert sum(len(s) for s in results[0]) == 12
+
+
+def test_max_samples_choice_follows_the_seed(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "in.jsonl", [{"instruction": f"task {i}"} for i in range(40)])
+    chosen = []
+    for seed in (0, 1):
+        plan, _ = _build_source(tmp_path / f"s{seed}", [str(tmp_path / "in.jsonl")], max_samples=10, seed=seed)
+        chosen.append({r["prompt_id"] for s in _shard_rows(plan) for r in s})
+    assert len(chosen[0]) == len(chosen[1]) == 10 and chosen[0] != chosen[1]
+
+
+def test_parquet_input(tmp_path: Path) -> None:
+    pq.write_table(pa.Table.from_pylist([{"instruction": f"p{i}"} for i in range(5)]), tmp_path / "in.parquet")
+    plan, manifest = _build_source(tmp_path, [str(tmp_path / "in.parquet")])
+    assert manifest["rows_out"] == 5 and plan.sources["s"].n_shards == 2
+
+
+def test_hf_source_from_a_local_dataset_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "dataset"
+    write_jsonl(folder / "train.jsonl", [{"instruction": f"hf {i}"} for i in range(6)])
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"gguf")
+    raw = {
+        "store": str(tmp_path / "store2"),
+        "model": {"path": str(model)},
+        "sources": {"s": {"category": "c", "format": "alpaca", "hf": {"path": str(folder)}, "max_samples": 5}},
+        "mix": {"categories": {"c": 1}},
+    }
+    (tmp_path / "hf.yaml").write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(tmp_path / "hf.yaml"))
+    manifest = prepare.run(plan, "s")
+    assert manifest["rows_in"] == 6 and manifest["rows_out"] == 5
+    assert manifest["drops"] == {"over_max_samples": 1}

@@ -1,0 +1,212 @@
+"""End to end: the real Snakemake workflow on a tiny random-weight model, and incremental builds."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, write_jsonl
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def make_sources(data: Path) -> dict[str, Any]:
+    write_jsonl(
+        data / "alpha.jsonl",
+        [{"instruction": f"Write function number {i}.", "input": "", "output": "x"} for i in range(6)],
+    )
+    write_jsonl(
+        data / "beta.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL]},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]},
+            {"messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": json.dumps([WEATHER_TOOL])},
+        ],
+    )
+    write_jsonl(
+        data / "gamma.jsonl",
+        [
+            {"conversations": [{"from": "human", "value": "Tell me a joke."}, {"from": "gpt", "value": "no"}]},
+            {"conversations": [{"from": "human", "value": "Name a colour."}]},
+            '{"conversations": [',
+            {"conversations": [{"from": "human", "value": "Count to three."}]},
+        ],
+    )
+    return {
+        "alpha": {"category": "coding", "files": [str(data / "alpha.jsonl")], "format": "alpaca"},
+        "beta": {"category": "agent", "files": [str(data / "beta.jsonl")], "format": "messages"},
+        "gamma": {"category": "general", "files": [str(data / "gamma.jsonl")], "format": "sharegpt"},
+    }
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Workflow, dict[str, Any]]:
+    """A full build with a copy of the workflow (so a test can edit its code)."""
+    root = tmp_path_factory.mktemp("wf")
+    code = copy_workflow(root / "code")
+    work = root / "work"
+    work.mkdir()
+    wf = Workflow(work, snakefile=code / "Snakefile", pythonpath=code)
+    config = base_config(tiny_model, make_sources(root / "data"))
+    wf.write_config(config)
+    wf.build()
+    return wf, config
+
+
+def test_build_writes_a_loadable_dataset_whose_samples_are_prompt_then_answer(
+    built: tuple[Workflow, dict[str, Any]], tiny_model: Path
+) -> None:
+    import datasets
+    from transformers import AutoTokenizer
+
+    wf, _ = built
+    dist = wf.workdir / "dist" / "test-mix"
+    ds = datasets.load_dataset("parquet", data_files=sorted(str(p) for p in (dist / "data").glob("*.parquet")))["train"]
+    manifest = json.loads((dist / "manifest.json").read_text())
+    assert len(ds) == manifest["rows"] > 0
+    assert set(ds["category"]) <= {"coding", "agent", "general"}
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = TOOLS_TEMPLATE.read_text()
+    completions = {
+        (r["prompt_id"], r["sample_idx"]): r
+        for f in (wf.workdir / "store" / "completions").rglob("*.parquet")
+        for r in pq.read_table(f).to_pylist()
+    }
+    prompts = {
+        r["prompt_id"]: r
+        for f in (wf.workdir / "store" / "prompts").rglob("*.parquet")
+        for r in pq.read_table(f).to_pylist()
+    }
+    seen_tools = False
+    for sample in ds:
+        comp = completions[(sample["prompt_id"], sample["sample_idx"])]
+        prompt = prompts[sample["prompt_id"]]
+        tools = json.loads(prompt["tools"]) if prompt["tools"] else None
+        rendered = tok.apply_chat_template(
+            json.loads(prompt["messages"]), tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        n_prompt = comp["n_prompt_tokens"]
+        ids, mask = sample["input_ids"], sample["loss_mask"]
+        assert tok.decode(ids[:n_prompt]) == rendered
+        expected_answer = comp["output_ids"] + ([comp["stop_token_id"]] if comp["finish_reason"] == "stop" else [])
+        assert ids[n_prompt:] == expected_answer
+        assert tok.decode(ids[n_prompt:]).startswith(comp["text"])
+        assert mask == [0] * n_prompt + [1] * len(expected_answer)
+        if tools:
+            seen_tools = True
+            assert "<tools>" in rendered and "get_weather" in rendered
+    assert seen_tools, "rows with tool schemas reach the dataset"
+
+
+def test_manifests_account_for_every_row(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, _ = built
+    gamma = json.loads(next((wf.workdir / "store" / "prompts" / "gamma").rglob("manifest.json")).read_text())
+    assert gamma["rows_in"] == 4 and gamma["rows_out"] == 3
+    assert gamma["drops"] == {"malformed_row": 1}
+    assert "gamma.jsonl:3" in gamma["drop_examples"]["malformed_row"][0]
+    alpha_shards = sorted((wf.workdir / "store" / "prompts" / "alpha").rglob("0*.parquet"))
+    assert [pq.read_metadata(p).num_rows for p in alpha_shards] == [3, 3]  # 6 rows, shard_size 4 -> 2 shards
+    for stats_file in (wf.workdir / "store" / "completions").rglob("*.stats.json"):
+        stats = json.loads(stats_file.read_text())
+        assert stats["ok"] + stats["truncated"] + stats["error"] + stats["skipped"] == stats["input_rows"] > 0
+        assert stats["engine"]["options"]["batch_size"] == 4
+    dist_manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    assert set(dist_manifest["sources"]) == {"alpha", "beta", "gamma"}
+    for name, src in dist_manifest["sources"].items():
+        for shard in src["shards"]:
+            assert f"/tokens/{name}/{src['tok_key']}/" in shard
+
+
+def test_nothing_to_do_after_build_and_after_touching_everything(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, config = built
+    assert wf.dry_run() == {}
+    for folder in (wf.workdir / "store", wf.workdir / "dist", Path(config["sources"]["alpha"]["files"][0]).parent):
+        for path in folder.rglob("*"):
+            os.utime(path)
+    assert wf.dry_run() == {}
+
+
+def _sources_of(jobs: dict[str, list[dict[str, str]]], rule: str) -> list[str]:
+    return sorted(j["source"] for j in jobs.get(rule, []))
+
+
+def test_changing_one_sources_sampling_lists_only_its_jobs(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, config = built
+    changed = copy.deepcopy(config)
+    changed["sources"]["beta"]["sampling"] = {"temperature": 0.5}
+    wf.write_config(changed)
+    try:
+        jobs = wf.dry_run()
+    finally:
+        wf.write_config(config)
+    assert set(jobs) == {"generate", "tokenize", "mix"}
+    assert _sources_of(jobs, "generate") == _sources_of(jobs, "tokenize") == ["beta"]
+
+
+def test_engine_options_are_not_part_of_any_key(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, config = built
+    changed = copy.deepcopy(config)
+    changed["engine"]["options"] = {"device": "cpu", "batch_size": 1, "threads": 2}
+    wf.write_config(changed)
+    try:
+        assert wf.dry_run() == {}
+    finally:
+        wf.write_config(config)
+
+
+def test_adding_a_source_lists_only_its_jobs(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, config = built
+    data = Path(config["sources"]["alpha"]["files"][0]).parent
+    write_jsonl(data / "delta.jsonl", [{"question": "What is 2 + 2?"}, {"question": "What is 3 * 3?"}])
+    changed = copy.deepcopy(config)
+    changed["sources"]["delta"] = {
+        "category": "math",
+        "files": [str(data / "delta.jsonl")],
+        "format": "prompt",
+        "fields": {"prompt": "question"},
+    }
+    changed["mix"]["categories"]["math"] = 0.25
+    wf.write_config(changed)
+    try:
+        jobs = wf.dry_run()
+    finally:
+        wf.write_config(config)
+    assert set(jobs) == {"prepare_delta", "generate", "tokenize", "mix"}
+    assert _sources_of(jobs, "generate") == _sources_of(jobs, "tokenize") == ["delta"]
+
+
+def test_changing_the_model_lists_every_generate_job(
+    built: tuple[Workflow, dict[str, Any]], tiny_model_b: Path
+) -> None:
+    wf, config = built
+    changed = copy.deepcopy(config)
+    changed["model"]["path"] = str(tiny_model_b)
+    wf.write_config(changed)
+    try:
+        jobs = wf.dry_run()
+    finally:
+        wf.write_config(config)
+    assert set(jobs) == {"generate", "tokenize", "mix"}
+    assert _sources_of(jobs, "generate") == ["alpha", "alpha", "beta", "gamma"]
+
+
+def test_comment_edits_in_rules_and_package_rerun_nothing(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, _ = built
+    code = wf.snakefile.parent
+    for path in (code / "rules" / "generate.smk", code / "dflash_build" / "generate.py"):
+        path.write_text(path.read_text() + "\n# a comment added by a test\n")
+    assert wf.dry_run() == {}
