@@ -62,9 +62,14 @@ def write_text(dest: str | os.PathLike[str], text: str) -> None:
         f.write(text)
 
 
-def write_parquet(dest: str | os.PathLike[str], table: pa.Table) -> None:
+def write_parquet(dest: str | os.PathLike[str], table: pa.Table) -> dict[str, int | str]:
+    """Write ``table``; returns {"rows", "sha256"} of the file, for the sidecar that `verify` checks."""
+    import hashlib
+
     with atomic_path(dest) as tmp:
         pq.write_table(table, tmp, compression="zstd")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+    return {"rows": table.num_rows, "sha256": digest}
 
 
 @contextlib.contextmanager

@@ -65,6 +65,28 @@ def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
     return ids
 
 
+def context_length(model: ModelSpec) -> int | None:
+    """The context window: config, else the model's own config; None when neither says."""
+    if model.context_length is not None:
+        return model.context_length
+    if model.path.endswith(".gguf"):
+        from dflash_build import gguf_meta
+
+        return gguf_meta.context_length(model.path)
+    config_file = os.path.join(model.path, "config.json")
+    if not os.path.exists(config_file):
+        return None
+    import json
+
+    with open(config_file, encoding="utf-8") as f:
+        raw = json.load(f)
+    for section in (raw, raw.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            if isinstance(section.get(key), int):
+                return int(section[key])
+    return None
+
+
 def render(
     tokenizer: Any,
     messages: list[dict[str, Any]],

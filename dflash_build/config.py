@@ -89,6 +89,7 @@ class SourceSpec:
     max_chars: int | None
     sampling: Sampling
     chat_template_kwargs: Mapping[str, Any]
+    turns: str = "first"
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -99,7 +100,7 @@ class SourceSpec:
             "max_samples": self.max_samples,
             "seed": self.seed,
             "filters": {"min_chars": self.min_chars, "max_chars": self.max_chars},
-            "turns": "first",
+            "turns": self.turns,
         }
 
 
@@ -110,6 +111,19 @@ class ModelSpec:
     tokenizer: str | None
     chat_template: str | None
     chat_template_kwargs: Mapping[str, Any]
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    backend: str
+    options: Mapping[str, Any]
+    gpus: tuple[str, ...] | None
+    lock_dir: Path
+    gpu_wait_seconds: float
+    base_port: int
+    journal_flush_rows: int
+    journal_flush_seconds: float
 
 
 @dataclass(frozen=True)
@@ -120,8 +134,7 @@ class Config:
     dataset_out: Path
     rows_per_file: int
     model: ModelSpec
-    backend: str
-    engine_options: Mapping[str, Any]
+    engine: EngineSpec
     shard_size: int
     truncated: str
     mix_categories: Mapping[str, float]
@@ -132,6 +145,14 @@ class Config:
     @property
     def dataset_dir(self) -> Path:
         return self.dataset_out / self.dataset_name
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    @property
+    def engine_options(self) -> Mapping[str, Any]:
+        return self.engine.options
 
 
 def expand_files(patterns: tuple[str, ...] | list[str], key: str) -> list[Path]:
@@ -200,6 +221,7 @@ def _source(
         max_chars=filters.get("max_chars"),
         sampling=_sampling(base_sampling, raw.get("sampling", {}), f"{key}.sampling"),
         chat_template_kwargs=dict(raw.get("chat_template_kwargs", {})),
+        turns=raw.get("turns", "first"),
     )
 
 
@@ -218,6 +240,9 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
             raise ConfigError(f"model.{opt}", f"'{model[opt]}' does not exist")
     sources = {name: _source(name, s, raw["sampling"], categories) for name, s in raw["sources"].items()}
     dataset = raw["dataset"]
+    engine = raw["engine"]
+    if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
+        raise ConfigError("engine.gpus", f"lists a GPU twice: {engine['gpus']}")
     return Config(
         store=Path(raw["store"]),
         logs=Path(raw["logs"]),
@@ -230,9 +255,18 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
             tokenizer=model.get("tokenizer"),
             chat_template=model.get("chat_template"),
             chat_template_kwargs=dict(model.get("chat_template_kwargs", {})),
+            context_length=model.get("context_length"),
         ),
-        backend=raw["engine"]["backend"],
-        engine_options=dict(raw["engine"]["options"]),
+        engine=EngineSpec(
+            backend=engine["backend"],
+            options=dict(engine.get("options", {})),
+            gpus=None if engine.get("gpus") is None else tuple(str(g) for g in engine["gpus"]),
+            lock_dir=Path(engine.get("lock_dir", "/tmp/dflash-build-gpu-locks")),
+            gpu_wait_seconds=float(engine.get("gpu_wait_seconds", 600)),
+            base_port=int(engine.get("base_port", 31000)),
+            journal_flush_rows=int(engine.get("journal_flush_rows", 64)),
+            journal_flush_seconds=float(engine.get("journal_flush_seconds", 30)),
+        ),
         shard_size=raw["shard_size"],
         truncated=raw["truncated"],
         mix_categories=categories,

@@ -1,136 +1,483 @@
 """Generate stage: one prompt shard → one completion shard, through any engine backend.
 
 The driver renders every prompt with the target's chat template, builds one request per
-(prompt, sample) with its own seed, streams results from the backend, accounts for every row and
-publishes the shard and its stats sidecar atomically. A row that cannot be rendered is recorded as an
-error with its reason instead of failing the shard.
+(prompt, sample) with its own seed, streams results from the backend into a journal, accounts for
+every row and publishes the shard and its stats sidecar atomically; only then is the journal removed.
+A rerun after a crash or kill skips every journaled row. Rows that cannot be generated are recorded
+with their reason instead of failing the shard: a conversation the template refuses (``error``), a
+prompt longer than the context minus max_new_tokens (``skipped``, before any engine call), an engine
+abort (``abort``).
+
+``turns: all`` regenerates every assistant turn of a conversation on top of the regenerated history.
+Turn k+1's prompt is turn k's ids + the generated ids + the stop token + the ids of what the template
+writes between them, so no generated text is ever re-tokenized. That needs a template that renders
+history as a prefix of the next prompt; a conversation whose template rewrites earlier turns (e.g.
+one that drops earlier reasoning) is recorded as an error row with that reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import platform
+import signal
+import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, chat, engines, hashing
+from dflash_build import atomic, chat, engines, gpus, hashing
 from dflash_build import records as R
 from dflash_build.engines import Request, Result, SamplingParams
+from dflash_build.journal import Journal
 from dflash_build.plan import Plan
+from dflash_build.rowindex import RowIndex, reuse_key
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_SECONDS = 30.0
+# Test hook: "rows:N" kills the job with SIGKILL after N rows are journaled and synced,
+# "publish" kills it after the last row, just before the shard is written.
+KILL_AT_ENV = "DFLASH_BUILD_KILL_AT"
 
 
-def row_seed(base_seed: int, prompt_id: str, sample_idx: int) -> int:
-    """The seed of one (prompt, sample): independent of batch, shard and order; fits in int64."""
-    return int(hashing.digest({"seed": base_seed, "prompt_id": prompt_id, "sample_idx": sample_idx})[:15], 16)
+def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0) -> int:
+    """The seed of one (prompt, sample, turn): independent of batch, shard and order; fits in int64."""
+    parts: dict[str, Any] = {"seed": base_seed, "prompt_id": prompt_id, "sample_idx": sample_idx}
+    if turn:
+        parts["turn"] = turn
+    return int(hashing.digest(parts)[:15], 16)
 
 
 class Progress:
-    """Rows done/total, output tok/s, ETA and truncation rate, logged at most every few seconds."""
+    """Rows done/total, output tok/s, ETA and truncation rate: a bar on a terminal, else log lines."""
 
-    def __init__(self, total: int, label: str) -> None:
+    def __init__(self, total: int, already: int, label: str) -> None:
         self.total, self.label = total, label
-        self.done = self.truncated = self.output_tokens = 0
+        self.done, self.truncated, self.output_tokens = already, 0, 0
+        self.new = 0
         self.start = self.last = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
 
-    def update(self, result: Result) -> None:
-        self.done += 1
+            self.bar = tqdm(total=total, initial=already, desc=label, unit="row")
+
+    def update(self, result: Result, row_finished: bool) -> None:
         self.output_tokens += len(result.output_ids)
+        if not row_finished:
+            return
+        self.done += 1
+        self.new += 1
         self.truncated += result.finish_reason == R.FINISH_LENGTH
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(self.rates())
+            return
         now = time.monotonic()
         if now - self.last >= PROGRESS_EVERY_SECONDS or self.done == self.total:
             self.last = now
-            log.info("%s", self.line())
+            log.info("%s: %d/%d rows, %s", self.label, self.done, self.total, self.rates())
 
-    def line(self) -> str:
+    def rates(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = self.done / elapsed
+        rate = self.new / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         return (
-            f"{self.label}: {self.done}/{self.total} rows, {self.output_tokens / elapsed:.1f} output tok/s, "
-            f"ETA {eta:.0f}s, truncated {self.truncated / max(self.done, 1):.1%}"
+            f"{self.output_tokens / elapsed:.1f} output tok/s, ETA {eta:.0f}s, "
+            f"truncated {self.truncated / max(self.new, 1):.1%}"
         )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class Turn:
+    context_ids: list[int]  # ids added before this turn's answer (the whole prompt for turn 0)
+    output_ids: list[int]
+    finish_reason: str
+    stop_token_id: int | None = None
+    error: str | None = None
+    retokenized: bool = False
+    drifted: bool = False  # re-tokenized length differs from the server's own count
+    reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
+
+
+@dataclass
+class Conversation:
+    prompt_id: str
+    sample_idx: int
+    messages: list[dict[str, Any]]  # for turns=all: with the source's assistant turns as slots
+    tools: list[dict[str, Any]] | None
+    slots: list[int]  # message index of each assistant answer to generate
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: str | None = None  # set when the conversation is finished
+    error: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.prompt_id, self.sample_idx
+
+    @property
+    def all_ids(self) -> list[int]:
+        ids: list[int] = []
+        for t in self.turns:
+            ids += t.context_ids + t.output_ids + ([t.stop_token_id] if t.stop_token_id is not None else [])
+        return ids
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+
+
+def answer_slots(messages: list[dict[str, Any]], turns: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """(messages, where each answer goes). ``first``: one answer after the whole prompt."""
+    if turns == "first":
+        return messages, [len(messages)]
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not messages or messages[-1]["role"] != "assistant":
+        slots.append(len(messages))
+    return messages, slots
+
+
+class Renderer:
+    """Prompt ids for each turn of a conversation, never re-tokenizing generated ids."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.kwargs = tokenizer, template_kwargs
+
+    def _text(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def history(self, conv: Conversation) -> list[dict[str, Any]]:
+        """The conversation up to the next answer, with earlier answers replaced by generated ones."""
+        slot = conv.slots[len(conv.turns)]
+        messages = [dict(m) for m in conv.messages[:slot]]
+        for turn, s in zip(conv.turns, conv.slots, strict=False):
+            messages[s] = {"role": "assistant", "content": self.decode(turn.output_ids)}
+        return messages
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def next_context(self, conv: Conversation) -> list[int]:
+        """Ids to add before the next answer; raises ValueError when the template is not prefix-stable."""
+        history = self.history(conv)
+        text = self._text(history, conv.tools, generation_prompt=True)
+        if not conv.turns:
+            return self._encode(text)
+        # What the template wrote up to the end of the last answer must be a prefix of the new render.
+        seen = self._text(history[: conv.slots[len(conv.turns) - 1]], conv.tools, generation_prompt=True)
+        last = conv.turns[-1]
+        seen += self.decode(last.output_ids + ([last.stop_token_id] if last.stop_token_id is not None else []))
+        if not text.startswith(seen):
+            raise ValueError("chat template rewrites earlier turns (not prefix-stable); use turns: first")
+        return self._encode(text[len(seen) :])
+
+
+def _kill_point() -> tuple[str, int]:
+    spec = os.environ.get(KILL_AT_ENV, "")
+    kind, _, n = spec.partition(":")
+    return kind, int(n or 0)
+
+
+def _die() -> None:
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
+    return {
+        "prompt_id": conv.prompt_id,
+        "sample_idx": conv.sample_idx,
+        "turn": len(conv.turns) - 1,
+        "output_ids": turn.output_ids,
+        "finish_reason": turn.finish_reason,
+        "stop_token_id": turn.stop_token_id,
+        "error": turn.error,
+        "retokenized": turn.retokenized,
+        "drifted": turn.drifted,
+        "reused_from": turn.reused_from,
+    }
 
 
 def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
     """Generate every (prompt, sample) of one shard; returns the stats written beside it."""
+    cfg = plan.config
+    needs_gpu = engines.uses_gpu(cfg.engine)
+    with gpus.pinned(cfg.engine) if needs_gpu else contextlib.nullcontext() as lease:
+        return _run(plan, source, shard, lease)
+
+
+def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> dict[str, Any]:
     started = time.time()
     sp = plan.sources[source]
     cfg = plan.config
     sampling = sp.spec.sampling
-    template_kwargs = sp.gen_components["chat_template_kwargs"]
+    template_kwargs = dict(sp.gen_components["chat_template_kwargs"])
     prompts = pq.read_table(plan.prompt_dir(source) / f"{shard}.parquet").to_pylist()
     tokenizer = chat.load_tokenizer(cfg.model)
     if any(p["tools"] for p in prompts):
         chat.check_renders_tools(tokenizer, template_kwargs)
+    renderer = Renderer(tokenizer, template_kwargs)
+    context = chat.context_length(cfg.model)
     params = SamplingParams(
         sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.max_new_tokens
     )
 
-    prompt_ids: dict[str, list[int]] = {}
-    requests: list[Request] = []
-    results: dict[tuple[str, int], Result] = {}
+    convs: dict[tuple[str, int], Conversation] = {}
     for p in prompts:
-        pid = p["prompt_id"]
-        try:
-            ids = chat.render(
-                tokenizer, json.loads(p["messages"]), json.loads(p["tools"]) if p["tools"] else None, template_kwargs
-            )
-        except Exception as e:  # a template may refuse one conversation; the shard goes on
-            ids, error = [], f"chat template failed: {type(e).__name__}: {e}"
-        else:
-            error = None
-        prompt_ids[pid] = ids
+        messages, slots = answer_slots(json.loads(p["messages"]), sp.spec.turns)
+        tools = json.loads(p["tools"]) if p["tools"] else None
         for idx in range(sampling.samples_per_prompt):
-            if error is not None:
-                results[(pid, idx)] = Result(pid, idx, [], R.FINISH_ERROR, error=error)
-            else:
-                requests.append(Request(pid, idx, ids, params, row_seed(sampling.seed, pid, idx)))
+            conv = Conversation(p["prompt_id"], idx, messages, tools, slots)
+            convs[conv.key] = conv
 
-    progress = Progress(len(requests), f"{source}/{shard}")
-    if requests:
-        engine = engines.load(
-            cfg.backend, cfg.model.path, cfg.engine_options, chat.stop_token_ids(tokenizer, cfg.model.path)
-        )
-        try:
+    journal = Journal(plan.journal_dir(source, shard), cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
+    resumed = journal.load()
+    for row in resumed:  # replay in order: each turn's context derives from the turns before it
+        conv = convs.get((row["prompt_id"], row["sample_idx"]))
+        if conv is None or row["turn"] != len(conv.turns):
+            raise RuntimeError(f"journal {journal.path} does not match prompt shard {source}/{shard}; delete it")
+        turn = _apply(conv, renderer.next_context(conv), _result_of(row))
+        turn.reused_from = row.get("reused_from")
+    if resumed:
+        log.info("%s/%s: resuming, %d turns already journaled", source, shard, len(resumed))
+
+    if sp.spec.turns == "first":
+        reused = _reuse(plan, source, convs, renderer, journal)
+        if reused:
+            log.info("%s/%s: %d rows reused from earlier completions", source, shard, reused)
+
+    kill_kind, kill_rows = _kill_point()
+    journaled = 0
+    total_rows = len(convs)
+    done_rows = sum(c.finish_reason is not None for c in convs.values())
+    progress = Progress(total_rows, done_rows, f"{source}/{shard}")
+    engine = None
+    try:
+        while True:
+            requests, contexts = [], {}
+            for conv in convs.values():
+                if conv.finish_reason is not None:
+                    continue
+                try:
+                    ids = renderer.next_context(conv)
+                except Exception as e:  # a template may refuse one conversation; the shard goes on
+                    conv.finish(R.FINISH_ERROR, f"chat template failed: {type(e).__name__}: {e}")
+                    progress.update(Result(conv.prompt_id, conv.sample_idx, [], R.FINISH_ERROR), True)
+                    continue
+                prompt_ids = conv.all_ids + ids
+                if context is not None and len(prompt_ids) + sampling.max_new_tokens > context:
+                    reason = (
+                        f"prompt of {len(prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
+                        f"exceeds the context of {context}"
+                    )
+                    if conv.turns:  # later turns: the conversation ends with what it has
+                        conv.finish(conv.turns[-1].finish_reason, reason)
+                    else:
+                        conv.finish(R.FINISH_SKIPPED, reason)
+                    progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
+                    continue
+                seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns))
+                requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, params, seed))
+                contexts[conv.key] = ids
+            if not requests:
+                break
+            if engine is None:
+                stop_ids = chat.stop_token_ids(tokenizer, cfg.model.path)
+                engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, tokenizer)
+                if kill_kind == "rows" and kill_rows == 0:
+                    _die()
             for result in engine.generate(requests):
-                results[(result.prompt_id, result.sample_idx)] = result
-                progress.update(result)
-        finally:
+                conv = convs[(result.prompt_id, result.sample_idx)]
+                turn = _apply(conv, contexts.pop(conv.key), result)
+                journal.append(_journal_row(conv, turn))
+                journaled += 1
+                progress.update(result, conv.finish_reason is not None)
+                if kill_kind == "rows" and journaled >= kill_rows:
+                    journal.sync()
+                    _die()
+            if contexts:
+                missing = list(contexts)[:3]
+                raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")
+        journal.sync()
+    finally:
+        progress.close()
+        if engine is not None:
             engine.close()
-    missing = [(r.prompt_id, r.sample_idx) for r in requests if (r.prompt_id, r.sample_idx) not in results]
-    if missing:
-        raise RuntimeError(f"engine returned no result for {len(missing)} rows, e.g. {missing[:3]}")
+        journal.close()
+    if kill_kind == "publish":
+        _die()
 
-    rows = []
-    for p in prompts:
-        pid = p["prompt_id"]
-        for idx in range(sampling.samples_per_prompt):
-            res = results[(pid, idx)]
-            rows.append(
-                {
-                    "prompt_id": pid,
-                    "sample_idx": idx,
-                    "seed": row_seed(sampling.seed, pid, idx),
-                    "prompt_ids": prompt_ids[pid],
-                    "output_ids": res.output_ids,
-                    "stop_token_id": res.stop_token_id,
-                    "text": tokenizer.decode(res.output_ids, skip_special_tokens=False),
-                    "finish_reason": res.finish_reason,
-                    "error": res.error,
-                    "n_prompt_tokens": len(prompt_ids[pid]),
-                    "n_output_tokens": len(res.output_ids),
-                }
-            )
+    rows = [_completion_row(conv, renderer, sampling.seed) for conv in convs.values()]
+    stats = _stats(plan, source, shard, rows, len(resumed), lease, time.time() - started)
+    turns = [t for conv in convs.values() for t in conv.turns]
+    retokenized = sum(t.retokenized for t in turns)
+    stats[R.STAT_RETOKENIZED_TURNS] = retokenized
+    stats[R.STAT_RETOKENIZE_DRIFT] = round(sum(t.drifted for t in turns) / retokenized, 6) if retokenized else 0.0
     out_dir = plan.completion_dir(source)
-    wall = time.time() - started
+    reused_from: dict[str, int] = {}
+    for conv in convs.values():
+        if conv.turns and conv.turns[0].reused_from:
+            reused_from[conv.turns[0].reused_from] = reused_from.get(conv.turns[0].reused_from, 0) + 1
+    stats[R.STAT_REUSED] = sum(reused_from.values())
+    stats[R.STAT_REUSED_FROM] = reused_from
+    stats[R.STAT_GENERATED] = journaled
+    table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
+    data_path = out_dir / f"{shard}.parquet"
+    stats[R.STAT_DATA] = atomic.write_parquet(data_path, table)
+    atomic.write_json(out_dir / f"{shard}.stats.json", stats)
+    index = RowIndex(cfg.store)
+    index.add_shard(reuse_key(sp.gen_components), sp.gen_key, data_path, rows, sampling.max_new_tokens)
+    index.close()
+    journal.remove()
+    log.info(
+        "%s/%s: %s", source, shard, {k: stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED)}
+    )
+    return stats
+
+
+def _reuse(
+    plan: Plan, source: str, convs: dict[tuple[str, int], Conversation], renderer: Renderer, journal: Journal
+) -> int:
+    """Take every row an earlier build already generated validly (see rowindex); returns how many."""
+    sp = plan.sources[source]
+    limit = sp.spec.sampling.max_new_tokens
+    pending = [c.key for c in convs.values() if c.finish_reason is None and not c.turns]
+    if not pending:
+        return 0
+    index = RowIndex(plan.config.store)
+    try:
+        found = index.lookup(reuse_key(sp.gen_components), pending, limit, exclude_gen_key=sp.gen_key)
+        by_file: dict[str, list[Any]] = {}
+        for cand in found.values():
+            by_file.setdefault(cand.path, []).append(cand)
+        count = 0
+        for path, cands in by_file.items():
+            try:
+                table = pq.read_table(path, columns=["prompt_ids", "output_ids", "stop_token_id", "finish_reason"])
+                rows = table.take(pa.array([c.row for c in cands], type=pa.int64())).to_pylist()
+            except (OSError, pa.ArrowException, IndexError) as e:
+                log.warning("index points at unreadable %s (%s): dropping its entries", path, e)
+                index.remove_shard(Path(path))
+                continue
+            origin = f"{Path(path).parent.name}/{Path(path).stem}"
+            for cand, old in zip(cands, rows, strict=True):
+                conv = convs[(cand.prompt_id, cand.sample_idx)]
+                ids = renderer.next_context(conv)
+                if ids != old["prompt_ids"]:
+                    continue  # rendered differently (should not happen under one reuse_key): generate it
+                output = list(old["output_ids"])
+                if old["finish_reason"] == R.FINISH_STOP and len(output) + 1 <= limit:
+                    result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
+                else:  # a prefix of a longer sample is this limit's truncated sample
+                    result = Result(conv.prompt_id, conv.sample_idx, output[:limit], R.FINISH_LENGTH)
+                turn = _apply(conv, ids, result)
+                turn.reused_from = origin
+                journal.append(_journal_row(conv, turn))
+                count += 1
+        journal.sync()
+        return count
+    finally:
+        index.close()
+
+
+def _result_of(row: dict[str, Any]) -> Result:
+    return Result(
+        row["prompt_id"],
+        row["sample_idx"],
+        row["output_ids"],
+        row["finish_reason"],
+        row["stop_token_id"],
+        row["error"],
+        retokenized=row.get("retokenized", False),
+        # a journaled drift is replayed as a count that cannot match
+        engine_output_tokens=-1 if row.get("drifted") else None,
+    )
+
+
+def _apply(conv: Conversation, context_ids: list[int], result: Result) -> Turn:
+    """Record one answer; the conversation ends unless it stopped cleanly and has more slots."""
+    drifted = result.engine_output_tokens is not None and result.engine_output_tokens != len(result.output_ids)
+    turn = Turn(
+        context_ids,
+        list(result.output_ids),
+        result.finish_reason,
+        result.stop_token_id,
+        result.error,
+        result.retokenized,
+        result.retokenized and drifted,
+    )
+    conv.turns.append(turn)
+    if result.finish_reason != R.FINISH_STOP:
+        conv.finish(result.finish_reason, result.error)
+    elif len(conv.turns) == len(conv.slots):
+        conv.finish(R.FINISH_STOP)
+    return turn
+
+
+def _completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> dict[str, Any]:
+    turns = conv.turns
+    first = turns[0] if turns else None
+    last = turns[-1] if turns else None
+    multi = len(conv.slots) > 1
+    return {
+        "prompt_id": conv.prompt_id,
+        "sample_idx": conv.sample_idx,
+        "seed": row_seed(base_seed, conv.prompt_id, conv.sample_idx),
+        "prompt_ids": first.context_ids if first else [],
+        "output_ids": last.output_ids if last else [],
+        "stop_token_id": last.stop_token_id if last and conv.finish_reason == R.FINISH_STOP else None,
+        "text": renderer.decode(last.output_ids) if last else "",
+        "finish_reason": conv.finish_reason,
+        "error": conv.error,
+        "n_prompt_tokens": len(first.context_ids) if first else 0,
+        "n_output_tokens": sum(len(t.output_ids) for t in turns),
+        "reused_from": first.reused_from if first else None,
+        "turns": [
+            {
+                "context_ids": t.context_ids,
+                "output_ids": t.output_ids,
+                "stop_token_id": t.stop_token_id,
+                "finish_reason": t.finish_reason,
+                "text": renderer.decode(t.output_ids),
+            }
+            for t in turns
+        ]
+        if multi
+        else None,
+    }
+
+
+def _stats(
+    plan: Plan,
+    source: str,
+    shard: str,
+    rows: list[dict[str, Any]],
+    resumed_turns: int,
+    lease: gpus.GpuLease | None,
+    wall: float,
+) -> dict[str, Any]:
+    cfg = plan.config
+    sp = plan.sources[source]
     output_tokens = sum(r["n_output_tokens"] for r in rows)
+
+    def count(*reasons: str) -> int:
+        return sum(r["finish_reason"] in reasons for r in rows)
+
     stats = {
         "stage": "generate",
         "source": source,
@@ -140,20 +487,53 @@ def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
         "model_fingerprint": plan.model_fingerprint,
         "template_fingerprint": plan.template_fingerprint,
         # Recorded, never keyed: they change speed, not the distribution.
-        "engine": {"backend": cfg.backend, "options": dict(cfg.engine_options), "host": platform.node()},
-        R.STAT_INPUT_ROWS: len(prompts) * sampling.samples_per_prompt,
-        R.STAT_OK: sum(r["finish_reason"] == R.FINISH_STOP for r in rows),
-        R.STAT_TRUNCATED: sum(r["finish_reason"] == R.FINISH_LENGTH for r in rows),
-        R.STAT_ERROR: sum(r["finish_reason"] in (R.FINISH_ERROR, R.FINISH_ABORT) for r in rows),
-        R.STAT_SKIPPED: 0,
+        "engine": {
+            "backend": cfg.backend,
+            "options": dict(cfg.engine_options),
+            "host": platform.node(),
+            "gpu": None
+            if lease is None
+            else {"id": lease.gpu, "slot": lease.slot, "port": lease.port, "via": lease.source},
+        },
+        R.STAT_INPUT_ROWS: len(rows),
+        R.STAT_OK: count(R.FINISH_STOP),
+        R.STAT_TRUNCATED: count(R.FINISH_LENGTH),
+        R.STAT_ERROR: count(R.FINISH_ERROR, R.FINISH_ABORT),
+        R.STAT_SKIPPED: count(R.FINISH_SKIPPED),
+        R.STAT_RESUMED_TURNS: resumed_turns,
         R.STAT_PROMPT_TOKENS: sum(r["n_prompt_tokens"] for r in rows),
         R.STAT_OUTPUT_TOKENS: output_tokens,
         R.STAT_WALL_SECONDS: round(wall, 3),
         R.STAT_OUTPUT_TOK_PER_S: round(output_tokens / wall, 3) if wall > 0 else None,
+        "started_at": round(time.time() - wall, 3),
+        "finished_at": round(time.time(), 3),
+        "errors": _error_summary(rows),
     }
-    accounted = stats[R.STAT_OK] + stats[R.STAT_TRUNCATED] + stats[R.STAT_ERROR] + stats[R.STAT_SKIPPED]
-    assert accounted == stats[R.STAT_INPUT_ROWS], "every input row is accounted for"
-    atomic.write_parquet(out_dir / f"{shard}.parquet", pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA))
-    atomic.write_json(out_dir / f"{shard}.stats.json", stats)
-    log.info("%s/%s: %s", source, shard, {k: stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR)})
+    accounted = sum(stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED))
+    if accounted != stats[R.STAT_INPUT_ROWS]:
+        raise RuntimeError(f"{source}/{shard}: {accounted} rows accounted for, {len(rows)} in the shard")
     return stats
+
+
+def _error_summary(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Error and skip reasons with their counts (numbers folded so reasons group)."""
+    import re
+
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r["error"]:
+            reason = re.sub(r"\d+", "N", r["error"])[:200]
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def iter_turn_tokens(row: dict[str, Any]) -> Iterator[tuple[list[int], list[int]]]:
+    """(context ids, generated ids incl. stop token) for each turn of a completion row."""
+    if row.get("turns"):
+        for t in row["turns"]:
+            stop = [t["stop_token_id"]] if t["stop_token_id"] is not None else []
+            yield t["context_ids"], t["output_ids"] + stop
+        return
+    stopped = row["finish_reason"] == R.FINISH_STOP and row["stop_token_id"] is not None
+    stop = [row["stop_token_id"]] if stopped else []
+    yield row["prompt_ids"], row["output_ids"] + stop

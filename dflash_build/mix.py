@@ -204,7 +204,7 @@ class _RollingWriter:
         self.folder, self.rows_per_file = folder, rows_per_file
         self.pending: list[pa.Table] = []
         self.pending_rows = 0
-        self.files: list[Path] = []
+        self.files: list[tuple[Path, dict[str, Any]]] = []
 
     def write(self, table: pa.Table) -> None:
         while table.num_rows:
@@ -218,22 +218,21 @@ class _RollingWriter:
     def _flush(self) -> None:
         path = self.folder / f"part-{len(self.files):05d}.parquet"
         data = pa.concat_tables(self.pending) if self.pending else R.SAMPLE_SCHEMA.empty_table()
-        atomic.write_parquet(path, data)
-        self.files.append(path)
+        self.files.append((path, atomic.write_parquet(path, data)))
         self.pending, self.pending_rows = [], 0
 
-    def close(self) -> list[str]:
+    def close(self) -> list[dict[str, Any]]:
         if self.pending_rows or not self.files:
             self._flush()
         # Hugging Face's naming lets `datasets` see one train split.
         n = len(self.files)
-        names = []
-        for i, path in enumerate(self.files):
+        files = []
+        for i, (path, info) in enumerate(self.files):
             final = path.with_name(f"train-{i:05d}-of-{n:05d}.parquet")
             path.rename(final)
-            names.append(str(Path("data") / final.name))
+            files.append({"path": str(Path("data") / final.name), **info})
         atomic.fsync_dir(self.folder)
-        return names
+        return files
 
 
 def summary(manifest: dict[str, Any], where: Path) -> str:

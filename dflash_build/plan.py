@@ -45,6 +45,7 @@ class SourcePlan:
     spec: SourceSpec
     input_files: tuple[Path, ...]
     n_shards: int
+    planned_rows: int  # upper bound before prepare: raw rows capped by max_samples
     prompt_components: dict[str, Any]
     gen_components: dict[str, Any]
     tok_components: dict[str, Any]
@@ -216,11 +217,14 @@ def build(config: Config) -> Plan:
             "chat_template_kwargs": {**config.model.chat_template_kwargs, **spec.chat_template_kwargs},
             "sampling": spec.sampling.as_dict(),
         }
+        if config.model.context_length is not None:
+            # an explicit window changes which prompts are skipped; the model's own is fingerprinted
+            gen_components["context_length"] = config.model.context_length
         tok_components = {
             "scheme": TOK_VERSION,
             "gen_key": hashing.content_key(gen_components),
             "truncated": config.truncated,
         }
-        sources[name] = SourcePlan(spec, files, n_shards, prompt_components, gen_components, tok_components)
+        sources[name] = SourcePlan(spec, files, n_shards, rows, prompt_components, gen_components, tok_components)
     cache.save()
     return Plan(config, model_fp, template_fp, sources)

@@ -189,8 +189,18 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
         if role is None:
             raise Drop(DROP_UNKNOWN_ROLE, f"role {speaker!r}")
         if role == "assistant":
-            break  # the target model answers from here on
+            if spec.turns == "first":
+                break  # the target model answers from here on
+            # turns: all regenerates this answer; the source's content is never shown to the model
+            messages.append({"role": "assistant", "content": ""})
+            continue
         messages.append({"role": role, "content": _text(_field(turn, spec, "content"))})
+    if spec.turns == "all":
+        while messages and messages[-1]["role"] == "system":
+            messages.pop()
+        first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        if not any(m["role"] == "user" for m in messages[:first_answer]):
+            raise Drop(DROP_NO_USER_TURN, "no user turn before the first answer")
     return messages
 
 
@@ -202,7 +212,11 @@ def _system_column(row: Mapping[str, Any], spec: SourceSpec) -> list[dict[str, s
 
 
 def to_prompt(row: Any, spec: SourceSpec) -> tuple[list[dict[str, str]], list[dict[str, Any]] | None]:
-    """(messages up to the first assistant turn, tool schemas or None), or raise Drop."""
+    """(messages, tool schemas or None), or raise Drop.
+
+    ``turns: first`` keeps the conversation up to its first assistant turn; ``turns: all`` keeps it
+    whole, with every assistant turn emptied (each one is regenerated).
+    """
     if isinstance(row, Drop):
         raise row
     if not isinstance(row, Mapping):
@@ -233,7 +247,7 @@ def to_prompt(row: Any, spec: SourceSpec) -> tuple[list[dict[str, str]], list[di
         messages = [*_system_column(row, spec), {"role": "user", "content": _text(_field(row, spec, "prompt"))}]
     if not any(m["role"] == "user" for m in messages):
         raise Drop(DROP_NO_USER_TURN)
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m["content"]) for m in messages if m["role"] != "assistant")
     if chars < spec.min_chars:
         raise Drop(DROP_TOO_SHORT, f"{chars} characters")
     if spec.max_chars is not None and chars > spec.max_chars:
@@ -273,8 +287,17 @@ class DropCounter:
             self.examples[reason].append(f"{location}: {detail}" if detail else location)
 
 
-def run(plan: Plan, source: str) -> dict[str, Any]:
-    """Build every prompt shard and the manifest of ``source``; returns the manifest."""
+@dataclass
+class Selection:
+    """Prepare's result before anything is written: the kept records by shard, and the accounting."""
+
+    shards: dict[str, list[dict[str, Any]]]
+    rows_in: int
+    drops: DropCounter
+
+
+def select(plan: Plan, source: str) -> Selection:
+    """Load, convert, drop, dedup, select and shard one source, in memory (`plan` uses it too)."""
     sp: SourcePlan = plan.sources[source]
     spec = sp.spec
     drops = DropCounter()
@@ -315,28 +338,38 @@ def run(plan: Plan, source: str) -> dict[str, Any]:
             drops.add(DROP_OVER_MAX_SAMPLES, r["prompt_id"])
         records = records[: spec.max_samples]
     records.sort(key=lambda r: r["prompt_id"])
+    bounds = shard_bounds(len(records), sp.n_shards)
+    return Selection({name: records[lo:hi] for name, (lo, hi) in zip(sp.shards, bounds, strict=True)}, rows_in, drops)
+
+
+def run(plan: Plan, source: str) -> dict[str, Any]:
+    """Build every prompt shard and the manifest of ``source``; returns the manifest."""
+    sp = plan.sources[source]
+    selection = select(plan, source)
     out_dir = plan.prompt_dir(source)
-    shard_rows = {}
-    for name, (lo, hi) in zip(sp.shards, shard_bounds(len(records), sp.n_shards), strict=True):
-        atomic.write_parquet(out_dir / f"{name}.parquet", pa.Table.from_pylist(records[lo:hi], schema=PROMPT_SCHEMA))
-        shard_rows[name] = hi - lo
+    shard_files = {
+        name: atomic.write_parquet(out_dir / f"{name}.parquet", pa.Table.from_pylist(records, schema=PROMPT_SCHEMA))
+        for name, records in selection.shards.items()
+    }
+    drops = selection.drops
+    rows_out = sum(len(r) for r in selection.shards.values())
     manifest = {
         "stage": "prepare",
         "source": source,
         "prompt_key": sp.prompt_key,
         "components": sp.prompt_components,
-        "rows_in": rows_in,
-        "rows_out": len(records),
+        "rows_in": selection.rows_in,
+        "rows_out": rows_out,
         "drops": dict(sorted(drops.counts.items())),
         "drop_examples": dict(sorted(drops.examples.items())),
-        "shards": shard_rows,
+        "shards": shard_files,
     }
     atomic.write_json(out_dir / "manifest.json", manifest)
     log.info(
         "%s: %d rows in, %d prompts in %d shards, drops %s",
         source,
-        rows_in,
-        len(records),
+        selection.rows_in,
+        rows_out,
         sp.n_shards,
         dict(drops.counts),
     )

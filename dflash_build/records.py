@@ -27,10 +27,26 @@ COMPLETION_SCHEMA = pa.schema(
         ("output_ids", pa.list_(pa.int32())),  # without the stop token; see stop_token_id
         ("stop_token_id", pa.int32()),  # the token that ended the answer, null unless finish_reason=stop
         ("text", pa.string()),
-        ("finish_reason", pa.string()),  # stop | length | abort | error
+        ("finish_reason", pa.string()),  # stop | length | abort | error | skipped
         ("error", pa.string()),  # why a row could not be generated, else null
         ("n_prompt_tokens", pa.int32()),
         ("n_output_tokens", pa.int32()),
+        ("reused_from", pa.string()),  # "gen_key/shard" the row was taken from, null when generated here
+        # turns: all only: every regenerated turn, context ids first (null for single-turn rows)
+        (
+            "turns",
+            pa.list_(
+                pa.struct(
+                    [
+                        ("context_ids", pa.list_(pa.int32())),
+                        ("output_ids", pa.list_(pa.int32())),
+                        ("stop_token_id", pa.int32()),
+                        ("finish_reason", pa.string()),
+                        ("text", pa.string()),
+                    ]
+                )
+            ),
+        ),
     ]
 )
 
@@ -52,7 +68,8 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+FINISH_SKIPPED = "skipped"  # never sent: the prompt does not fit the context with max_new_tokens
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_SKIPPED)
 
 # Stats sidecar names.
 STAT_INPUT_ROWS = "input_rows"
@@ -60,6 +77,9 @@ STAT_OK = "ok"
 STAT_TRUNCATED = "truncated"
 STAT_ERROR = "error"
 STAT_SKIPPED = "skipped"
+STAT_RESUMED_TURNS = "resumed_turns"
+STAT_RETOKENIZED_TURNS = "retokenized_turns"  # answers that came back as text (openai backend)
+STAT_RETOKENIZE_DRIFT = "retokenize_drift_rate"  # of those, share whose length differs from the server's
 STAT_PROMPT_TOKENS = "prompt_tokens"
 STAT_OUTPUT_TOKENS = "output_tokens"
 STAT_WALL_SECONDS = "wall_seconds"
@@ -68,3 +88,7 @@ STAT_ROWS_OUT = "rows_out"
 STAT_DROPPED = "dropped"
 STAT_TOKENS = "tokens"
 STAT_LOSS_TOKENS = "loss_tokens"
+STAT_DATA = "data"  # {"rows", "sha256"} of the parquet file the sidecar describes
+STAT_REUSED = "reused"  # rows taken from completions already in the store
+STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}
+STAT_GENERATED = "generated"  # rows the engine produced in this build

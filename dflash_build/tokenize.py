@@ -1,7 +1,8 @@
 """Tokenize stage: completions → training samples, without re-tokenizing any generated text.
 
 A sample is the prompt ids the model saw, then the ids it generated, then the stop token it emitted
-when it stopped on its own. loss_mask is 1 exactly on the generated ids (stop token included).
+when it stopped on its own (for ``turns: all``, each turn in order). loss_mask is 1 exactly on the
+generated ids (stop tokens included).
 Truncated answers follow the `truncated` policy; rows the engine could not generate are dropped.
 Every dropped row is counted by reason in the stats sidecar.
 """
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import atomic
 from dflash_build import records as R
+from dflash_build.generate import iter_turn_tokens
 from dflash_build.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -24,22 +26,30 @@ log = logging.getLogger(__name__)
 DROP_TRUNCATED = "truncated"
 DROP_ENGINE_ERROR = "engine_error"
 DROP_EMPTY_ANSWER = "empty_answer"
+DROP_SKIPPED = "skipped"
 
 
 def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], list[int]] | str:
-    """(input_ids, loss_mask) of one completion, or the reason it is dropped."""
+    """(input_ids, loss_mask) of one completion, or the reason it is dropped.
+
+    Every turn adds the ids the model saw before its answer (mask 0), then the answer and the stop
+    token it emitted (mask 1).
+    """
     reason = row["finish_reason"]
     if reason in (R.FINISH_ERROR, R.FINISH_ABORT):
         return DROP_ENGINE_ERROR
+    if reason == R.FINISH_SKIPPED:
+        return DROP_SKIPPED
     if reason == R.FINISH_LENGTH and truncated_policy == "drop":
         return DROP_TRUNCATED
-    generated = list(row["output_ids"])
-    if reason == R.FINISH_STOP:
-        generated.append(row["stop_token_id"])
-    if not generated:
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
+    for context, generated in iter_turn_tokens(row):
+        input_ids += list(context) + list(generated)
+        loss_mask += [0] * len(context) + [1] * len(generated)
+    if not any(loss_mask):
         return DROP_EMPTY_ANSWER
-    prompt = list(row["prompt_ids"])
-    return prompt + generated, [0] * len(prompt) + [1] * len(generated)
+    return input_ids, loss_mask
 
 
 def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
@@ -80,7 +90,8 @@ def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
         R.STAT_TOKENS: sum(s["n_tokens"] for s in samples),
         R.STAT_LOSS_TOKENS: sum(s["n_loss_tokens"] for s in samples),
     }
-    atomic.write_parquet(out_dir / f"{shard}.parquet", pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA))
+    table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
+    stats[R.STAT_DATA] = atomic.write_parquet(out_dir / f"{shard}.parquet", table)
     atomic.write_json(out_dir / f"{shard}.stats.json", stats)
     log.info("%s/%s: %d samples, dropped %s", source, shard, len(samples), dict(drops))
     return stats

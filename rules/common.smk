@@ -13,7 +13,8 @@ PLAN = dflash_build.plan.build(CONFIG)
 STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
-GPUS_PER_JOB = int(dflash_build.engines.uses_gpu(CONFIG.backend, CONFIG.engine_options))
+GPUS_PER_JOB = int(dflash_build.engines.uses_gpu(CONFIG.engine))
+GENERATE_ENV = f"../envs/{'sglang' if CONFIG.backend == 'sglang' else 'generate'}.yaml"
 
 
 wildcard_constraints:

@@ -7,7 +7,7 @@ rule generate:
     log:
         f"{LOGS}/completions/{{source}}/{{key}}/{{shard}}.log",
     conda:
-        "../envs/generate.yaml"
+        GENERATE_ENV
     threads: get_generate_threads()
     resources:
         gpu=GPUS_PER_JOB,

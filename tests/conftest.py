@@ -119,8 +119,10 @@ class Workflow:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        env = dict(os.environ)
+    def run(
+        self, *args: str, check: bool = True, cores: int = 2, env_extra: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, **(env_extra or {})}
         if self.pythonpath is not None:
             env["PYTHONPATH"] = f"{self.pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
         cmd = [
@@ -134,7 +136,7 @@ class Workflow:
             "--configfile",
             str(self.workdir / "config.yaml"),
             "--cores",
-            "2",
+            str(cores),
             *args,
         ]
         proc = subprocess.run(cmd, cwd=self.workdir, env=env, capture_output=True, text=True, timeout=900)
@@ -182,3 +184,11 @@ def copy_workflow(dest: Path) -> Path:
     (dest / "config").mkdir()
     shutil.copy2(REPO / "config" / "schema.yaml", dest / "config" / "schema.yaml")
     return dest
+
+
+@pytest.fixture(scope="session")
+def stoppy_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """The tiny model with 4000 extra end-of-answer ids (~8% per step): rows stop or run out, both often."""
+    out = build_tiny_model(tmp_path_factory.mktemp("stoppy-model"), tokenizer_dir, seed=3)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
+    return out

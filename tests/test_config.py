@@ -182,3 +182,22 @@ def test_snakemake_stops_before_any_job_on_a_bad_config(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "'stroe' was unexpected" in proc.stdout + proc.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_per_source_template_kwargs_change_only_that_sources_gen_key(raw: dict[str, Any], tmp_path: Path) -> None:
+    base = build(raw, tmp_path)
+    changed = build(edit(raw, "sources.a.chat_template_kwargs", {"enable_thinking": False}), tmp_path)
+    assert changed.sources["a"].gen_components["chat_template_kwargs"] == {"enable_thinking": False}
+    assert changed.sources["a"].gen_key != base.sources["a"].gen_key
+    assert changed.sources["b"].gen_key == base.sources["b"].gen_key
+    model_wide = build(edit(raw, "model.chat_template_kwargs", {"enable_thinking": True}), tmp_path)
+    merged = build(
+        edit(
+            edit(raw, "model.chat_template_kwargs", {"enable_thinking": True}),
+            "sources.a.chat_template_kwargs",
+            {"x": 1},
+        ),
+        tmp_path,
+    )
+    assert merged.sources["a"].gen_components["chat_template_kwargs"] == {"enable_thinking": True, "x": 1}
+    assert model_wide.sources["b"].gen_key == merged.sources["b"].gen_key

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO, Workflow
+from tests.conftest import REPO, Workflow, write_jsonl
 
 
 @pytest.mark.slow
@@ -19,12 +19,31 @@ def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) 
     config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
     config["sampling"].update(max_new_tokens=40, temperature=0.0)
     config["truncated"] = "keep"
+    config["mix"]["budget_tokens"] = 100000  # keep every sample: the test reads them all
     keep = {"demo-agent", "demo-math"}
     config["sources"] = {k: v for k, v in config["sources"].items() if k in keep}
     for source in config["sources"].values():
         source["files"] = [str(REPO / f) for f in source["files"]]
         source["max_samples"] = 2
         source.pop("sampling", None)
+    write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "What is the capital of France? Answer in one word."},
+                    {"from": "gpt", "value": "Paris"},
+                    {"from": "human", "value": "And the capital of Italy? One word."},
+                ]
+            }
+        ],
+    )
+    config["sources"]["chat"] = {
+        "category": "general",
+        "files": [str(tmp_path / "chat.jsonl")],
+        "format": "sharegpt",
+        "turns": "all",
+    }
     wf = Workflow(tmp_path)
     wf.write_config(config)
     proc = wf.build()
@@ -36,8 +55,17 @@ def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) 
     rows = [
         r for f in sorted((tmp_path / "dist" / "demo" / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()
     ]
-    assert {r["category"] for r in rows} == {"agent", "math"}
+    assert {r["category"] for r in rows} <= {"agent", "math", "general"}
+    [conversation] = [r for r in rows if r["source"] == "chat"]
+    spans = sum(
+        1 for i, m in enumerate(conversation["loss_mask"]) if m and (i == 0 or not conversation["loss_mask"][i - 1])
+    )
+    text = tok.decode(conversation["input_ids"])
+    assert spans == 2, "both assistant turns are generated and trained on"
+    assert "capital of Italy" in text and text.count("<|im_start|>assistant") == 2
     for r in rows:
+        if r["source"] == "chat":
+            continue
         answer = [t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m]
         prompt = tok.decode(r["input_ids"][: len(r["input_ids"]) - len(answer)])
         assert prompt.endswith("<|im_start|>assistant\n")

@@ -100,9 +100,11 @@ def test_an_engine_that_loses_rows_fails_the_shard_and_publishes_nothing(
 ) -> None:
     plan = _plan(tmp_path, tiny_model, ROWS[:1], chat_template=str(TOOLS_TEMPLATE))
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine(drop=1))
-    with pytest.raises(RuntimeError, match="no result for 1 rows"):
+    with pytest.raises(RuntimeError, match="no result for 1 requests"):
         generate.run(plan, "s", "00000")
     assert not (plan.completion_dir("s") / "00000.parquet").exists()
+    journaled = (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
+    assert len(journaled) == 1, "the row that finished is kept for the rerun"
 
 
 def test_a_template_that_ignores_tools_is_refused(tmp_path: Path, tiny_model: Path, gguf_path: Path) -> None:
@@ -115,3 +117,119 @@ def test_row_seeds_are_stable_and_distinct() -> None:
     assert generate.row_seed(0, "a", 0) == generate.row_seed(0, "a", 0)
     seeds = {generate.row_seed(s, p, i) for s in (0, 1) for p in ("a", "b") for i in (0, 1)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+
+
+def _multi_turn_plan(tmp_path: Path, tiny_model: Path, template: Path, **model: Any) -> plan_mod.Plan:
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "first question"},
+                {"role": "assistant", "content": "old answer"},
+                {"role": "user", "content": "second question"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "x " * 200}]},
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    raw = {
+        "store": str(tmp_path / "store"),
+        "model": {"path": str(tiny_model), "chat_template": str(template), **model},
+        "sampling": {"max_new_tokens": 3},
+        "sources": {
+            "s": {"category": "c", "format": "messages", "files": [str(tmp_path / "in.jsonl")], "turns": "all"}
+        },
+        "mix": {"categories": {"c": 1}},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+    prepare.run(plan, "s")
+    return plan
+
+
+def test_turns_all_builds_each_prompt_on_the_generated_history(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    from dflash_build import tokenize
+
+    plan = _multi_turn_plan(tmp_path, tiny_model, TOOLS_TEMPLATE)
+    stand_in = EchoEngine()
+    monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
+    stats = generate.run(plan, "s", "00000")
+    assert stats["ok"] == 2
+    rows = {r["prompt_id"]: r for r in pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist()}
+    [multi] = [r for r in rows.values() if r["turns"]]
+    assert len(multi["turns"]) == 2
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = TOOLS_TEMPLATE.read_text()
+    ids, mask = tokenize.to_sample(multi, "drop")
+    answers = [tok.decode(t["output_ids"]) for t in multi["turns"]]
+    conversation = [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": answers[0]},
+        {"role": "user", "content": "second question"},
+        {"role": "assistant", "content": answers[1]},
+    ]
+    assert tok.decode(ids) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
+    assert "old answer" not in tok.decode(ids), "the source's answer is regenerated, never shown"
+    generated = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert generated == multi["turns"][0]["output_ids"] + [2] + multi["turns"][1]["output_ids"] + [2]
+    # the second request was the first turn's ids + answer + stop + the template's ids in between
+    second = stand_in.requests  # the last round holds only the second turn
+    assert len(second) == 1 and second[0].prompt_ids == ids[: len(second[0].prompt_ids)]
+
+
+def test_a_template_that_rewrites_history_gives_an_error_row(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rewriting = tmp_path / "rewrite.jinja"
+    rewriting.write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' %}[earlier answer]{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    plan = _multi_turn_plan(tmp_path, tiny_model, rewriting)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
+    stats = generate.run(plan, "s", "00000")
+    assert stats["error"] == 1 and any("not prefix-stable" in e for e in stats["errors"])
+
+
+def test_prompts_that_do_not_fit_the_context_are_skipped_before_the_engine(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _multi_turn_plan(tmp_path, tiny_model, TOOLS_TEMPLATE, context_length=100)
+    stand_in = EchoEngine()
+    monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
+    stats = generate.run(plan, "s", "00000")
+    assert stats["skipped"] == 1 and stats["ok"] == 1
+    assert all(len(r.prompt_ids) + 3 <= 100 for r in stand_in.requests)
+    rows = pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist()
+    skipped = [r for r in rows if r["finish_reason"] == "skipped"]
+    assert len(skipped) == 1 and "exceeds the context of 100" in skipped[0]["error"]
+
+
+def test_thinking_switch_reaches_the_rendered_prompt(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    conv = generate.Conversation("p", 0, [{"role": "user", "content": "hi"}], None, [1])
+    thinking = tok.decode(generate.Renderer(tok, {"enable_thinking": True}).next_context(conv))
+    plain = tok.decode(generate.Renderer(tok, {"enable_thinking": False}).next_context(conv))
+    assert thinking.endswith("<|im_start|>assistant\n")
+    assert plain.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_gguf_header_gives_the_context_length(gguf_path: Path) -> None:
+    from dflash_build import gguf_meta
+
+    meta = gguf_meta.read_metadata(str(gguf_path))
+    assert meta["general.architecture"] == "llama"
+    assert gguf_meta.context_length(str(gguf_path)) == meta["llama.context_length"] == 8192
+    with pytest.raises(ValueError, match="not a GGUF"):
+        gguf_meta.read_metadata(str(TOOLS_TEMPLATE))

@@ -167,7 +167,7 @@ def test_run_counts_every_drop_and_dedups(tmp_path: Path) -> None:
     assert [len(s) for s in shards] == [2, 2, 3]  # 11 raw rows plan 3 shards of 4; the 7 kept spread evenly
     ids = [r["prompt_id"] for s in shards for r in s]
     assert ids == sorted(ids) and len(set(ids)) == 7
-    assert manifest["shards"] == {"00000": 2, "00001": 2, "00002": 3}
+    assert {k: v["rows"] for k, v in manifest["shards"].items()} == {"00000": 2, "00001": 2, "00002": 3}
 
 
 def test_result_does_not_depend_on_row_or_file_order(tmp_path: Path) -> None:
@@ -222,3 +222,27 @@ def test_hf_source_from_a_local_dataset_folder(tmp_path: Path) -> None:
     manifest = prepare.run(plan, "s")
     assert manifest["rows_in"] == 6 and manifest["rows_out"] == 5
     assert manifest["drops"] == {"over_max_samples": 1}
+
+
+def test_turns_all_keeps_every_turn_with_answers_emptied() -> None:
+    row = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"name": "w"}]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny."},
+            {"role": "user", "content": "thanks"},
+        ]
+    }
+    messages, _ = prepare.to_prompt(row, spec("messages", turns="all"))
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user"]
+    assert messages[1]["content"] == messages[3]["content"] == ""
+    assert messages[2]["content"] == "sunny", "tool results are kept as they were"
+    first, _ = prepare.to_prompt(row, spec("messages"))
+    assert first == [{"role": "user", "content": "weather?"}]
+
+
+def test_turns_all_needs_a_user_turn_before_the_first_answer() -> None:
+    row = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]}
+    with pytest.raises(prepare.Drop, match=prepare.DROP_NO_USER_TURN):
+        prepare.to_prompt(row, spec("sharegpt", turns="all"))

@@ -29,3 +29,26 @@ def test_truncated_and_failed_rows(reason: str, policy: str, expected: object) -
 
 def test_an_empty_truncated_answer_is_dropped() -> None:
     assert tokenize.to_sample(row("length", []), "keep") == tokenize.DROP_EMPTY_ANSWER
+
+
+def test_every_regenerated_turn_is_in_the_loss_mask() -> None:
+    multi = {
+        "finish_reason": "stop",
+        "prompt_ids": [1, 5],
+        "output_ids": [9],
+        "stop_token_id": 2,
+        "turns": [
+            {"context_ids": [1, 5], "output_ids": [7, 8], "stop_token_id": 2, "finish_reason": "stop", "text": ""},
+            {"context_ids": [3, 4], "output_ids": [9], "stop_token_id": 2, "finish_reason": "stop", "text": ""},
+        ],
+    }
+    assert tokenize.to_sample(multi, "drop") == ([1, 5, 7, 8, 2, 3, 4, 9, 2], [0, 0, 1, 1, 1, 0, 0, 1, 1])
+
+
+def test_reasoning_tokens_stay_in_the_answer() -> None:
+    think = [151667, 40, 151668, 50]  # <think> x </think> y: all generated, all trained on
+    assert tokenize.to_sample(row("stop", think, stop=2), "drop")[1] == [0, 0, 0, 1, 1, 1, 1, 1]
+
+
+def test_skipped_rows_are_dropped() -> None:
+    assert tokenize.to_sample(row("skipped", []), "keep") == tokenize.DROP_SKIPPED

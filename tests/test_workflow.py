@@ -144,15 +144,20 @@ def _sources_of(jobs: dict[str, list[dict[str, str]]], rule: str) -> list[str]:
     return sorted(j["source"] for j in jobs.get(rule, []))
 
 
+def _dry_run_with(wf: Workflow, config: dict[str, Any], changed: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    """Jobs a dry run lists for ``changed``; the built config is written back afterwards."""
+    wf.write_config(changed)
+    try:
+        return wf.dry_run()
+    finally:
+        wf.write_config(config)
+
+
 def test_changing_one_sources_sampling_lists_only_its_jobs(built: tuple[Workflow, dict[str, Any]]) -> None:
     wf, config = built
     changed = copy.deepcopy(config)
     changed["sources"]["beta"]["sampling"] = {"temperature": 0.5}
-    wf.write_config(changed)
-    try:
-        jobs = wf.dry_run()
-    finally:
-        wf.write_config(config)
+    jobs = _dry_run_with(wf, config, changed)
     assert set(jobs) == {"generate", "tokenize", "mix"}
     assert _sources_of(jobs, "generate") == _sources_of(jobs, "tokenize") == ["beta"]
 
@@ -161,11 +166,7 @@ def test_engine_options_are_not_part_of_any_key(built: tuple[Workflow, dict[str,
     wf, config = built
     changed = copy.deepcopy(config)
     changed["engine"]["options"] = {"device": "cpu", "batch_size": 1, "threads": 2}
-    wf.write_config(changed)
-    try:
-        assert wf.dry_run() == {}
-    finally:
-        wf.write_config(config)
+    assert _dry_run_with(wf, config, changed) == {}
 
 
 def test_adding_a_source_lists_only_its_jobs(built: tuple[Workflow, dict[str, Any]]) -> None:
@@ -180,11 +181,7 @@ def test_adding_a_source_lists_only_its_jobs(built: tuple[Workflow, dict[str, An
         "fields": {"prompt": "question"},
     }
     changed["mix"]["categories"]["math"] = 0.25
-    wf.write_config(changed)
-    try:
-        jobs = wf.dry_run()
-    finally:
-        wf.write_config(config)
+    jobs = _dry_run_with(wf, config, changed)
     assert set(jobs) == {"prepare_delta", "generate", "tokenize", "mix"}
     assert _sources_of(jobs, "generate") == _sources_of(jobs, "tokenize") == ["delta"]
 
@@ -195,11 +192,7 @@ def test_changing_the_model_lists_every_generate_job(
     wf, config = built
     changed = copy.deepcopy(config)
     changed["model"]["path"] = str(tiny_model_b)
-    wf.write_config(changed)
-    try:
-        jobs = wf.dry_run()
-    finally:
-        wf.write_config(config)
+    jobs = _dry_run_with(wf, config, changed)
     assert set(jobs) == {"generate", "tokenize", "mix"}
     assert _sources_of(jobs, "generate") == ["alpha", "alpha", "beta", "gamma"]
 

@@ -8,9 +8,13 @@ inside their own module, so an optional engine is never needed to parse the work
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from dflash_build.config import EngineSpec, ModelSpec
+    from dflash_build.gpus import GpuLease
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,10 @@ class Result:
     finish_reason: str  # stop | length | abort | error
     stop_token_id: int | None = None
     error: str | None = None
+    # Set by backends that only get text back: output_ids then come from re-tokenizing it, and the
+    # server's own token count tells whether that drifted.
+    retokenized: bool = False
+    engine_output_tokens: int | None = None
 
 
 class Engine(Protocol):
@@ -53,19 +61,35 @@ class Engine(Protocol):
         ...
 
 
-BACKENDS = ("transformers",)
+BACKENDS = ("transformers", "sglang", "openai")
 
 
-def uses_gpu(backend: str, options: Mapping[str, Any]) -> bool:
-    """Whether a generation job of this backend holds a GPU (so the rule asks for ``gpu=1``)."""
-    if backend == "transformers":
-        return str(options.get("device", "cpu")).startswith("cuda")
-    return True
+def uses_gpu(engine: EngineSpec) -> bool:
+    """Whether a generation job holds a GPU (so the rule asks for ``gpu=1`` and pins one)."""
+    if engine.backend == "openai":
+        return False  # the servers own their GPUs
+    if engine.backend == "sglang":
+        return True
+    return engine.gpus is not None or str(engine.options.get("device", "cpu")).startswith("cuda")
 
 
-def load(backend: str, model_path: str, options: Mapping[str, Any], stop_token_ids: list[int]) -> Engine:
-    if backend == "transformers":
+def load(
+    engine: EngineSpec, model: ModelSpec, stop_token_ids: list[int], lease: GpuLease | None, tokenizer: Any = None
+) -> Engine:
+    """Start the configured backend; its library is imported here, never at parse time.
+
+    ``tokenizer`` is the driver's (the openai backend needs it for text-only servers).
+    """
+    if engine.backend == "transformers":
         from dflash_build.engines.transformers_backend import TransformersEngine
 
-        return TransformersEngine(model_path, options, stop_token_ids)
-    raise ValueError(f"config key 'engine.backend': unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
+        return TransformersEngine(model.path, engine.options, stop_token_ids)
+    if engine.backend == "sglang":
+        from dflash_build.engines.sglang_backend import SGLangEngine
+
+        return SGLangEngine(model, engine.options, stop_token_ids, lease)
+    if engine.backend == "openai":
+        from dflash_build.engines.openai_backend import OpenAIEngine
+
+        return OpenAIEngine(engine.options, stop_token_ids, tokenizer)
+    raise ValueError(f"config key 'engine.backend': unknown backend '{engine.backend}' (known: {', '.join(BACKENDS)})")

@@ -1,0 +1,5 @@
+import sys
+
+from dflash_build.cli import main
+
+sys.exit(main())

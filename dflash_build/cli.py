@@ -1,0 +1,149 @@
+"""`dflash-build` (or `python -m dflash_build`): steer a build from the command line.
+
+plan      per source: prompt rows, shards built / to build, rows really generated after reuse,
+          estimated output tokens and GPU-hours
+explain   every key component of a target; for a missing one, what differs from the nearest
+          key in the store
+gc        store entries the current config no longer references (delete with --yes)
+verify    re-read every referenced store and dist file against its manifest (--repair removes
+          the bad ones, so the next build rebuilds exactly those)
+reindex   rebuild the per-row reuse index from the store
+summary   the dataset summary of a built dist folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash_build import config as config_mod
+from dflash_build import mix, operate, rowindex
+from dflash_build import plan as plan_mod
+
+
+def _plan(args: argparse.Namespace) -> plan_mod.Plan:
+    return plan_mod.build(config_mod.load(args.configfile))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    estimates = operate.estimate(_plan(args), args.tokens_per_second)
+    if args.json:
+        print(json.dumps([e.__dict__ for e in estimates], indent=2))
+        return 0
+    header = (
+        f"{'source':<28}{'prompts':>10}{'shards':>8}{'built':>7}{'todo':>6}{'rows':>9}{'reused':>8}{'generate':>10}"
+    )
+    print(header + f"{'out tokens':>13}{'GPU-h':>9}")
+    for e in estimates:
+        rows = f"{e.prompt_rows}" if e.prompt_rows_known else f"≤{e.prompt_rows}"
+        print(
+            f"{e.source:<28}{rows:>10}{e.shards:>8}{e.completions_built:>7}{len(e.generate_jobs):>6}"
+            f"{e.rows_in_jobs:>9}{e.rows_reused + e.rows_journaled:>8}{e.rows_to_generate:>10}"
+            f"{e.output_tokens:>13.0f}{e.gpu_hours:>9.2f}"
+        )
+    total = sum(e.rows_to_generate for e in estimates)
+    tokens = sum(e.output_tokens for e in estimates)
+    hours = sum(e.gpu_hours for e in estimates)
+    jobs = sum(len(e.generate_jobs) for e in estimates)
+    print(f"total: {jobs} generate jobs, {total} rows to generate, {tokens:.0f} output tokens, {hours:.2f} GPU-hours")
+    if args.jobs:
+        for e in estimates:
+            for job in e.generate_jobs:
+                print(f"generate {job}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    if len(args.target) == 1:
+        stage, source, shard = operate.parse_target(plan, args.target[0])
+    else:
+        stage, (source, shard) = args.stage, args.target
+    print("\n".join(operate.explain(plan, stage, source, shard)))
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    entries = operate.garbage(plan, journals=args.journals)
+    for e in entries:
+        print(f"{'keep' if e.kept else ('delete' if args.yes else 'unreferenced')} {e.path} ({e.bytes} bytes)")
+    if not entries:
+        print("nothing unreferenced")
+    elif args.yes:
+        print(f"freed {operate.collect(plan, entries)} bytes")
+    else:
+        print("dry run: pass --yes to delete (journals of unfinished shards only with --journals)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    checked, problems = operate.verify(plan)
+    for p in problems:
+        print(f"BAD {p.path}: {p.reason}")
+    print(f"checked {checked} files, {len(problems)} bad")
+    if problems and args.repair:
+        for path in operate.repair(plan, problems):
+            print(f"removed {path}")
+        print("the next build regenerates exactly these")
+        return 0
+    return 1 if problems else 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    print(f"indexed {rowindex.rebuild(plan.config.store)} completion shards")
+    return 0
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    folder = Path(args.dataset)
+    print(mix.summary(json.loads((folder / "manifest.json").read_text()), folder))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dflash-build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--configfile", default="config/config.yaml", help="config file (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="what a build would do and cost")
+    p.add_argument("--jobs", action="store_true", help="also list every generate job")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=operate.DEFAULT_TOKENS_PER_SECOND,
+        help="output tok/s per GPU when the store has no measured shard (default: %(default)s)",
+    )
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("explain", help="why a target would (re)build")
+    p.add_argument("target", nargs="+", help="a store path, or SOURCE SHARD")
+    p.add_argument("--stage", choices=sorted(operate.STAGES), default="completions", help="with SOURCE SHARD")
+    p.set_defaults(func=cmd_explain)
+    p = sub.add_parser("gc", help="unreferenced store entries")
+    p.add_argument("--yes", action="store_true", help="delete them")
+    p.add_argument("--journals", action="store_true", help="also delete journals of unfinished shards")
+    p.set_defaults(func=cmd_gc)
+    p = sub.add_parser("verify", help="check every referenced file against its manifest")
+    p.add_argument("--repair", action="store_true", help="remove bad files so the next build rebuilds them")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("reindex", help="rebuild the row reuse index")
+    p.set_defaults(func=cmd_reindex)
+    p = sub.add_parser("summary", help="summary of a built dataset")
+    p.add_argument("dataset", help="dist/NAME")
+    p.set_defaults(func=cmd_summary)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (config_mod.ConfigError, KeyError, ValueError, FileNotFoundError) as e:
+        print(f"dflash-build {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

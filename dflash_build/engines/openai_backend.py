@@ -1,0 +1,283 @@
+"""OpenAI-protocol backend: already-running servers (e.g. one ``sglang.launch_server`` per GPU).
+
+Token ids go in and out where the server allows it: SGLang's native ``/generate`` takes
+``input_ids`` and returns ``output_ids``; SGLang and vLLM accept token-id prompts on
+``/v1/completions``. Otherwise (llama.cpp, for one) the rendered prompt goes as text and the answer
+comes back as text, which is re-tokenized; each such row is marked, and rows whose re-tokenized
+length differs from the server's own completion-token count are counted as drift in the stats.
+
+Requests are spread over the servers with a bounded number in flight per server. Timeouts, 429 and
+5xx are retried with exponential backoff; a server that does not answer its health check, or that
+stays down through every retry, fails the job with its address (finished rows stay journaled).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from dflash_build.engines import Request, Result
+
+log = logging.getLogger(__name__)
+
+KNOWN_OPTIONS = frozenset(
+    {"urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff"}
+)
+APIS = ("completions", "generate")
+PROMPT_MODES = ("auto", "ids", "text")
+_RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+# How servers refuse a token-id prompt (llama.cpp: a 500 validation error); busy answers are not refusals.
+_REFUSAL_STATUS = frozenset({400, 415, 422, 500})
+
+
+class ServerDown(RuntimeError):
+    pass
+
+
+class HTTPFailure(Exception):
+    """The server answered with an error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+class RequestRefused(HTTPFailure):
+    """A 4xx the server will not change its mind about (bad prompt, prompt too long, ...)."""
+
+
+class ServerError(ServerDown, HTTPFailure):
+    """A 5xx or 429 that outlasted every retry."""
+
+    def __init__(self, status: int, message: str) -> None:
+        RuntimeError.__init__(self, message)
+        self.status = status
+
+
+def _options(options: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(options) - KNOWN_OPTIONS
+    if unknown:
+        raise ValueError(
+            f"config key 'engine.options': unknown openai options {sorted(unknown)} (known: {sorted(KNOWN_OPTIONS)})"
+        )
+    urls = options.get("urls")
+    if isinstance(urls, str):
+        urls = [urls]
+    if not urls:
+        raise ValueError("config key 'engine.options.urls': the openai backend needs the servers' base URLs")
+    out = {
+        "urls": [u.rstrip("/") for u in urls],
+        "api": options.get("api", "completions"),
+        "model": options.get("model"),
+        "prompt": options.get("prompt", "auto"),
+        "concurrency": int(options.get("concurrency", 16)),
+        "timeout": float(options.get("timeout", 600)),
+        "retries": int(options.get("retries", 5)),
+        "backoff": float(options.get("backoff", 0.5)),
+        "max_backoff": float(options.get("max_backoff", 30)),
+    }
+    if out["api"] not in APIS:
+        raise ValueError(f"config key 'engine.options.api': '{out['api']}' is not one of {APIS}")
+    if out["prompt"] not in PROMPT_MODES:
+        raise ValueError(f"config key 'engine.options.prompt': '{out['prompt']}' is not one of {PROMPT_MODES}")
+    return out
+
+
+def completions_body(
+    request: Request, model: str, prompt: list[int] | str, stop_token_ids: list[int]
+) -> dict[str, Any]:
+    p = request.params
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "seed": request.seed,
+        "stop_token_ids": list(stop_token_ids),
+        "skip_special_tokens": False,
+        "return_token_ids": True,  # vLLM: token ids of the answer in the response
+    }
+    if p.top_k > 0:
+        body["top_k"] = p.top_k
+    return body
+
+
+def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
+    p = request.params
+    return {
+        "input_ids": request.prompt_ids,
+        "sampling_params": {
+            "max_new_tokens": p.max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k if p.top_k > 0 else -1,
+            "min_p": p.min_p,
+            "stop_token_ids": list(stop_token_ids),
+            "sampling_seed": request.seed,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        },
+    }
+
+
+class OpenAIEngine:
+    def __init__(self, options: Mapping[str, Any], stop_token_ids: list[int], tokenizer: Any) -> None:
+        self.opts = _options(options)
+        self.stop_token_ids = stop_token_ids
+        self.tokenizer = tokenizer  # for text prompts and re-tokenized answers
+        self._mode_lock = threading.Lock()
+        self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
+        for url in self.opts["urls"]:
+            self._health(url)
+        self.model_name = self.opts["model"] or self._served_model(self.opts["urls"][0])
+        self.pool = ThreadPoolExecutor(max_workers=self.opts["concurrency"] * len(self.opts["urls"]))
+        self._next = 0
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def _call(self, url: str, path: str, body: dict[str, Any] | None, retries: int | None = None) -> Any:
+        """POST (or GET without body) with retries on timeouts, 429 and 5xx."""
+        attempts = (self.opts["retries"] if retries is None else retries) + 1
+        delay = self.opts["backoff"]
+        last: Exception | None = None
+        status, text = 0, ""
+        for attempt in range(attempts):
+            data = None if body is None else json.dumps(body).encode()
+            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.opts["timeout"]) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                text = e.read().decode(errors="replace")
+                if e.code not in _RETRY_STATUS:
+                    raise RequestRefused(e.code, text) from e
+                status, last = e.code, RuntimeError(f"HTTP {e.code}: {text[:200]}")
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last = e
+            if attempt + 1 < attempts:
+                log.warning("%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, attempts - 1, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self.opts["max_backoff"])
+        if status:
+            raise ServerError(status, f"server {url} failed {path} after {attempts} attempts: {last}")
+        raise ServerDown(f"server {url} failed {path} after {attempts} attempts: {last}")
+
+    def _health(self, url: str) -> None:
+        try:
+            self._call(url, "/v1/models", None, retries=2)
+        except RequestRefused:
+            pass  # it answers: some servers have no /v1/models
+        except ServerDown as e:
+            raise ServerDown(f"config key 'engine.options.urls': {e}") from e
+
+    def _served_model(self, url: str) -> str:
+        try:
+            models = self._call(url, "/v1/models", None, retries=0).get("data") or []
+        except (RequestRefused, ServerDown):
+            return "default"
+        return models[0]["id"] if models else "default"
+
+    # -- one request --------------------------------------------------------------------------
+    def _one(self, url: str, request: Request) -> Result:
+        try:
+            if self.opts["api"] == "generate":
+                return self._native(url, request)
+            return self._completion(url, request)
+        except RequestRefused as e:
+            return Result(request.prompt_id, request.sample_idx, [], "error", error=f"{url}: {e}")
+
+    def _native(self, url: str, request: Request) -> Result:
+        from dflash_build.engines.sglang_backend import parse_output
+
+        out = self._call(url, "/generate", generate_body(request, self.stop_token_ids))
+        out = out[0] if isinstance(out, list) else out
+        return parse_output(request, out, self.stop_token_ids)
+
+    def _completion(self, url: str, request: Request) -> Result:
+        if self.prompt_mode == "auto":
+            # Probe once, without retries: some servers refuse token-id prompts with a 4xx, others
+            # (llama.cpp) with a 500 validation error. If the same request then works as text, the
+            # server is text-only; if it does not, the first error stands.
+            try:
+                out = self._call(url, "/v1/completions", self._completion_body(request, request.prompt_ids), retries=0)
+            except HTTPFailure as refused:
+                if refused.status not in _REFUSAL_STATUS:
+                    raise
+                try:
+                    result = self._parse_completion(request, self._text_completion(url, request))
+                except HTTPFailure:
+                    raise refused from None
+                with self._mode_lock:
+                    if self.prompt_mode == "auto":
+                        log.warning("%s refuses token-id prompts (%s): sending rendered text from now on", url, refused)
+                        self.prompt_mode = "text"
+                return result
+            with self._mode_lock:
+                if self.prompt_mode == "auto":
+                    self.prompt_mode = "ids"
+        elif self.prompt_mode == "ids":
+            out = self._call(url, "/v1/completions", self._completion_body(request, request.prompt_ids))
+        else:
+            out = self._text_completion(url, request)
+        return self._parse_completion(request, out)
+
+    def _text_completion(self, url: str, request: Request) -> Any:
+        text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
+        return self._call(url, "/v1/completions", self._completion_body(request, text))
+
+    def _completion_body(self, request: Request, prompt: list[int] | str) -> dict[str, Any]:
+        return completions_body(request, self.model_name, prompt, self.stop_token_ids)
+
+    def _parse_completion(self, request: Request, out: Mapping[str, Any]) -> Result:
+        choice = (out.get("choices") or [{}])[0]
+        reason = choice.get("finish_reason")
+        server_count = (out.get("usage") or {}).get("completion_tokens")
+        ids = choice.get("token_ids")
+        retokenized = ids is None
+        if retokenized:
+            ids = list(self.tokenizer(choice.get("text") or "", add_special_tokens=False)["input_ids"])
+        ids = [int(t) for t in ids]
+        if reason == "stop":
+            # Text answers carry no stop token; the server stopped on the model's end of turn.
+            stop = ids.pop() if ids and ids[-1] in self.stop_token_ids else self.stop_token_ids[0]
+            if server_count is not None and retokenized:
+                server_count -= 1  # the server counts the stop token it emitted
+            return Result(request.prompt_id, request.sample_idx, ids, "stop", stop, None, retokenized, server_count)
+        if reason == "length":
+            return Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
+        return Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
+
+    # -- Engine -------------------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        limit = self.opts["concurrency"] * len(self.opts["urls"])
+        todo = iter(requests)
+        pending: set[Future[Result]] = set()
+
+        def submit(request: Request) -> None:
+            url = self.opts["urls"][self._next % len(self.opts["urls"])]
+            self._next += 1
+            pending.add(self.pool.submit(self._one, url, request))
+
+        for request in todo:
+            submit(request)
+            if len(pending) >= limit:
+                break
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                pending.discard(future)
+                yield future.result()  # ServerDown propagates: the job fails, the journal stays
+                nxt = next(todo, None)
+                if nxt is not None:
+                    submit(nxt)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,347 @@
+"""Operating the store: plan, explain, gc and verify (the `dflash-build` commands).
+
+Each function takes the build plan of the current config and returns plain data; ``cli`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from dflash_build import hashing, prepare
+from dflash_build.journal import ROWS_FILE
+from dflash_build.plan import Plan
+from dflash_build.rowindex import RowIndex, reuse_key
+
+DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
+STAGES = {"prompts": "prepare", "completions": "generate", "tokens": "tokenize"}
+
+
+# -- plan -------------------------------------------------------------------------------------
+@dataclass
+class SourceEstimate:
+    source: str
+    prompt_rows: int
+    prompt_rows_known: bool  # False: prompts not prepared yet, an upper bound
+    shards: int
+    completions_built: int
+    tokens_built: int
+    generate_jobs: list[str] = field(default_factory=list)
+    rows_in_jobs: int = 0
+    rows_journaled: int = 0
+    rows_reused: int = 0
+    rows_to_generate: int = 0
+    output_tokens: float = 0.0
+    gpu_hours: float = 0.0
+
+
+def _measured(plan: Plan) -> tuple[float | None, float | None]:
+    """Mean output tokens per row and output tok/s per job, from shards of this model in the store."""
+    rows = tokens = 0
+    rates: list[float] = []
+    for stats_file in (plan.config.store / "completions").glob("*/*/*.stats.json"):
+        stats = json.loads(stats_file.read_text())
+        if stats.get("components", {}).get("model") != plan.model_fingerprint["digest"]:
+            continue
+        generated = stats.get("generated", stats.get("input_rows", 0))
+        if generated:
+            rows += stats["input_rows"]
+            tokens += stats["output_tokens"]
+            if stats.get("output_tokens_per_second"):
+                rates.append(stats["output_tokens_per_second"])
+    return (tokens / rows if rows else None), (sum(rates) / len(rates) if rates else None)
+
+
+def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> list[SourceEstimate]:
+    """What a build of the current config would do, per source."""
+    mean_tokens, rate = _measured(plan)
+    out = []
+    index_file = plan.config.store / "index" / "rows.sqlite"
+    index = RowIndex(plan.config.store) if index_file.exists() else None
+    for name, sp in plan.sources.items():
+        sampling = sp.spec.sampling
+        manifest_file = plan.prompt_dir(name) / "manifest.json"
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+        est = SourceEstimate(
+            source=name,
+            prompt_rows=manifest["rows_out"] if manifest else sp.planned_rows,
+            prompt_rows_known=manifest is not None,
+            shards=sp.n_shards,
+            completions_built=sum(p.exists() for p in plan.completion_shards(name)),
+            tokens_built=sum(p.exists() for p in plan.token_shards(name)),
+        )
+        selection = None
+        for shard, path in zip(sp.shards, plan.completion_shards(name), strict=True):
+            if path.exists():
+                continue
+            est.generate_jobs.append(f"{name}/{shard}")
+            prompt_shard = plan.prompt_dir(name) / f"{shard}.parquet"
+            if prompt_shard.exists():
+                ids = pq.read_table(prompt_shard, columns=["prompt_id"])["prompt_id"].to_pylist()
+            else:  # not prepared yet: run prepare's selection in memory (CPU only) to know the rows
+                if selection is None:
+                    selection = prepare.select(plan, name)
+                    est.prompt_rows = sum(len(r) for r in selection.shards.values())
+                    est.prompt_rows_known = True
+                ids = [r["prompt_id"] for r in selection.shards[shard]]
+            wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
+            est.rows_in_jobs += len(wanted)
+            journal = plan.journal_dir(name, shard) / ROWS_FILE
+            if journal.exists():
+                done = {(r["prompt_id"], r["sample_idx"]) for r in map(json.loads, journal.read_text().splitlines())}
+                est.rows_journaled += len(wanted & done)
+                wanted -= done
+            if index is not None and sp.spec.turns == "first":
+                found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens, sp.gen_key)
+                est.rows_reused += len(found)
+                wanted -= set(found)
+            est.rows_to_generate += len(wanted)
+        per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
+        est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
+        est.gpu_hours = est.output_tokens / (rate or default_tokens_per_second) / 3600
+        out.append(est)
+    if index is not None:
+        index.close()
+    return out
+
+
+# -- explain ----------------------------------------------------------------------------------
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    a, b = flatten(old), flatten(new)
+    return [
+        f"{k}: {json.dumps(a.get(k))} → {json.dumps(b.get(k))}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
+
+
+def _components_in(stage_dir: Path, stage: str) -> dict[str, Any] | None:
+    if stage == "prompts":
+        manifest = stage_dir / "manifest.json"
+        return json.loads(manifest.read_text())["components"] if manifest.exists() else None
+    for stats_file in sorted(stage_dir.glob("*.stats.json")):
+        return json.loads(stats_file.read_text())["components"]
+    return None
+
+
+def _current(plan: Plan, stage: str, source: str) -> tuple[str, dict[str, Any]]:
+    sp = plan.sources[source]
+    return {
+        "prompts": (sp.prompt_key, sp.prompt_components),
+        "completions": (sp.gen_key, sp.gen_components),
+        "tokens": (sp.tok_key, sp.tok_components),
+    }[stage]
+
+
+def explain(plan: Plan, stage: str, source: str, shard: str | None = None) -> list[str]:
+    """Key components of a target, and for a missing one what differs from the nearest built key."""
+    if source not in plan.sources:
+        raise KeyError(f"source '{source}' is not in the config (sources: {', '.join(plan.sources)})")
+    key, components = _current(plan, stage, source)
+    folder = plan.config.store / stage / source / key
+    target = folder / f"{shard}.parquet" if shard else folder
+    lines = [f"{target} ({STAGES[stage]}, key {key})"]
+    lines += [f"  {k} = {json.dumps(v)}" for k, v in sorted(flatten(components).items())]
+    if target.exists():
+        lines.append("built: nothing to do")
+        return lines
+    lines.append("missing: it will be built")
+    lines += _nearest(plan, stage, source, key, components)
+    return lines
+
+
+def _nearest(plan: Plan, stage: str, source: str, key: str, components: dict[str, Any], depth: int = 0) -> list[str]:
+    indent = "  " * (depth + 1)
+    best: tuple[int, str, list[str]] | None = None
+    for other in sorted((plan.config.store / stage / source).glob("*")):
+        if other.name == key or not other.is_dir():
+            continue
+        old = _components_in(other, stage)
+        if old is None:
+            continue
+        changes = diff(old, components)
+        if best is None or len(changes) < best[0]:
+            best = (len(changes), other.name, changes)
+    if best is None:
+        return [f"{indent}no earlier {STAGES[stage]} output of '{source}' in the store to compare with"]
+    _, other_key, changes = best
+    lines = [f"{indent}differs from {stage}/{source}/{other_key} in:"]
+    for change in changes:
+        lines.append(f"{indent}  {change}")
+    upstream = {"completions": ("prompt_key", "prompts"), "tokens": ("gen_key", "completions")}.get(stage)
+    if upstream and any(c.startswith(upstream[0] + ":") for c in changes):
+        up_key, up_components = _current(plan, upstream[1], source)
+        lines.append(f"{indent}{upstream[0]} changed because:")
+        lines += _nearest(plan, upstream[1], source, up_key, up_components, depth + 1)
+    return lines
+
+
+def parse_target(plan: Plan, target: str) -> tuple[str, str, str | None]:
+    """(stage, source, shard) of a store path such as store/completions/SRC/KEY/00000.parquet."""
+    parts = Path(target).parts
+    store_parts = plan.config.store.parts
+    rest = parts[len(store_parts) :] if parts[: len(store_parts)] == store_parts else parts
+    if len(rest) < 2 or rest[0] not in STAGES:
+        raise ValueError(
+            f"'{target}' is not a store path like {plan.config.store}/completions/SOURCE/KEY/SHARD.parquet"
+        )
+    shard = Path(rest[3]).name.split(".")[0] if len(rest) > 3 else None
+    return rest[0], rest[1], shard
+
+
+# -- gc ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    bytes: int
+    kept: bool  # unreferenced but kept (journals, unless asked)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def referenced(plan: Plan) -> set[Path]:
+    refs = set()
+    for name in plan.sources:
+        refs |= {plan.prompt_dir(name), plan.completion_dir(name), plan.token_dir(name)}
+        refs.add(plan.config.store / "journal" / plan.sources[name].gen_key)
+    return refs
+
+
+def garbage(plan: Plan, journals: bool = False) -> list[Entry]:
+    """Store entries no target of the current config references."""
+    store, refs = plan.config.store, referenced(plan)
+    out = []
+    for stage in STAGES:
+        for entry in sorted(store.glob(f"{stage}/*/*")):
+            if entry.is_dir() and entry not in refs:
+                out.append(Entry(entry, _size(entry), kept=False))
+    for entry in sorted(store.glob("journal/*")):
+        if entry.is_dir() and entry not in refs:
+            unfinished = any(entry.rglob(ROWS_FILE))
+            out.append(Entry(entry, _size(entry), kept=unfinished and not journals))
+    return out
+
+
+def collect(plan: Plan, entries: list[Entry]) -> int:
+    """Delete the entries that are not kept; returns bytes freed."""
+    referenced_now = referenced(plan)
+    index = RowIndex(plan.config.store)
+    freed = 0
+    try:
+        for entry in entries:
+            if entry.kept:
+                continue
+            assert entry.path not in referenced_now, f"refusing to delete referenced {entry.path}"
+            for shard in entry.path.glob("*.parquet"):
+                index.remove_shard(shard)
+            shutil.rmtree(entry.path)
+            freed += entry.bytes
+    finally:
+        index.close()
+    return freed
+
+
+# -- verify -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    path: Path
+    reason: str
+    remove: tuple[Path, ...]  # what --repair deletes so the next build rebuilds exactly this
+
+
+def _check(path: Path, expected: dict[str, Any] | None) -> str | None:
+    if expected is None:
+        return "no manifest entry or stats sidecar describes it"
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except Exception as e:
+        return f"unreadable parquet footer ({type(e).__name__}: {e})"
+    if rows != expected["rows"]:
+        return f"{rows} rows, manifest says {expected['rows']}"
+    digest = hashing.sha256_file(path)
+    if digest != expected["sha256"]:
+        return f"content hash {digest[:16]} differs from the manifest's {expected['sha256'][:16]}"
+    return None
+
+
+def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tuple[Path, ...]]]:
+    """(file, what its manifest says, what --repair removes): the file, its sidecar, what derives from it.
+
+    Derived files go too, or Snakemake would never need the repaired file again: a completion shard
+    takes its token shard and the dataset with it. A prompt shard goes alone (its completions are
+    still valid); prepare rebuilds it the next time a job needs it.
+    """
+    dist = plan.config.dataset_dir
+
+    def with_sidecar(path: Path) -> tuple[Path, Path]:
+        return path, path.with_name(path.name.replace(".parquet", ".stats.json"))
+
+    def expected(path: Path) -> dict[str, Any] | None:
+        sidecar = with_sidecar(path)[1]
+        return json.loads(sidecar.read_text()).get("data") if sidecar.exists() else None
+
+    for name, sp in plan.sources.items():
+        manifest_file = plan.prompt_dir(name) / "manifest.json"
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {"shards": {}}
+        for shard, path in zip(sp.shards, plan.prompt_shards(name), strict=True):
+            if path.exists():
+                yield path, manifest["shards"].get(shard), (path,)
+        for completion, tokens in zip(plan.completion_shards(name), plan.token_shards(name), strict=True):
+            if completion.exists():
+                yield completion, expected(completion), (*with_sidecar(completion), *with_sidecar(tokens), dist)
+            if tokens.exists():
+                yield tokens, expected(tokens), (*with_sidecar(tokens), dist)
+    manifest_file = dist / "manifest.json"
+    if manifest_file.exists():
+        for info in json.loads(manifest_file.read_text())["files"]:
+            yield dist / info["path"], info, (dist,)
+
+
+def verify(plan: Plan) -> tuple[int, list[Problem]]:
+    """Re-read every store and dist file the config references; (files checked, problems)."""
+    checked, problems = 0, []
+    for path, expected, remove in _store_files(plan):
+        checked += 1
+        if not path.exists():
+            problems.append(Problem(path, "missing", remove))
+        elif (reason := _check(path, expected)) is not None:
+            problems.append(Problem(path, reason, remove))
+    return checked, problems
+
+
+def repair(plan: Plan, problems: list[Problem]) -> list[Path]:
+    """Remove what each problem names, and its index entries; the next build regenerates exactly that."""
+    removed = []
+    index = RowIndex(plan.config.store)
+    try:
+        for problem in problems:
+            for path in problem.remove:
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+                else:
+                    continue
+                if path.suffix == ".parquet":
+                    index.remove_shard(path)
+                removed.append(path)
+    finally:
+        index.close()
+    return removed

@@ -1,0 +1,160 @@
+"""Operating the store through the real commands and workflow: reuse, plan, explain, gc, verify."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import Workflow, base_config, write_jsonl
+
+ROWS = [{"instruction": f"Describe object number {i}."} for i in range(20)]
+
+
+def cli(wf: Workflow, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_build", "--configfile", "config.yaml", *args],
+        cwd=wf.workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stdout + proc.stderr)
+    return proc
+
+
+def completions(wf: Workflow, source: str = "objs") -> dict[str, dict[tuple[str, int], dict[str, Any]]]:
+    """Completion rows per gen_key folder."""
+    out: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+    for shard in (wf.workdir / "store" / "completions" / source).glob("*/*.parquet"):
+        rows = out.setdefault(shard.parent.name, {})
+        rows.update({(r["prompt_id"], r["sample_idx"]): r for r in pq.read_table(shard).to_pylist()})
+    return out
+
+
+def generate_jobs(wf: Workflow) -> list[str]:
+    jobs = wf.dry_run().get("generate", [])
+    return sorted(f"{j['source']}/{j['shard']}" for j in jobs)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("operate")
+    work = root / "work"
+    work.mkdir()
+    write_jsonl(work / "objs.jsonl", ROWS)
+    sources = {"objs": {"category": "general", "files": ["objs.jsonl"], "format": "alpaca"}}
+    config = base_config(stoppy_model, sources, shard_size=10)
+    config["sampling"]["max_new_tokens"] = 6
+    wf = Workflow(work)
+    wf.write_config(config)
+    wf.build()
+    return work, config
+
+
+def workflow_copy(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> tuple[Workflow, dict[str, Any]]:
+    work = tmp_path / "work"
+    shutil.copytree(base[0], work, symlinks=True)
+    return Workflow(work), copy.deepcopy(base[1])
+
+
+def test_adding_ten_percent_more_rows_generates_only_those(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    wf, _config = workflow_copy(base, tmp_path)
+    before = completions(wf)
+    [old_rows] = before.values()
+    write_jsonl(
+        wf.workdir / "objs.jsonl",
+        [*ROWS, {"instruction": "Describe object 20."}, {"instruction": "Describe object 21."}],
+    )
+
+    planned = json.loads(cli(wf, "plan", "--json").stdout)[0]
+    jobs = generate_jobs(wf)
+    assert [f"objs/{shard}" for shard in ("00000", "00001", "00002")] == jobs  # 22 rows: 3 new shard paths
+    assert sorted(planned["generate_jobs"]) == jobs, "plan lists exactly the jobs snakemake -n lists"
+    assert planned["rows_to_generate"] == 2 and planned["rows_reused"] == 20
+
+    wf.build()
+    stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions" / "objs").glob("*/*.stats.json")]
+    new = [s for s in stats if s["gen_key"] not in before]
+    assert sum(s["generated"] for s in new) == 2 == planned["rows_to_generate"]
+    assert sum(s["reused"] for s in new) == 20
+    [new_rows] = [rows for key, rows in completions(wf).items() if key not in before]
+    for pair, row in old_rows.items():
+        assert new_rows[pair]["output_ids"] == row["output_ids"] and new_rows[pair]["reused_from"]
+
+
+def test_raising_max_new_tokens_regenerates_only_truncated_rows(
+    base: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    wf, config = workflow_copy(base, tmp_path)
+    [old_rows] = completions(wf).values()
+    stopped = {k for k, r in old_rows.items() if r["finish_reason"] == "stop"}
+    truncated = {k for k, r in old_rows.items() if r["finish_reason"] == "length"}
+    assert stopped and truncated, "the fixture model gives both kinds"
+
+    config["sampling"]["max_new_tokens"] = 12
+    wf.write_config(config)
+    planned = json.loads(cli(wf, "plan", "--json").stdout)[0]
+    assert planned["rows_to_generate"] == len(truncated)
+    wf.build()
+    [new_rows] = [rows for rows in completions(wf).values() if rows.keys() == old_rows.keys() and rows != old_rows]
+    regenerated = {k for k, r in new_rows.items() if not r["reused_from"]}
+    assert regenerated == truncated
+    for k in stopped:
+        assert new_rows[k]["output_ids"] == old_rows[k]["output_ids"] and new_rows[k]["finish_reason"] == "stop"
+
+
+def test_explain_names_the_changed_component(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    wf, config = workflow_copy(base, tmp_path)
+    config["sources"]["objs"]["sampling"] = {"temperature": 0.5}
+    wf.write_config(config)
+    out = cli(wf, "explain", "objs", "00000").stdout
+    assert "missing: it will be built" in out
+    assert "sampling.temperature: 0.8 → 0.5" in out
+    assert "model" not in out.split("differs from")[1], "only what changed is named"
+    shard = next((wf.workdir / "store" / "tokens" / "objs").rglob("00000.parquet"))
+    config["sources"]["objs"]["sampling"] = {}
+    wf.write_config(config)
+    assert "built: nothing to do" in cli(wf, "explain", str(shard.relative_to(wf.workdir))).stdout
+
+
+def test_gc_deletes_only_unreferenced_entries(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    wf, config = workflow_copy(base, tmp_path)
+    config["sources"]["objs"]["sampling"] = {"temperature": 0.5}
+    wf.write_config(config)
+    wf.build()
+    listed = cli(wf, "gc").stdout
+    assert listed.count("unreferenced") == 2 and "completions/objs" in listed and "tokens/objs" in listed
+    cli(wf, "gc", "--yes")
+    assert "nothing unreferenced" in cli(wf, "gc").stdout
+    assert wf.dry_run() == {}, "every referenced file is still there"
+    assert cli(wf, "verify").returncode == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_verify_repair_rebuilds_exactly_the_damaged_shard(
+    base: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
+) -> None:
+    wf, _ = workflow_copy(base, tmp_path)
+    [shard] = (wf.workdir / "store" / "completions" / "objs").glob("*/00001.parquet")
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    found = cli(wf, "verify", check=False)
+    assert found.returncode == 1 and f"BAD {shard.relative_to(wf.workdir)}" in found.stdout
+    cli(wf, "verify", "--repair")
+    assert generate_jobs(wf) == ["objs/00001"]
+    wf.build()
+    assert cli(wf, "verify").returncode == 0
