@@ -92,6 +92,35 @@ def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: o
         assert len(tokenizer.decode(r.output_ids).strip()) > 0
 
 
+def test_requests_spread_over_servers_within_their_concurrency(server: str, tokenizer: object) -> None:
+    """Two addresses of one server: each gets at most `concurrency` requests at once, and both get work."""
+    seen: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    urls = [server, server.replace("127.0.0.1", "localhost")]
+    engine = OpenAIEngine({"urls": urls, "concurrency": 1, "prompt": "text"}, [2], tokenizer)
+    active: dict[str, int] = {}
+    lock = threading.Lock()
+    original = engine._one
+
+    def counting(url: str, request: Request) -> object:
+        with lock:
+            active[url] = active.get(url, 0) + 1
+            peak[url] = max(peak.get(url, 0), active[url])
+            seen[url] = seen.get(url, 0) + 1
+        try:
+            return original(url, request)
+        finally:
+            with lock:
+                active[url] -= 1
+
+    engine._one = counting  # type: ignore[method-assign]
+    results = list(engine.generate([_request(tokenizer, f"r{i}", f"Say the number {i}.", 4) for i in range(6)]))
+    engine.close()
+    assert len(results) == 6
+    assert len(seen) == 2 and all(n >= 1 for n in seen.values())
+    assert all(p == 1 for p in peak.values())
+
+
 def test_a_server_that_is_down_fails_clearly(tokenizer: object) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerDown, match=r"engine\.options\.urls.*" + url):

@@ -140,7 +140,6 @@ class OpenAIEngine:
             self._health(url)
         self.model_name = self.opts["model"] or self._served_model(self.opts["urls"][0])
         self.pool = ThreadPoolExecutor(max_workers=self.opts["concurrency"] * len(self.opts["urls"]))
-        self._next = 0
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: dict[str, Any] | None, retries: int | None = None) -> Any:
@@ -257,27 +256,30 @@ class OpenAIEngine:
 
     # -- Engine -------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        limit = self.opts["concurrency"] * len(self.opts["urls"])
+        """At most ``concurrency`` requests in flight per server, each to the least loaded one."""
+        per_server = self.opts["concurrency"]
+        in_flight = dict.fromkeys(self.opts["urls"], 0)
+        owner: dict[Future[Result], str] = {}
         todo = iter(requests)
-        pending: set[Future[Result]] = set()
 
-        def submit(request: Request) -> None:
-            url = self.opts["urls"][self._next % len(self.opts["urls"])]
-            self._next += 1
-            pending.add(self.pool.submit(self._one, url, request))
+        def fill() -> None:
+            while True:
+                url = min(in_flight, key=in_flight.__getitem__)
+                if in_flight[url] >= per_server:
+                    return
+                request = next(todo, None)
+                if request is None:
+                    return
+                in_flight[url] += 1
+                owner[self.pool.submit(self._one, url, request)] = url
 
-        for request in todo:
-            submit(request)
-            if len(pending) >= limit:
-                break
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        fill()
+        while owner:
+            done, _ = wait(owner, return_when=FIRST_COMPLETED)
             for future in done:
-                pending.discard(future)
+                in_flight[owner.pop(future)] -= 1
                 yield future.result()  # ServerDown propagates: the job fails, the journal stays
-                nxt = next(todo, None)
-                if nxt is not None:
-                    submit(nxt)
+            fill()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
