@@ -18,6 +18,7 @@ one that drops earlier reasoning) is recorded as an error row with that reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -109,6 +110,7 @@ class Turn:
     retokenized: bool = False
     drifted: bool = False  # re-tokenized length differs from the server's own count
     reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
+    continued: bool = False  # the engine extended the reused (truncated) answer
 
 
 @dataclass
@@ -119,6 +121,8 @@ class Conversation:
     tools: list[dict[str, Any]] | None
     slots: list[int]  # message index of each assistant answer to generate
     turns: list[Turn] = field(default_factory=list)
+    prefix: list[int] = field(default_factory=list)  # an earlier truncated answer to continue
+    prefix_from: str | None = None
     finish_reason: str | None = None  # set when the conversation is finished
     error: str | None = None
 
@@ -210,6 +214,7 @@ def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
         "retokenized": turn.retokenized,
         "drifted": turn.drifted,
         "reused_from": turn.reused_from,
+        "continued": turn.continued,
     }
 
 
@@ -252,7 +257,7 @@ def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> di
         if conv is None or row["turn"] != len(conv.turns):
             raise RuntimeError(f"journal {journal.path} does not match prompt shard {source}/{shard}; delete it")
         turn = _apply(conv, renderer.next_context(conv), _result_of(row))
-        turn.reused_from = row.get("reused_from")
+        turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
     if resumed:
         log.info("%s/%s: resuming, %d turns already journaled", source, shard, len(resumed))
 
@@ -292,7 +297,12 @@ def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> di
                     progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
                     continue
                 seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns))
-                requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, params, seed))
+                request_params = params
+                if conv.prefix:  # continue an earlier truncated answer with what is left of the limit
+                    prompt_ids = prompt_ids + conv.prefix
+                    remaining = params.max_new_tokens - len(conv.prefix)
+                    request_params = dataclasses.replace(params, max_new_tokens=remaining)
+                requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, request_params, seed))
                 contexts[conv.key] = ids
             if not requests:
                 break
@@ -303,7 +313,12 @@ def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> di
                     _die()
             for result in engine.generate(requests):
                 conv = convs[(result.prompt_id, result.sample_idx)]
+                if conv.prefix:
+                    result = dataclasses.replace(result, output_ids=conv.prefix + list(result.output_ids))
                 turn = _apply(conv, contexts.pop(conv.key), result)
+                if conv.prefix_from is not None:
+                    turn.reused_from, turn.continued = conv.prefix_from, True
+                    conv.prefix, conv.prefix_from = [], None
                 journal.append(_journal_row(conv, turn))
                 journaled += 1
                 progress.update(result, conv.finish_reason is not None)
@@ -330,10 +345,13 @@ def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> di
     stats[R.STAT_RETOKENIZE_DRIFT] = round(sum(t.drifted for t in turns) / retokenized, 6) if retokenized else 0.0
     out_dir = plan.completion_dir(source)
     reused_from: dict[str, int] = {}
+    continued = 0
     for conv in convs.values():
         if conv.turns and conv.turns[0].reused_from:
             reused_from[conv.turns[0].reused_from] = reused_from.get(conv.turns[0].reused_from, 0) + 1
-    stats[R.STAT_REUSED] = sum(reused_from.values())
+            continued += conv.turns[0].continued
+    stats[R.STAT_REUSED] = sum(reused_from.values()) - continued
+    stats[R.STAT_CONTINUED] = continued
     stats[R.STAT_REUSED_FROM] = reused_from
     stats[R.STAT_GENERATED] = journaled
     table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
@@ -381,7 +399,11 @@ def _reuse(
                 if ids != old["prompt_ids"]:
                     continue  # rendered differently (should not happen under one reuse_key): generate it
                 output = list(old["output_ids"])
-                if old["finish_reason"] == R.FINISH_STOP and len(output) + 1 <= limit:
+                use = cand.use_for(limit)
+                if use == "continue":
+                    conv.prefix, conv.prefix_from = output, origin  # the engine generates the rest
+                    continue
+                if use == "whole":
                     result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
                 else:  # a prefix of a longer sample is this limit's truncated sample
                     result = Result(conv.prompt_id, conv.sample_idx, output[:limit], R.FINISH_LENGTH)
@@ -447,6 +469,7 @@ def _completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> d
         "n_prompt_tokens": len(first.context_ids) if first else 0,
         "n_output_tokens": sum(len(t.output_ids) for t in turns),
         "reused_from": first.reused_from if first else None,
+        "continued": bool(first and first.continued),
         "turns": [
             {
                 "context_ids": t.context_ids,

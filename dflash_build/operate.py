@@ -36,6 +36,7 @@ class SourceEstimate:
     rows_in_jobs: int = 0
     rows_journaled: int = 0
     rows_reused: int = 0
+    rows_continued: int = 0  # truncated earlier rows the engine extends (part of rows_to_generate)
     rows_to_generate: int = 0
     output_tokens: float = 0.0
     gpu_hours: float = 0.0
@@ -99,8 +100,10 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
                 wanted -= done
             if index is not None and sp.spec.turns == "first":
                 found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens, sp.gen_key)
-                est.rows_reused += len(found)
-                wanted -= set(found)
+                taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
+                est.rows_reused += len(taken)
+                est.rows_continued += len(found) - len(taken)
+                wanted -= taken
             est.rows_to_generate += len(wanted)
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)

@@ -32,6 +32,7 @@ COMPLETION_SCHEMA = pa.schema(
         ("n_prompt_tokens", pa.int32()),
         ("n_output_tokens", pa.int32()),
         ("reused_from", pa.string()),  # "gen_key/shard" the row was taken from, null when generated here
+        ("continued", pa.bool_()),  # reused as a truncated prefix that the engine continued
         # turns: all only: every regenerated turn, context ids first (null for single-turn rows)
         (
             "turns",
@@ -90,5 +91,6 @@ STAT_TOKENS = "tokens"
 STAT_LOSS_TOKENS = "loss_tokens"
 STAT_DATA = "data"  # {"rows", "sha256"} of the parquet file the sidecar describes
 STAT_REUSED = "reused"  # rows taken from completions already in the store
-STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}
+STAT_CONTINUED = "continued"  # rows whose earlier truncated answer the engine continued
+STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}, reused and continued
 STAT_GENERATED = "generated"  # rows the engine produced in this build

@@ -4,11 +4,12 @@ Shard targets stay per shard, but before generating, a job looks up every (promp
 the completions already in the store for the same model, template, template kwargs and sampling
 (everything of gen_key but the prompt set and max_new_tokens: the ``reuse_key``). A row's seed
 depends only on (seed, prompt_id, sample_idx), so a row generated for another prompt set is a valid
-sample of this one. Under a new max_new_tokens M:
+sample of this one. Under a new max_new_tokens M, a row with n output tokens is used:
 
-- a row that stopped after n tokens is valid when n + 1 <= M (it stopped before the limit);
-- a truncated row generated with limit L >= M is valid cut to M tokens (a prefix of the same sample);
-- anything else is generated again.
+- whole, when it stopped and n + 1 <= M (it stopped before the limit);
+- cut to its first M tokens (a truncated sample under M), when n >= M;
+- as a prefix to continue from, when it was truncated with n < M: the engine generates the rest,
+  which is as valid a sample as one generated from scratch.
 
 SQLite (WAL, one file per store) keeps the lookup fast at millions of rows and safe for concurrent
 jobs. The index is derived data: ``rebuild`` recreates it from the shards' stats sidecars.
@@ -67,10 +68,17 @@ class Candidate:
     n_output: int
     max_new_tokens: int
 
-    def usable_for(self, max_new_tokens: int) -> bool:
-        if self.finish_reason == "stop":
-            return self.n_output + 1 <= max_new_tokens
-        return self.finish_reason == "length" and self.max_new_tokens >= max_new_tokens
+    def use_for(self, max_new_tokens: int) -> str:
+        """How this row serves a build with ``max_new_tokens``: whole, cut to a prefix, or continued."""
+        if self.finish_reason == "stop" and self.n_output + 1 <= max_new_tokens:
+            return "whole"
+        if self.n_output >= max_new_tokens:
+            return "cut"
+        return "continue"
+
+
+def _rank(cand: Candidate, max_new_tokens: int) -> tuple[bool, int]:
+    return cand.use_for(max_new_tokens) != "continue", cand.n_output
 
 
 class RowIndex:
@@ -124,12 +132,11 @@ class RowIndex:
             for values in cursor:
                 cand = Candidate(*values)
                 pair = (cand.prompt_id, cand.sample_idx)
-                if pair not in keys or not cand.usable_for(max_new_tokens):
+                if pair not in keys:
                     continue
-                # a stopped row is whole; among truncated ones the longest limit wastes least
-                rank = (cand.finish_reason == "stop", cand.max_new_tokens)
+                # a whole or cut row costs nothing; among continuations the longest prefix wastes least
                 old = best.get(pair)
-                if old is None or rank > (old.finish_reason == "stop", old.max_new_tokens):
+                if old is None or _rank(cand, max_new_tokens) > _rank(old, max_new_tokens):
                     best[pair] = cand
         return best
 

@@ -91,7 +91,7 @@ def test_adding_ten_percent_more_rows_generates_only_those(base: tuple[Path, dic
         assert new_rows[pair]["output_ids"] == row["output_ids"] and new_rows[pair]["reused_from"]
 
 
-def test_raising_max_new_tokens_regenerates_only_truncated_rows(
+def test_raising_max_new_tokens_generates_only_for_truncated_rows(
     base: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
     wf, config = workflow_copy(base, tmp_path)
@@ -103,13 +103,39 @@ def test_raising_max_new_tokens_regenerates_only_truncated_rows(
     config["sampling"]["max_new_tokens"] = 12
     wf.write_config(config)
     planned = json.loads(cli(wf, "plan", "--json").stdout)[0]
-    assert planned["rows_to_generate"] == len(truncated)
+    assert planned["rows_to_generate"] == planned["rows_continued"] == len(truncated)
+    assert planned["rows_reused"] == len(stopped)
     wf.build()
     [new_rows] = [rows for rows in completions(wf).values() if rows.keys() == old_rows.keys() and rows != old_rows]
-    regenerated = {k for k, r in new_rows.items() if not r["reused_from"]}
-    assert regenerated == truncated
+    assert {k for k, r in new_rows.items() if r["continued"]} == truncated
+    for k in truncated:  # continued from the old prefix: as valid a sample as a fresh one
+        assert new_rows[k]["output_ids"][:6] == old_rows[k]["output_ids"]
+        assert len(new_rows[k]["output_ids"]) > 6 or new_rows[k]["finish_reason"] == "stop"
     for k in stopped:
         assert new_rows[k]["output_ids"] == old_rows[k]["output_ids"] and new_rows[k]["finish_reason"] == "stop"
+    new_stats = [
+        json.loads(p.read_text())
+        for p in (wf.workdir / "store" / "completions" / "objs").glob("*/*.stats.json")
+        if json.loads(p.read_text())["components"]["sampling"]["max_new_tokens"] == 12
+    ]
+    assert sum(s["continued"] for s in new_stats) == sum(s["generated"] for s in new_stats) == len(truncated)
+    assert sum(s["reused"] for s in new_stats) == len(stopped)
+
+
+def test_lowering_max_new_tokens_generates_nothing(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    wf, config = workflow_copy(base, tmp_path)
+    [old_rows] = completions(wf).values()
+    config["sampling"]["max_new_tokens"] = 3
+    wf.write_config(config)
+    assert json.loads(cli(wf, "plan", "--json").stdout)[0]["rows_to_generate"] == 0
+    wf.build()
+    [new_rows] = [rows for rows in completions(wf).values() if rows != old_rows]
+    for k, row in new_rows.items():
+        old = old_rows[k]
+        assert row["output_ids"] == old["output_ids"][:3]
+        assert row["finish_reason"] == (
+            "stop" if old["finish_reason"] == "stop" and len(old["output_ids"]) < 3 else "length"
+        )
 
 
 def test_explain_names_the_changed_component(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

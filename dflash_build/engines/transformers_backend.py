@@ -74,9 +74,13 @@ class TransformersEngine:
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else stop_token_ids[0]
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        ordered = sorted(requests, key=lambda r: (-len(r.prompt_ids), r.prompt_id, r.sample_idx))
-        for start in range(0, len(ordered), self.batch_size):
-            yield from self._batch(ordered[start : start + self.batch_size])
+        groups: dict[Any, list[Request]] = {}
+        for r in requests:  # one batch holds one set of sampling params (continuations have their own)
+            groups.setdefault(r.params, []).append(r)
+        for group in groups.values():
+            ordered = sorted(group, key=lambda r: (-len(r.prompt_ids), r.prompt_id, r.sample_idx))
+            for start in range(0, len(ordered), self.batch_size):
+                yield from self._batch(ordered[start : start + self.batch_size])
 
     def close(self) -> None:
         del self.model
