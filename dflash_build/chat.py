@@ -87,6 +87,24 @@ def context_length(model: ModelSpec) -> int | None:
     return None
 
 
+def render_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: Mapping[str, Any],
+    generation_prompt: bool = True,
+) -> str:
+    """The chat template's text for ``messages``, ending with the assistant header by default."""
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **dict(template_kwargs)
+    )
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    # The template already wrote any BOS; the tokenizer must not add another.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def render(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -94,20 +112,14 @@ def render(
     template_kwargs: Mapping[str, Any],
 ) -> list[int]:
     """Prompt token ids exactly as the target sees them, ending with the assistant header."""
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False, **dict(template_kwargs)
-    )
-    # The template already wrote any BOS; the tokenizer must not add another.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode(tokenizer, render_text(tokenizer, messages, tools, template_kwargs))
 
 
 def check_renders_tools(tokenizer: Any, template_kwargs: Mapping[str, Any]) -> None:
     """Refuse a template that silently ignores tool schemas: tool rows would lose their tools."""
     probe = [{"role": "user", "content": "hi"}]
-    plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, **dict(template_kwargs))
-    with_tools = tokenizer.apply_chat_template(
-        probe, tools=_PROBE_TOOLS, add_generation_prompt=True, tokenize=False, **dict(template_kwargs)
-    )
+    plain = render_text(tokenizer, probe, None, template_kwargs)
+    with_tools = render_text(tokenizer, probe, _PROBE_TOOLS, template_kwargs)
     if plain == with_tools:
         raise TemplateError(
             "config key 'model.chat_template': this source has rows with tools, but the chat template "

@@ -141,14 +141,14 @@ class Conversation:
         self.finish_reason, self.error = reason, error
 
 
-def answer_slots(messages: list[dict[str, Any]], turns: str) -> tuple[list[dict[str, Any]], list[int]]:
-    """(messages, where each answer goes). ``first``: one answer after the whole prompt."""
+def answer_slots(messages: list[dict[str, Any]], turns: str) -> list[int]:
+    """Where each answer goes. ``first``: one answer after the whole prompt."""
     if turns == "first":
-        return messages, [len(messages)]
+        return [len(messages)]
     slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not messages or messages[-1]["role"] != "assistant":
         slots.append(len(messages))
-    return messages, slots
+    return slots
 
 
 class Renderer:
@@ -156,14 +156,6 @@ class Renderer:
 
     def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any]) -> None:
         self.tokenizer, self.kwargs = tokenizer, template_kwargs
-
-    def _text(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def history(self, conv: Conversation) -> list[dict[str, Any]]:
         """The conversation up to the next answer, with earlier answers replaced by generated ones."""
@@ -179,16 +171,16 @@ class Renderer:
     def next_context(self, conv: Conversation) -> list[int]:
         """Ids to add before the next answer; raises ValueError when the template is not prefix-stable."""
         history = self.history(conv)
-        text = self._text(history, conv.tools, generation_prompt=True)
+        text = chat.render_text(self.tokenizer, history, conv.tools, self.kwargs)
         if not conv.turns:
-            return self._encode(text)
+            return chat.encode(self.tokenizer, text)
         # What the template wrote up to the end of the last answer must be a prefix of the new render.
-        seen = self._text(history[: conv.slots[len(conv.turns) - 1]], conv.tools, generation_prompt=True)
+        seen = chat.render_text(self.tokenizer, history[: conv.slots[len(conv.turns) - 1]], conv.tools, self.kwargs)
         last = conv.turns[-1]
         seen += self.decode(last.output_ids + ([last.stop_token_id] if last.stop_token_id is not None else []))
         if not text.startswith(seen):
             raise ValueError("chat template rewrites earlier turns (not prefix-stable); use turns: first")
-        return self._encode(text[len(seen) :])
+        return chat.encode(self.tokenizer, text[len(seen) :])
 
 
 def _kill_point() -> tuple[str, int]:
@@ -244,7 +236,8 @@ def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> di
 
     convs: dict[tuple[str, int], Conversation] = {}
     for p in prompts:
-        messages, slots = answer_slots(json.loads(p["messages"]), sp.spec.turns)
+        messages = json.loads(p["messages"])
+        slots = answer_slots(messages, sp.spec.turns)
         tools = json.loads(p["tools"]) if p["tools"] else None
         for idx in range(sampling.samples_per_prompt):
             conv = Conversation(p["prompt_id"], idx, messages, tools, slots)

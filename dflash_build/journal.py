@@ -46,13 +46,15 @@ class Journal:
             with open(self.path, "rb+") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
-        rows = []
-        for lineno, line in enumerate(data[:end].splitlines(), start=1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise RuntimeError(f"journal {self.path}:{lineno} is corrupt ({e.msg}); delete it to regenerate") from e
-        return rows
+        return _parse(self.path, data[:end])
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        """The complete rows of a journal file, changing nothing (for `plan`, while a job may write it)."""
+        if not path.exists():
+            return []
+        data = path.read_bytes()
+        return _parse(path, data[: data.rfind(b"\n") + 1])
 
     def append(self, row: dict[str, Any]) -> None:
         if self._file is None:
@@ -85,3 +87,13 @@ class Journal:
         shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(OSError):  # the gen_key folder goes with its last shard
             self.folder.parent.rmdir()
+
+
+def _parse(path: Path, data: bytes) -> list[dict[str, Any]]:
+    rows = []
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise RuntimeError(f"journal {path}:{lineno} is corrupt ({e.msg}); delete it to regenerate") from e
+    return rows

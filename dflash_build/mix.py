@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_build import atomic, hashing
@@ -109,12 +108,10 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
             if not chosen_rows.get(index):
                 continue
             table = pq.read_table(path).take(pa.array(sorted(chosen_rows[index]), type=pa.int64()))
-            for col, counter in rows_by.items():
-                for value, n in zip(*_value_counts(table, col), strict=True):
-                    counter[value] += n
             for row in table.select(["source", "category", "n_tokens", "n_loss_tokens", "finish_reason"]).to_pylist():
-                tokens_by["source"][row["source"]] += row["n_tokens"]
-                tokens_by["category"][row["category"]] += row["n_tokens"]
+                for col in ("source", "category"):
+                    rows_by[col][row[col]] += 1
+                    tokens_by[col][row[col]] += row["n_tokens"]
                 finish[row["finish_reason"]] += 1
                 lengths.append(row["n_tokens"])
                 loss_tokens += row["n_loss_tokens"]
@@ -167,11 +164,6 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
         atomic.write_text(tmp / "README.md", dataset_card(manifest))
     log.info("%s", summary(manifest, Path(out_dir)))
     return manifest
-
-
-def _value_counts(table: pa.Table, column: str) -> tuple[list[str], list[int]]:
-    counts = pc.value_counts(table[column]).to_pylist()
-    return [c["values"] for c in counts], [c["counts"] for c in counts]
 
 
 def _shortfalls(

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build import hashing, prepare
-from dflash_build.journal import ROWS_FILE
+from dflash_build.journal import ROWS_FILE, Journal
 from dflash_build.plan import Plan
 from dflash_build.rowindex import RowIndex, reuse_key
 
@@ -93,9 +93,9 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
                 ids = [r["prompt_id"] for r in selection.shards[shard]]
             wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
             est.rows_in_jobs += len(wanted)
-            journal = plan.journal_dir(name, shard) / ROWS_FILE
-            if journal.exists():
-                done = {(r["prompt_id"], r["sample_idx"]) for r in map(json.loads, journal.read_text().splitlines())}
+            journaled = Journal.read(plan.journal_dir(name, shard) / ROWS_FILE)
+            if journaled:
+                done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
                 est.rows_journaled += len(wanted & done)
                 wanted -= done
             if index is not None and sp.spec.turns == "first":

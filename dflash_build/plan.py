@@ -186,9 +186,14 @@ def _source_input(
     return (), ident, None
 
 
+def fingerprint_cache(config: Config) -> hashing.FingerprintCache:
+    """The store's file-digest cache: parse time fills it, jobs read it instead of hashing again."""
+    return hashing.FingerprintCache(config.store / ".cache" / "fingerprints.json")
+
+
 def build(config: Config) -> Plan:
     """Compute every key and shard count for ``config``; hashes are cached in the store."""
-    cache = hashing.FingerprintCache(config.store / ".cache" / "fingerprints.json")
+    cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
     sources = {}
     for name, spec in config.sources.items():

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import atomic, hashing
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
-from dflash_build.plan import Plan, SourcePlan
+from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
 from dflash_build.records import PROMPT_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ def select(plan: Plan, source: str) -> Selection:
     kept: dict[str, dict[str, Any]] = {}  # dedup key -> record
     rows_in = 0
     if spec.hf is None:
-        cache = hashing.FingerprintCache(None)
+        cache = fingerprint_cache(plan.config)
         raw_rows: Iterator[RawRow] = (r for f in sp.input_files for r in iter_local_rows(f, cache.file(f)))
     else:
         raw_rows = iter_hf_rows(spec)

@@ -28,3 +28,15 @@ def test_sync_policy_by_rows(tmp_path: Path) -> None:
     journal.append({"a": 2})
     assert len(journal.path.read_text().splitlines()) == 2
     journal.close()
+
+
+def test_read_only_view_skips_a_torn_tail_and_changes_nothing(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", flush_rows=1, flush_seconds=0)
+    journal.append({"prompt_id": "p0", "sample_idx": 0})
+    journal.close()
+    with open(journal.path, "a") as f:
+        f.write('{"prompt_id": "p1"')
+    before = journal.path.read_bytes()
+    assert [r["prompt_id"] for r in Journal.read(journal.path)] == ["p0"]
+    assert journal.path.read_bytes() == before
+    assert Journal.read(tmp_path / "absent" / "rows.jsonl") == []

@@ -112,21 +112,10 @@ def completions_body(
 
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
-    p = request.params
-    return {
-        "input_ids": request.prompt_ids,
-        "sampling_params": {
-            "max_new_tokens": p.max_new_tokens,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k if p.top_k > 0 else -1,
-            "min_p": p.min_p,
-            "stop_token_ids": list(stop_token_ids),
-            "sampling_seed": request.seed,
-            "skip_special_tokens": False,
-            "no_stop_trim": True,
-        },
-    }
+    """SGLang's native /generate takes the in-process engine's sampling params as they are."""
+    from dflash_build.engines.sglang_backend import sampling_params
+
+    return {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request, stop_token_ids)}
 
 
 class OpenAIEngine:
