@@ -87,6 +87,9 @@ def test_adding_ten_percent_more_rows_generates_only_those(base: tuple[Path, dic
     assert sum(s["generated"] for s in new) == 2 == planned["rows_to_generate"]
     assert sum(s["reused"] for s in new) == 20
     [new_rows] = [rows for key, rows in completions(wf).items() if key not in before]
+    fresh_tokens = sum(r["n_output_tokens"] for r in new_rows.values() if not r["reused_from"])
+    engine_tokens = sum(s["output_tokens_per_second"] * s["wall_seconds"] for s in new)
+    assert abs(engine_tokens - fresh_tokens) <= 0.01 * fresh_tokens + 1, "tok/s counts only what the engine made"
     for pair, row in old_rows.items():
         assert new_rows[pair]["output_ids"] == row["output_ids"] and new_rows[pair]["reused_from"]
 
