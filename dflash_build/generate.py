@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import atomic, chat, engines, gpus, hashing
 from dflash_build import records as R
+from dflash_build.config import SourceSpec
 from dflash_build.engines import Request, Result, SamplingParams
 from dflash_build.journal import Journal
 from dflash_build.plan import Plan
@@ -210,30 +211,94 @@ def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
     }
 
 
-def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
-    """Generate every (prompt, sample) of one shard; returns the stats written beside it."""
+@dataclass(frozen=True)
+class ShardPaths:
+    """Where one generation job reads and writes: Snakemake's input/output, or the plan's own paths."""
+
+    prompts: Path
+    data: Path
+    stats: Path
+    journal: Path  # a folder, never a Snakemake output: it survives failed and killed jobs
+
+    @classmethod
+    def of(cls, plan: Plan, source: str, shard: str) -> ShardPaths:
+        out = plan.completion_dir(source)
+        return cls(
+            plan.prompt_dir(source) / f"{shard}.parquet",
+            out / f"{shard}.parquet",
+            out / f"{shard}.stats.json",
+            plan.journal_dir(source, shard),
+        )
+
+
+@dataclass
+class ShardWork:
+    """One shard's conversations and everything needed to render and account for them."""
+
+    plan: Plan
+    source: str
+    shard: str
+    paths: ShardPaths
+    tokenizer: Any
+    renderer: Renderer
+    context: int | None
+    params: SamplingParams
+    convs: dict[tuple[str, int], Conversation]
+
+    @property
+    def spec(self) -> SourceSpec:
+        return self.plan.sources[self.source].spec
+
+    @property
+    def label(self) -> str:
+        return f"{self.source}/{self.shard}"
+
+    def pending(self) -> list[Conversation]:
+        return [c for c in self.convs.values() if c.finish_reason is None]
+
+
+@dataclass
+class EngineRun:
+    """What the engine did in this run: rows journaled and tokens it produced."""
+
+    journaled: int = 0
+    engine_tokens: int = 0
+
+
+def run(plan: Plan, source: str, shard: str, paths: ShardPaths | None = None) -> dict[str, Any]:
+    """Generate every (prompt, sample) of one shard; returns the stats written beside it.
+
+    The pipeline: rows to do (:func:`open_shard`) → resume from the journal (:func:`replay`) → reuse
+    earlier completions (:func:`reuse`) → the engine for the rest (:func:`generate_rest`) → publish.
+    """
     cfg = plan.config
+    paths = paths or ShardPaths.of(plan, source, shard)
     needs_gpu = engines.uses_gpu(cfg.engine)
     with gpus.pinned(cfg.engine) if needs_gpu else contextlib.nullcontext() as lease:
-        return _run(plan, source, shard, lease)
+        started = time.time()
+        work = open_shard(plan, source, shard, paths)
+        journal = Journal(paths.journal, cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
+        resumed = replay(work, journal)
+        if work.spec.turns == "first":
+            reuse(work, journal)
+        engine_run = generate_rest(work, journal, lease)
+        if _kill_point()[0] == "publish":
+            _die()
+        return publish(work, journal, lease, resumed, engine_run, time.time() - started)
 
 
-def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> dict[str, Any]:
-    started = time.time()
+def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardWork:
+    """Load the prompt shard and the tokenizer; one conversation per (prompt, sample)."""
     sp = plan.sources[source]
-    cfg = plan.config
     sampling = sp.spec.sampling
     template_kwargs = dict(sp.gen_components["chat_template_kwargs"])
-    prompts = pq.read_table(plan.prompt_dir(source) / f"{shard}.parquet").to_pylist()
-    tokenizer = chat.load_tokenizer(cfg.model)
+    prompts = pq.read_table(paths.prompts).to_pylist()
+    tokenizer = chat.load_tokenizer(plan.config.model)
     if any(p["tools"] for p in prompts):
         chat.check_renders_tools(tokenizer, template_kwargs)
-    renderer = Renderer(tokenizer, template_kwargs)
-    context = chat.context_length(cfg.model)
     params = SamplingParams(
         sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.max_new_tokens
     )
-
     convs: dict[tuple[str, int], Conversation] = {}
     for p in prompts:
         messages = json.loads(p["messages"])
@@ -242,143 +307,34 @@ def _run(plan: Plan, source: str, shard: str, lease: gpus.GpuLease | None) -> di
         for idx in range(sampling.samples_per_prompt):
             conv = Conversation(p["prompt_id"], idx, messages, tools, slots)
             convs[conv.key] = conv
+    renderer = Renderer(tokenizer, template_kwargs)
+    return ShardWork(
+        plan, source, shard, paths, tokenizer, renderer, chat.context_length(plan.config.model), params, convs
+    )
 
-    journal = Journal(plan.journal_dir(source, shard), cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
+
+def replay(work: ShardWork, journal: Journal) -> int:
+    """Apply every journaled turn, in order (each turn's context derives from the ones before)."""
     resumed = journal.load()
-    for row in resumed:  # replay in order: each turn's context derives from the turns before it
-        conv = convs.get((row["prompt_id"], row["sample_idx"]))
+    for row in resumed:
+        conv = work.convs.get((row["prompt_id"], row["sample_idx"]))
         if conv is None or row["turn"] != len(conv.turns):
-            raise RuntimeError(f"journal {journal.path} does not match prompt shard {source}/{shard}; delete it")
-        turn = _apply(conv, renderer.next_context(conv), _result_of(row))
+            raise RuntimeError(f"journal {journal.path} does not match prompt shard {work.label}; delete it")
+        turn = _apply(conv, work.renderer.next_context(conv), _result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
     if resumed:
-        log.info("%s/%s: resuming, %d turns already journaled", source, shard, len(resumed))
-
-    if sp.spec.turns == "first":
-        reused = _reuse(plan, source, convs, renderer, journal)
-        if reused:
-            log.info("%s/%s: %d rows reused from earlier completions", source, shard, reused)
-
-    kill_kind, kill_rows = _kill_point()
-    journaled = 0
-    engine_tokens = 0  # produced by the engine in this run: the throughput that plan extrapolates
-    total_rows = len(convs)
-    done_rows = sum(c.finish_reason is not None for c in convs.values())
-    progress = Progress(total_rows, done_rows, f"{source}/{shard}")
-    engine = None
-    try:
-        while True:
-            requests, contexts = [], {}
-            for conv in convs.values():
-                if conv.finish_reason is not None:
-                    continue
-                try:
-                    ids = renderer.next_context(conv)
-                except Exception as e:  # a template may refuse one conversation; the shard goes on
-                    conv.finish(R.FINISH_ERROR, f"chat template failed: {type(e).__name__}: {e}")
-                    progress.update(Result(conv.prompt_id, conv.sample_idx, [], R.FINISH_ERROR), True)
-                    continue
-                prompt_ids = conv.all_ids + ids
-                if context is not None and len(prompt_ids) + sampling.max_new_tokens > context:
-                    reason = (
-                        f"prompt of {len(prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
-                        f"exceeds the context of {context}"
-                    )
-                    if conv.turns:  # later turns: the conversation ends with what it has
-                        conv.finish(conv.turns[-1].finish_reason, reason)
-                    else:
-                        conv.finish(R.FINISH_SKIPPED, reason)
-                    progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
-                    continue
-                seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns))
-                request_params = params
-                if conv.prefix:  # continue an earlier truncated answer with what is left of the limit
-                    prompt_ids = prompt_ids + conv.prefix
-                    remaining = params.max_new_tokens - len(conv.prefix)
-                    request_params = dataclasses.replace(params, max_new_tokens=remaining)
-                requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, request_params, seed))
-                contexts[conv.key] = ids
-            if not requests:
-                break
-            if engine is None:
-                stop_ids = chat.stop_token_ids(tokenizer, cfg.model.path)
-                engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, tokenizer)
-                if kill_kind == "rows" and kill_rows == 0:
-                    _die()
-            for generated in engine.generate(requests):
-                conv = convs[(generated.prompt_id, generated.sample_idx)]
-                engine_tokens += len(generated.output_ids)
-                result = generated
-                if conv.prefix:  # the answer is the old prefix + what the engine added (its count too)
-                    counted = generated.engine_output_tokens
-                    result = dataclasses.replace(
-                        generated,
-                        output_ids=conv.prefix + list(generated.output_ids),
-                        engine_output_tokens=None if counted is None else counted + len(conv.prefix),
-                    )
-                turn = _apply(conv, contexts.pop(conv.key), result)
-                if conv.prefix_from is not None:
-                    turn.reused_from, turn.continued = conv.prefix_from, True
-                    conv.prefix, conv.prefix_from = [], None
-                journal.append(_journal_row(conv, turn))
-                journaled += 1
-                progress.update(generated, conv.finish_reason is not None)
-                if kill_kind == "rows" and journaled >= kill_rows:
-                    journal.sync()
-                    _die()
-            if contexts:
-                missing = list(contexts)[:3]
-                raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")
-        journal.sync()
-    finally:
-        progress.close()
-        if engine is not None:
-            engine.close()
-        journal.close()
-    if kill_kind == "publish":
-        _die()
-
-    rows = [_completion_row(conv, renderer, sampling.seed) for conv in convs.values()]
-    stats = _stats(plan, source, shard, rows, len(resumed), lease, time.time() - started, engine_tokens)
-    turns = [t for conv in convs.values() for t in conv.turns]
-    retokenized = sum(t.retokenized for t in turns)
-    stats[R.STAT_RETOKENIZED_TURNS] = retokenized
-    stats[R.STAT_RETOKENIZE_DRIFT] = round(sum(t.drifted for t in turns) / retokenized, 6) if retokenized else 0.0
-    out_dir = plan.completion_dir(source)
-    reused_from: dict[str, int] = {}
-    continued = 0
-    for conv in convs.values():
-        if conv.turns and conv.turns[0].reused_from:
-            reused_from[conv.turns[0].reused_from] = reused_from.get(conv.turns[0].reused_from, 0) + 1
-            continued += conv.turns[0].continued
-    stats[R.STAT_REUSED] = sum(reused_from.values()) - continued
-    stats[R.STAT_CONTINUED] = continued
-    stats[R.STAT_REUSED_FROM] = reused_from
-    stats[R.STAT_GENERATED] = journaled
-    table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
-    data_path = out_dir / f"{shard}.parquet"
-    stats[R.STAT_DATA] = atomic.write_parquet(data_path, table)
-    atomic.write_json(out_dir / f"{shard}.stats.json", stats)
-    index = RowIndex(cfg.store)
-    index.add_shard(reuse_key(sp.gen_components), sp.gen_key, data_path, rows, sampling.max_new_tokens)
-    index.close()
-    journal.remove()
-    log.info(
-        "%s/%s: %s", source, shard, {k: stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED)}
-    )
-    return stats
+        log.info("%s: resuming, %d turns already journaled", work.label, len(resumed))
+    return len(resumed)
 
 
-def _reuse(
-    plan: Plan, source: str, convs: dict[tuple[str, int], Conversation], renderer: Renderer, journal: Journal
-) -> int:
+def reuse(work: ShardWork, journal: Journal) -> int:
     """Take every row an earlier build already generated validly (see rowindex); returns how many."""
-    sp = plan.sources[source]
+    sp = work.plan.sources[work.source]
     limit = sp.spec.sampling.max_new_tokens
-    pending = [c.key for c in convs.values() if c.finish_reason is None and not c.turns]
+    pending = [c.key for c in work.pending() if not c.turns]
     if not pending:
         return 0
-    index = RowIndex(plan.config.store)
+    index = RowIndex(work.plan.config.store)
     try:
         found = index.lookup(reuse_key(sp.gen_components), pending, limit, exclude_gen_key=sp.gen_key)
         by_file: dict[str, list[Any]] = {}
@@ -395,8 +351,8 @@ def _reuse(
                 continue
             origin = f"{Path(path).parent.name}/{Path(path).stem}"
             for cand, old in zip(cands, rows, strict=True):
-                conv = convs[(cand.prompt_id, cand.sample_idx)]
-                ids = renderer.next_context(conv)
+                conv = work.convs[(cand.prompt_id, cand.sample_idx)]
+                ids = work.renderer.next_context(conv)
                 if ids != old["prompt_ids"]:
                     continue  # rendered differently (should not happen under one reuse_key): generate it
                 output = list(old["output_ids"])
@@ -413,9 +369,177 @@ def _reuse(
                 journal.append(_journal_row(conv, turn))
                 count += 1
         journal.sync()
+        if count:
+            log.info("%s: %d rows reused from earlier completions", work.label, count)
         return count
     finally:
         index.close()
+
+
+def next_requests(work: ShardWork, progress: Progress) -> tuple[list[Request], dict[tuple[str, int], list[int]]]:
+    """One request per unfinished conversation's next turn, and the context ids each one added.
+
+    Conversations the template refuses, and prompts that leave no room for ``max_new_tokens`` in the
+    context, are finished here, before any engine call.
+    """
+    sampling = work.spec.sampling
+    requests, contexts = [], {}
+    for conv in work.pending():
+        try:
+            ids = work.renderer.next_context(conv)
+        except Exception as e:  # a template may refuse one conversation; the shard goes on
+            conv.finish(R.FINISH_ERROR, f"chat template failed: {type(e).__name__}: {e}")
+            progress.update(Result(conv.prompt_id, conv.sample_idx, [], R.FINISH_ERROR), True)
+            continue
+        prompt_ids = conv.all_ids + ids
+        if work.context is not None and len(prompt_ids) + sampling.max_new_tokens > work.context:
+            reason = (
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
+                f"exceeds the context of {work.context}"
+            )
+            if conv.turns:  # later turns: the conversation ends with what it has
+                conv.finish(conv.turns[-1].finish_reason, reason)
+            else:
+                conv.finish(R.FINISH_SKIPPED, reason)
+            progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
+            continue
+        seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns))
+        params = work.params
+        if conv.prefix:  # continue an earlier truncated answer with what is left of the limit
+            prompt_ids = prompt_ids + conv.prefix
+            params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(conv.prefix))
+        requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, params, seed))
+        contexts[conv.key] = ids
+    return requests, contexts
+
+
+def take_result(work: ShardWork, generated: Result, context_ids: list[int]) -> Turn:
+    """Record one engine answer on its conversation (a continued answer keeps its old prefix)."""
+    conv = work.convs[(generated.prompt_id, generated.sample_idx)]
+    result = generated
+    if conv.prefix:  # the answer is the old prefix + what the engine added (its count too)
+        counted = generated.engine_output_tokens
+        result = dataclasses.replace(
+            generated,
+            output_ids=conv.prefix + list(generated.output_ids),
+            engine_output_tokens=None if counted is None else counted + len(conv.prefix),
+        )
+    turn = _apply(conv, context_ids, result)
+    if conv.prefix_from is not None:
+        turn.reused_from, turn.continued = conv.prefix_from, True
+        conv.prefix, conv.prefix_from = [], None
+    return turn
+
+
+def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None) -> EngineRun:
+    """Round after round (one turn each), send what is left to the engine and journal every answer.
+
+    The engine starts only when a round has requests, so a shard that is all reused never loads it.
+    """
+    cfg = work.plan.config
+    kill_kind, kill_rows = _kill_point()
+    counts = EngineRun()
+    done = sum(c.finish_reason is not None for c in work.convs.values())
+    progress = Progress(len(work.convs), done, work.label)
+    engine = None
+    try:
+        while True:
+            requests, contexts = next_requests(work, progress)
+            if not requests:
+                break
+            if engine is None:
+                stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
+                engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
+                if kill_kind == "rows" and kill_rows == 0:
+                    _die()
+            for generated in engine.generate(requests):
+                counts.engine_tokens += len(generated.output_ids)
+                turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
+                conv = work.convs[(generated.prompt_id, generated.sample_idx)]
+                journal.append(_journal_row(conv, turn))
+                counts.journaled += 1
+                progress.update(generated, conv.finish_reason is not None)
+                if kill_kind == "rows" and counts.journaled >= kill_rows:
+                    journal.sync()
+                    _die()
+            if contexts:
+                missing = list(contexts)[:3]
+                raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")
+        journal.sync()
+    finally:
+        progress.close()
+        if engine is not None:
+            engine.close()
+        journal.close()
+    return counts
+
+
+class ShardFailedError(RuntimeError):
+    """Too many rows of a shard could not be generated; publishing it would hide that."""
+
+
+def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_path: Path) -> None:
+    """Refuse to publish a shard whose rows mostly (or all) ended as error, abort or skipped."""
+    rows = stats[R.STAT_INPUT_ROWS]
+    failed = stats[R.STAT_ERROR] + stats[R.STAT_SKIPPED]
+    if rows == 0 or failed / rows <= max_failed_fraction:
+        return
+    reasons = sorted(stats["errors"].items(), key=lambda kv: -kv[1])[:3]
+    lines = [
+        f"{stats['source']}/{stats['shard']}: {failed} of {rows} rows could not be generated "
+        f"({stats[R.STAT_ERROR]} error/abort, {stats[R.STAT_SKIPPED]} skipped over the context); "
+        f"the limit is {max_failed_fraction:.0%} (checks.max_failed_fraction). Nothing was published; "
+        f"finished rows stay in {journal_path}."
+    ]
+    lines += [f"  {n} x {reason}" for reason, n in reasons]
+    lines.append(
+        "Skipped rows: raise model.context_length or lower sampling.max_new_tokens; template errors: "
+        "fix model.chat_template; engine aborts: see the engine log above."
+    )
+    raise ShardFailedError("\n".join(lines))
+
+
+def publish(
+    work: ShardWork,
+    journal: Journal,
+    lease: gpus.GpuLease | None,
+    resumed: int,
+    engine_run: EngineRun,
+    wall: float,
+) -> dict[str, Any]:
+    """Account for every row, refuse a mostly failed shard, then write shard and sidecar atomically.
+
+    Only then is the shard indexed for reuse and its journal removed.
+    """
+    sp = work.plan.sources[work.source]
+    sampling = sp.spec.sampling
+    convs = work.convs.values()
+    rows = [_completion_row(conv, work.renderer, sampling.seed) for conv in convs]
+    stats = _stats(work.plan, work.source, work.shard, rows, resumed, lease, wall, engine_run.engine_tokens)
+    turns = [t for conv in convs for t in conv.turns]
+    retokenized = sum(t.retokenized for t in turns)
+    stats[R.STAT_RETOKENIZED_TURNS] = retokenized
+    stats[R.STAT_RETOKENIZE_DRIFT] = round(sum(t.drifted for t in turns) / retokenized, 6) if retokenized else 0.0
+    reused_from: dict[str, int] = {}
+    continued = 0
+    for conv in convs:
+        if conv.turns and conv.turns[0].reused_from:
+            reused_from[conv.turns[0].reused_from] = reused_from.get(conv.turns[0].reused_from, 0) + 1
+            continued += conv.turns[0].continued
+    stats[R.STAT_REUSED] = sum(reused_from.values()) - continued
+    stats[R.STAT_CONTINUED] = continued
+    stats[R.STAT_REUSED_FROM] = reused_from
+    stats[R.STAT_GENERATED] = engine_run.journaled
+    check_failures(stats, work.plan.config.checks.max_failed_fraction, journal.path)
+    table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
+    stats[R.STAT_DATA] = atomic.write_parquet(work.paths.data, table)
+    atomic.write_json(work.paths.stats, stats)
+    index = RowIndex(work.plan.config.store)
+    index.add_shard(reuse_key(sp.gen_components), sp.gen_key, work.paths.data, rows, sampling.max_new_tokens)
+    index.close()
+    journal.remove()
+    log.info("%s: %s", work.label, {k: stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED)})
+    return stats
 
 
 def _result_of(row: dict[str, Any]) -> Result:

@@ -26,8 +26,12 @@ from dflash_build.plan import Plan
 from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
-_SELECT_COLUMNS = ["prompt_id", "sample_idx", "category", "n_tokens"]
+_SELECT_COLUMNS = ["prompt_id", "sample_idx", "source", "category", "n_tokens"]
 SHARE_TOLERANCE = 0.01  # achieved shares further than this from target are stated in the manifest
+
+
+class MixError(RuntimeError):
+    """The dataset would miss what the config asks for; the message names the cause and the key to change."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     inputs = [(source, path) for source in plan.sources for path in plan.token_shards(source)]
     by_category: dict[str, list[Candidate]] = defaultdict(list)
     available: Counter[str] = Counter()
+    available_by_source: Counter[str] = Counter()
     for index, (_, path) in enumerate(inputs):
         table = pq.read_table(path, columns=_SELECT_COLUMNS).to_pylist()
         for row_index, row in enumerate(table):
@@ -90,12 +95,16 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
             )
             by_category[row["category"]].append(Candidate(index, row_index, rank, row["n_tokens"]))
             available[row["category"]] += row["n_tokens"]
+            available_by_source[row["source"]] += row["n_tokens"]
     shares = dict(cfg.mix_categories)
     targets = category_targets(shares, dict(available), cfg.mix_budget_tokens)
     chosen_rows: dict[int, list[int]] = defaultdict(list)
+    chosen_tokens: Counter[str] = Counter()
     for category in shares:
         for cand in select(by_category.get(category, []), targets[category]):
             chosen_rows[cand.shard].append(cand.row)
+            chosen_tokens[category] += cand.n_tokens
+    check(plan, shares, targets, chosen_tokens, available, available_by_source)
 
     rows_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
     tokens_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
@@ -166,6 +175,59 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def check(
+    plan: Plan,
+    shares: dict[str, float],
+    targets: dict[str, float],
+    chosen: Counter[str],
+    available: Counter[str],
+    available_by_source: Counter[str],
+) -> None:
+    """Fail before writing when the dataset is empty, a source yields nothing, or a share is missed.
+
+    A category listed in ``checks.allow_shortfall`` may fall short (its sources may be empty too);
+    the shortfall is still stated in the manifest.
+    """
+    checks = plan.config.checks
+    problems: list[str] = []
+    for name, sp in plan.sources.items():
+        if available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
+            problems.append(
+                f"source '{name}' reaches the mix with no samples ({_token_drops(plan, name)}); "
+                f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
+                f"answers that hit max_new_tokens; or allow it with checks.allow_shortfall: [{sp.spec.category}]"
+            )
+    total = sum(chosen.values())
+    if total == 0:
+        problems.insert(0, "the dataset would be empty: no token shard has a usable sample")
+    else:
+        for category, share in shares.items():
+            achieved = chosen[category] / total
+            if share - achieved > checks.share_tolerance and category not in checks.allow_shortfall:
+                problems.append(
+                    f"category '{category}' reaches {achieved:.1%} of tokens, target {share:.1%} "
+                    f"(tolerance {checks.share_tolerance:.1%}): {available[category]} tokens available, "
+                    f"{round(targets[category])} needed; add sources to it, lower mix.budget_tokens, or allow "
+                    f"it with checks.allow_shortfall: [{category}]"
+                )
+    if problems:
+        raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _token_drops(plan: Plan, source: str) -> str:
+    """Why a source's rows did not become samples, summed over its tokenize stats sidecars."""
+    dropped: Counter[str] = Counter()
+    rows = 0
+    for path in plan.token_shards(source):
+        stats_file = path.with_name(f"{path.stem}.stats.json")
+        if stats_file.exists():
+            stats = json.loads(stats_file.read_text())
+            rows += stats.get(R.STAT_INPUT_ROWS, 0)
+            dropped.update(stats.get(R.STAT_DROPPED, {}))
+    reasons = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "none"
+    return f"{rows} completions, tokenize dropped {reasons}"
+
+
 def _shortfalls(
     shares: dict[str, float], targets: dict[str, float], got: Counter[str], available: Counter[str], budget: int | None
 ) -> list[str]:
@@ -182,10 +244,11 @@ def _shortfalls(
                 f"{round(targets[category])} targeted; all of them are used"
             )
         elif abs(achieved - share) > SHARE_TOLERANCE:
-            notes.append(
-                f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: its samples are "
-                f"too long for a target of {round(targets[category])} tokens"
-            )
+            if achieved < share and got[category] >= available[category]:
+                why = "every one of its samples is used; others overshoot their targets by part of a sample"
+            else:
+                why = f"its samples are too long to hit a target of {round(targets[category])} tokens closely"
+            notes.append(f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: {why}")
     return notes
 
 
@@ -216,11 +279,13 @@ class _RollingWriter:
     def close(self) -> list[dict[str, Any]]:
         if self.pending_rows or not self.files:
             self._flush()
-        # Hugging Face's naming lets `datasets` see one train split.
+        # Hugging Face's naming lets `datasets` see one train split. The content digest in the name
+        # makes a rebuilt dataset new files: `datasets` caches a local folder by its file names.
         n = len(self.files)
+        content = hashing.digest([info["sha256"] for _, info in self.files])[:12]
         files = []
         for i, (path, info) in enumerate(self.files):
-            final = path.with_name(f"train-{i:05d}-of-{n:05d}.parquet")
+            final = path.with_name(f"train-{i:05d}-of-{n:05d}-{content}.parquet")
             path.rename(final)
             files.append({"path": str(Path("data") / final.name), **info})
         atomic.fsync_dir(self.folder)
@@ -247,12 +312,16 @@ def dataset_card(manifest: dict[str, Any]) -> str:
         for name, s in manifest["sources"].items()
     )
     shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
+    # The exact file names, not a glob: `datasets` keys its cache of a local folder by the card's
+    # data_files, so a glob would serve the previous build's rows after a rebuild.
+    data_files = "\n".join(f"    - {f['path']}" for f in manifest["files"])
     return f"""---
 configs:
 - config_name: default
   data_files:
   - split: train
-    path: data/train-*.parquet
+    path:
+{data_files}
 ---
 # {manifest["dataset"]}
 

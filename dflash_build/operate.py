@@ -85,6 +85,13 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
             prompt_shard = plan.prompt_dir(name) / f"{shard}.parquet"
             if prompt_shard.exists():
                 ids = pq.read_table(prompt_shard, columns=["prompt_id"])["prompt_id"].to_pylist()
+            elif sp.spec.hf is not None and not sp.spec.hf.is_local:
+                # a hub dataset is not loaded to plan (it may be large, or offline): count the upper
+                # bound, every row generated, none reused
+                rows = sp.planned_rows // sp.n_shards + (int(shard) < sp.planned_rows % sp.n_shards)
+                est.rows_in_jobs += rows * sampling.samples_per_prompt
+                est.rows_to_generate += rows * sampling.samples_per_prompt
+                continue
             else:  # not prepared yet: run prepare's selection in memory (CPU only) to know the rows
                 if selection is None:
                     selection = prepare.select(plan, name)

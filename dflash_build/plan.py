@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing
-from dflash_build.config import Config, ConfigError, SourceSpec, expand_files
+from dflash_build import hashing, readers
+from dflash_build.config import Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
 
 TOKENIZER_FILES = frozenset(
@@ -142,7 +142,10 @@ def fingerprint_model(config: Config, cache: hashing.FingerprintCache) -> tuple[
     return {"digest": hashing.digest(weights), **weights}, {"digest": hashing.digest(template), **template}
 
 
-def _count_rows(path: Path, cache: hashing.FingerprintCache) -> int:
+def _count_rows(path: Path, cache: hashing.FingerprintCache) -> int | None:
+    """Rows of a local file, cached by content; None for a format we cannot count cheaply."""
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        return None
     sha = cache.file(path)
     memo_key = f"rows:{sha}"
     if (hit := cache.memo(memo_key)) is not None:
@@ -152,17 +155,35 @@ def _count_rows(path: Path, cache: hashing.FingerprintCache) -> int:
 
         n = pq.ParquetFile(path).metadata.num_rows
     elif path.suffix == ".jsonl":
-        with open(path, "rb") as f:
-            n = sum(1 for line in f if line.strip())
+        n = readers.count_jsonl(path)
     else:
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError("sources", f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-        n = len(data) if isinstance(data, list) else 1
+        try:
+            n = len(readers.load_json(path))
+        except json.JSONDecodeError as e:
+            raise ConfigError("sources", f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
     cache.set_memo(memo_key, n)
     return n
+
+
+def hf_local_files(hf: HubSpec, key: str) -> list[Path]:
+    """The files ``datasets.load_dataset(hf.path, hf.name, split=hf.split)`` reads from a local folder.
+
+    Resolved by ``datasets`` itself from the folder's card (``configs:``) or its file layout, so the
+    plan counts exactly the rows prepare will read, and a wrong config or split fails at parse time.
+    """
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(hf.path, hf.name, data_files=hf.data_files)
+    except Exception as e:  # datasets raises many types here; each names the folder or config
+        raise ConfigError(key, f"local dataset '{hf.path}' (name {hf.name!r}): {e}") from e
+    data_files = builder.config.data_files or {}
+    if hf.split not in data_files:
+        raise ConfigError(
+            key,
+            f"local dataset '{hf.path}' (name {hf.name!r}) has no split '{hf.split}' (splits: {sorted(data_files)})",
+        )
+    return sorted(Path(str(f)) for f in data_files[hf.split])
 
 
 def _source_input(
@@ -174,14 +195,15 @@ def _source_input(
         files = expand_files(spec.files, f"{key}.files")
         # Sorted digests: prepare is order-independent, so file names and order do not matter.
         identity = {"files": sorted(cache.file(f) for f in files)}
-        return tuple(files), identity, sum(_count_rows(f, cache) for f in files)
+        counts = [_count_rows(f, cache) for f in files]
+        return tuple(files), identity, sum(c or 0 for c in counts)
     hf = spec.hf
     ident: dict[str, Any] = {"name": hf.name, "split": hf.split, "data_files": hf.data_files}
     if hf.is_local:
-        root = Path(hf.path)
-        files = tuple(_model_files(root))
+        files = tuple(hf_local_files(hf, f"{key}.hf"))
         ident["local"] = sorted(cache.file(f) for f in files)
-        return files, ident, None
+        counts = [_count_rows(f, cache) for f in files]
+        return files, ident, None if None in counts else sum(c or 0 for c in counts)
     ident.update(hub=hf.path, revision=hf.revision)
     return (), ident, None
 

@@ -8,6 +8,7 @@ the smallest seeded hash, and shards take contiguous runs of prompt ids.
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import re
@@ -21,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing
+from dflash_build import atomic, hashing, readers
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
 from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
 from dflash_build.records import PROMPT_SCHEMA
@@ -29,6 +30,7 @@ from dflash_build.records import PROMPT_SCHEMA
 log = logging.getLogger(__name__)
 
 DROP_MALFORMED = "malformed_row"
+DROP_INVALID_UTF8 = "invalid_utf8"
 DROP_NO_USER_TURN = "no_user_turn"
 DROP_EMPTY_CONTENT = "empty_content"
 DROP_NON_STRING_CONTENT = "non_string_content"
@@ -40,6 +42,8 @@ DROP_TOO_LONG = "too_long"
 DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
 EXAMPLES_PER_REASON = 5
+# Drops the config asked for: they never count towards a source's loss (checks.max_drop_fraction).
+INTENDED_DROPS = frozenset({DROP_DUPLICATE, DROP_OVER_MAX_SAMPLES, DROP_TOO_SHORT, DROP_TOO_LONG})
 
 DEFAULT_ROLES = {
     "system": "system",
@@ -56,7 +60,8 @@ DEFAULT_ROLES = {
     "observation": "tool",
     "ipython": "tool",
 }
-_TOOLS_BLOCK = re.compile(r"<tools>(.*?)</tools>", re.DOTALL)
+# The innermost block: a prose "<tools> XML tags" without its own closing tag must not swallow the real one.
+_TOOLS_BLOCK = re.compile(r"<tools>((?:(?!<tools>).)*?)</tools>", re.DOTALL)
 
 
 class Drop(Exception):
@@ -85,20 +90,23 @@ def iter_local_rows(path: Path, digest: str) -> Iterator[RawRow]:
                 yield RawRow(f"{path}:row {index}", {"input": short, "row": index}, value)
                 index += 1
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    value = Drop(DROP_MALFORMED, f"invalid JSON: {e.msg}")
-                yield RawRow(f"{path}:{lineno}", {"input": short, "row": lineno}, value)
+        for lineno, value in readers.iter_jsonl(path):
+            yield RawRow(f"{path}:{lineno}", {"input": short, "row": lineno}, _as_drop(value))
     else:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        for index, value in enumerate(data if isinstance(data, list) else [data]):
-            yield RawRow(f"{path}:item {index}", {"input": short, "row": index}, value)
+        try:
+            items = readers.load_json(path)
+        except json.JSONDecodeError as e:  # a whole file that does not parse has no rows to count
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+        for index, value in enumerate(items):
+            yield RawRow(f"{path}:item {index}", {"input": short, "row": index}, _as_drop(value))
+
+
+def _as_drop(value: Any) -> Any:
+    if isinstance(value, readers.InvalidUtf8):
+        return Drop(DROP_INVALID_UTF8, value.detail)
+    if isinstance(value, readers.InvalidJson):
+        return Drop(DROP_MALFORMED, value.detail)
+    return value
 
 
 def iter_hf_rows(spec: SourceSpec) -> Iterator[RawRow]:
@@ -155,31 +163,54 @@ def normalise_tools(value: Any) -> list[dict[str, Any]] | None:
 
 
 def _tools_from_system(text: str) -> list[dict[str, Any]] | None:
-    """Tool schemas inside a Hermes-style ``<tools>...</tools>`` block: one JSON list or several objects."""
-    match = _TOOLS_BLOCK.search(text)
-    if match is None:
-        return None
-    body = match.group(1).strip()
+    """Tool schemas in a Hermes-style system prompt; None when it has none.
+
+    Hermes prompts name the tag in prose first ("...signatures within <tools> </tools> XML tags")
+    and only then hold the real block, written as JSON or as a Python literal (single quotes). Every
+    ``<tools>`` block is tried in order; the first whose body parses is the schema list. A block that
+    looks like data (starts with ``[`` or ``{``) but parses as neither is an invalid-tools drop.
+    """
+    for match in _TOOLS_BLOCK.finditer(text):
+        body = match.group(1).strip()
+        if not body.startswith(("[", "{")):
+            continue  # the prose mention, or an empty block
+        items = _parse_tool_block(body)
+        if items is None:
+            raise Drop(DROP_INVALID_TOOLS, f"<tools> block is neither JSON nor a Python literal: {body[:80]!r}")
+        tools = normalise_tools(items)
+        if tools is not None:
+            return tools
+    return None
+
+
+def _parse_tool_block(body: str) -> list[Any] | None:
+    """One JSON list, several JSON objects one after another, or one Python literal."""
     decoder = json.JSONDecoder()
     items: list[Any] = []
     pos = 0
-    while pos < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError as e:
-            raise Drop(DROP_INVALID_TOOLS, f"<tools> block is not JSON: {e.msg}") from e
-        items.extend(obj if isinstance(obj, list) else [obj])
-        pos = end
-        while pos < len(body) and body[pos] in " \t\r\n,":
-            pos += 1
-    return normalise_tools(items)
+    try:
+        while pos < len(body):
+            obj, pos = decoder.raw_decode(body, pos)
+            items.extend(obj if isinstance(obj, list) else [obj])
+            while pos < len(body) and body[pos] in " \t\r\n,":
+                pos += 1
+        return items
+    except json.JSONDecodeError:
+        pass
+    try:
+        value = ast.literal_eval(body)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if isinstance(value, tuple):
+        value = list(value)
+    return value if isinstance(value, list) else [value]
 
 
 def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[dict[str, str]]:
     turns = _field(row, spec, list_field)
     if not isinstance(turns, list):
         raise Drop(DROP_MALFORMED, f"'{list_field}' is {type(turns).__name__}, not a list")
-    roles = {**DEFAULT_ROLES, **spec.roles}
+    roles = {**DEFAULT_ROLES, **{k.lower(): v for k, v in spec.roles.items()}}
     messages = []
     for turn in turns:
         if not isinstance(turn, Mapping):
@@ -194,7 +225,10 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
             # turns: all regenerates this answer; the source's content is never shown to the model
             messages.append({"role": "assistant", "content": ""})
             continue
-        messages.append({"role": role, "content": _text(_field(turn, spec, "content"))})
+        content = _field(turn, spec, "content", required=role != "system")
+        if role == "system" and (content is None or (isinstance(content, str) and not content.strip())):
+            continue  # an empty system turn says nothing (Nemotron v2 has one on every row)
+        messages.append({"role": role, "content": _text(content)})
     if spec.turns == "all":
         while messages and messages[-1]["role"] == "system":
             messages.pop()
@@ -342,10 +376,46 @@ def select(plan: Plan, source: str) -> Selection:
     return Selection({name: records[lo:hi] for name, (lo, hi) in zip(sp.shards, bounds, strict=True)}, rows_in, drops)
 
 
+class SourceLossError(RuntimeError):
+    """A source lost too many rows (or all of them) in prepare; the message says why and what to change."""
+
+
+def check_losses(spec: SourceSpec, selection: Selection) -> None:
+    """Fail loudly when a source yields nothing or drops more than ``max_drop_fraction`` to defects.
+
+    Duplicates, ``max_samples`` and the length filters are what the config asked for and never count.
+    """
+    drops = selection.drops
+    rows_out = sum(len(r) for r in selection.shards.values())
+    defects = {r: n for r, n in drops.counts.items() if r not in INTENDED_DROPS}
+    lost = sum(defects.values())
+    key = f"sources.{spec.name}"
+    where = f"{key} ({', '.join(spec.files) if spec.hf is None else spec.hf.path})"
+    if selection.rows_in == 0:
+        raise SourceLossError(f"{where}: the input has no rows; check {key}.files / {key}.hf (path, name, split)")
+    fraction = lost / selection.rows_in
+    if rows_out > 0 and fraction <= spec.max_drop_fraction:
+        return
+    lines = [
+        f"{where}: {lost} of {selection.rows_in} rows ({fraction:.1%}) were dropped for defects"
+        + (", so the source yields no prompt at all" if rows_out == 0 else "")
+        + f"; the limit is {spec.max_drop_fraction:.0%} ({key}.max_drop_fraction or checks.max_drop_fraction)."
+    ]
+    for reason, n in sorted(drops.counts.items(), key=lambda kv: -kv[1])[:4]:
+        examples = "; ".join(drops.examples[reason][:2])
+        lines.append(f"  {reason}: {n} rows, e.g. {examples}")
+    lines.append(
+        f"Fix the mapping ({key}.format, {key}.fields, {key}.roles) if the rows are good but read wrongly; "
+        f"raise {key}.max_drop_fraction if these rows are meant to go."
+    )
+    raise SourceLossError("\n".join(lines))
+
+
 def run(plan: Plan, source: str) -> dict[str, Any]:
     """Build every prompt shard and the manifest of ``source``; returns the manifest."""
     sp = plan.sources[source]
     selection = select(plan, source)
+    check_losses(sp.spec, selection)
     out_dir = plan.prompt_dir(source)
     shard_files = {
         name: atomic.write_parquet(out_dir / f"{name}.parquet", pa.Table.from_pylist(records, schema=PROMPT_SCHEMA))

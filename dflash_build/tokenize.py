@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -52,9 +53,14 @@ def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], li
     return input_ids, loss_mask
 
 
-def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
+def run(
+    plan: Plan, source: str, shard: str, completions_path: Path | None = None, out_path: Path | None = None
+) -> dict[str, Any]:
+    """Tokenize one completion shard (paths from Snakemake, else the plan's); returns the stats sidecar."""
     sp = plan.sources[source]
-    completions = pq.read_table(plan.completion_dir(source) / f"{shard}.parquet").to_pylist()
+    completions_path = completions_path or plan.completion_dir(source) / f"{shard}.parquet"
+    out_path = out_path or plan.token_dir(source) / f"{shard}.parquet"
+    completions = pq.read_table(completions_path).to_pylist()
     drops: Counter[str] = Counter()
     samples = []
     for row in completions:
@@ -76,7 +82,6 @@ def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
                 "n_loss_tokens": sum(loss_mask),
             }
         )
-    out_dir = plan.token_dir(source)
     stats = {
         "stage": "tokenize",
         "source": source,
@@ -91,7 +96,7 @@ def run(plan: Plan, source: str, shard: str) -> dict[str, Any]:
         R.STAT_LOSS_TOKENS: sum(s["n_loss_tokens"] for s in samples),
     }
     table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
-    stats[R.STAT_DATA] = atomic.write_parquet(out_dir / f"{shard}.parquet", table)
-    atomic.write_json(out_dir / f"{shard}.stats.json", stats)
+    stats[R.STAT_DATA] = atomic.write_parquet(out_path, table)
+    atomic.write_json(out_path.with_name(f"{out_path.stem}.stats.json"), stats)
     log.info("%s/%s: %d samples, dropped %s", source, shard, len(samples), dict(drops))
     return stats

@@ -5,7 +5,10 @@ downstream changes and the affected shards rebuild. Code edits that do not chang
 alone and rerun nothing.
 """
 
-PREP_VERSION = 1
+# 2: empty system turns no longer drop a row; Hermes tools found past a prose mention of <tools> and in
+# Python-literal blocks; a UTF-8 BOM no longer costs the first row; invalid UTF-8 costs only its row.
+PREP_VERSION = 2
 GEN_VERSION = 1
 TOK_VERSION = 1
-MIX_VERSION = 1
+# 2: data file names carry a digest of their content.
+MIX_VERSION = 2

@@ -57,9 +57,13 @@ def run_rule(smk: Any, stage: str) -> None:
         if stage == "prepare":
             prepare.run(plan, smk.params.source)
         elif stage == "generate":
-            generate.run(plan, smk.wildcards.source, smk.wildcards.shard)
+            source, shard = smk.wildcards.source, smk.wildcards.shard
+            paths = generate.ShardPaths(
+                Path(smk.input[0]), Path(smk.output.data), Path(smk.output.stats), plan.journal_dir(source, shard)
+            )
+            generate.run(plan, source, shard, paths)
         elif stage == "tokenize":
-            tokenize.run(plan, smk.wildcards.source, smk.wildcards.shard)
+            tokenize.run(plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data))
         elif stage == "mix":
             mix.run(plan, smk.output[0])
         else:

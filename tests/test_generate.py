@@ -233,3 +233,104 @@ def test_gguf_header_gives_the_context_length(gguf_path: Path) -> None:
     assert gguf_meta.context_length(str(gguf_path)) == meta["llama.context_length"] == 8192
     with pytest.raises(ValueError, match="not a GGUF"):
         gguf_meta.read_metadata(str(TOOLS_TEMPLATE))
+
+
+def test_a_shard_of_mostly_failed_rows_fails_and_keeps_its_journal(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two of three prompts over the context: 4 of 6 rows skipped, over the 50% default."""
+    long = " ".join(["word"] * 60)
+    rows = [{"messages": [{"role": "user", "content": c}]} for c in ("short one", long, long + " again")]
+    plan = _plan(tmp_path, tiny_model, rows, context_length=40)
+    stand_in = EchoEngine()
+    monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
+    with pytest.raises(generate.ShardFailedError) as err:
+        generate.run(plan, "s", "00000")
+    message = str(err.value)
+    assert "s/00000: 4 of 6 rows could not be generated" in message
+    assert "checks.max_failed_fraction" in message and "model.context_length" in message
+    assert not (plan.completion_dir("s") / "00000.parquet").exists()
+    journal = plan.journal_dir("s", "00000") / "rows.jsonl"
+    assert len(journal.read_text().splitlines()) == 2, "the rows the engine finished are kept"
+
+
+def test_every_row_refused_by_the_template_fails_the_shard(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    template = tmp_path / "refuse.jinja"
+    template.write_text("{{ raise_exception('this template refuses everything') }}")
+    rows = [{"messages": [{"role": "user", "content": c}]} for c in ("one", "two")]
+    plan = _plan(tmp_path, tiny_model, rows, chat_template=str(template))
+    monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
+    with pytest.raises(generate.ShardFailedError, match="4 of 4 rows") as err:
+        generate.run(plan, "s", "00000")
+    assert "this template refuses everything" in str(err.value)
+
+
+def test_max_failed_fraction_one_publishes_whatever_fails(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = [{"messages": [{"role": "user", "content": " ".join(["word"] * 60)}]}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    raw = {
+        "store": str(tmp_path / "store"),
+        "model": {"path": str(tiny_model), "context_length": 40},
+        "sources": {"s": {"category": "c", "format": "messages", "files": [str(tmp_path / "in.jsonl")]}},
+        "mix": {"categories": {"c": 1}},
+        "checks": {"max_failed_fraction": 1.0},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+    prepare.run(plan, "s")
+    monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
+    assert generate.run(plan, "s", "00000")["skipped"] == 1
+
+
+# -- the driver's steps, one by one ---------------------------------------------------------------------
+def _work(tmp_path: Path, tiny_model: Path, rows: list[Any], **model: Any) -> generate.ShardWork:
+    plan = _plan(tmp_path, tiny_model, rows, chat_template=str(TOOLS_TEMPLATE), **model)
+    return generate.open_shard(plan, "s", "00000", generate.ShardPaths.of(plan, "s", "00000"))
+
+
+def test_open_shard_makes_one_conversation_per_prompt_and_sample(tmp_path: Path, tiny_model: Path) -> None:
+    work = _work(tmp_path, tiny_model, ROWS[:2])
+    assert len(work.convs) == 4 and {i for _, i in work.convs} == {0, 1}
+    assert all(c.finish_reason is None and not c.turns for c in work.convs.values())
+
+
+def test_next_requests_skips_over_the_context_and_continues_prefixes(tmp_path: Path, tiny_model: Path) -> None:
+    rows = [{"messages": [{"role": "user", "content": c}]} for c in ("short", " ".join(["word"] * 60))]
+    work = _work(tmp_path, tiny_model, rows, context_length=40)
+    progress = generate.Progress(len(work.convs), 0, "t")
+    short = next(c for c in work.convs.values() if c.messages[0]["content"] == "short" and c.sample_idx == 0)
+    short.prefix, short.prefix_from = [7, 8], "k/00000"
+    requests, contexts = generate.next_requests(work, progress)
+    assert len(requests) == 2 and set(contexts) == {(r.prompt_id, r.sample_idx) for r in requests}
+    continued = next(r for r in requests if r.sample_idx == 0)
+    assert continued.prompt_ids[-2:] == [7, 8] and continued.params.max_new_tokens == 1  # 3 minus the prefix
+    skipped = [c for c in work.convs.values() if c.finish_reason == "skipped"]
+    assert len(skipped) == 2 and all("exceeds the context of 40" in (c.error or "") for c in skipped)
+    turn = generate.take_result(work, Result(continued.prompt_id, 0, [9], "length"), contexts[(continued.prompt_id, 0)])
+    assert turn.output_ids == [7, 8, 9] and turn.continued and turn.reused_from == "k/00000"
+
+
+def test_replay_refuses_a_journal_of_another_shard(tmp_path: Path, tiny_model: Path) -> None:
+    from dflash_build.journal import Journal
+
+    work = _work(tmp_path, tiny_model, ROWS[:1])
+    journal = Journal(work.paths.journal, 1, 0)
+    journal.append({"prompt_id": "not-here", "sample_idx": 0, "turn": 0, "output_ids": [], "finish_reason": "stop"})
+    journal.close()
+    with pytest.raises(RuntimeError, match="does not match prompt shard s/00000"):
+        generate.replay(work, Journal(work.paths.journal, 1, 0))
+
+
+def test_paths_given_by_snakemake_are_the_ones_written(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _plan(tmp_path, tiny_model, ROWS[:1], chat_template=str(TOOLS_TEMPLATE))
+    monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
+    own = generate.ShardPaths.of(plan, "s", "00000")
+    paths = generate.ShardPaths(own.prompts, tmp_path / "out" / "x.parquet", tmp_path / "out" / "x.json", own.journal)
+    generate.run(plan, "s", "00000", paths)
+    assert paths.data.exists() and paths.stats.exists() and not own.data.exists()

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from dflash_build import config as cfg
 from dflash_build import mix
+from dflash_build import plan as plan_mod
 
 
 def cands(lengths: list[int]) -> list[mix.Candidate]:
@@ -53,3 +59,59 @@ def test_shortfalls_are_stated() -> None:
 def test_length_stats() -> None:
     assert mix.length_stats([5, 1, 3, 2, 4]) == {"mean": 3.0, "p50": 3, "p90": 5, "max": 5}
     assert mix.length_stats([]) == {"mean": 0, "p50": 0, "p90": 0, "max": 0}
+
+
+# -- loud failure: the checks run on the real plan of a small config -----------------------------------
+def _plan(tmp_path: Path, **extra: Any) -> plan_mod.Plan:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"gguf")
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"t{i}"}) + "\n" for i in range(3)))
+    raw = {
+        "store": str(tmp_path / "store"),
+        "model": {"path": str(model)},
+        "sources": {
+            "a1": {"category": "a", "format": "alpaca", "files": [str(data)]},
+            "a2": {"category": "a", "format": "alpaca", "files": [str(data)], "seed": 1},
+            "b1": {"category": "b", "format": "alpaca", "files": [str(data)]},
+        },
+        "mix": {"categories": {"a": 0.5, "b": 0.5}},
+        **extra,
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    return plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+
+
+def _check(plan: plan_mod.Plan, chosen: dict[str, int], by_source: dict[str, int]) -> None:
+    shares = dict(plan.config.mix_categories)
+    available = Counter(chosen)
+    mix.check(plan, shares, {c: shares[c] * 100 for c in shares}, Counter(chosen), available, Counter(by_source))
+
+
+def test_checks_pass_a_dataset_that_meets_its_mix(tmp_path: Path) -> None:
+    _check(_plan(tmp_path), {"a": 50, "b": 49}, {"a1": 30, "a2": 20, "b1": 49})
+
+
+@pytest.mark.parametrize(
+    ("chosen", "by_source", "message"),
+    [
+        ({}, {}, "the dataset would be empty"),
+        ({"a": 50, "b": 50}, {"a1": 50, "b1": 50}, "source 'a2' reaches the mix with no samples"),
+        ({"a": 70, "b": 30}, {"a1": 30, "a2": 40, "b1": 30}, "category 'b' reaches 30.0% of tokens, target 50.0%"),
+    ],
+)
+def test_checks_fail_naming_the_cause_and_the_key(
+    tmp_path: Path, chosen: dict[str, int], by_source: dict[str, int], message: str
+) -> None:
+    plan = _plan(tmp_path)
+    with pytest.raises(mix.MixError) as err:
+        _check(plan, chosen, by_source)
+    assert message in str(err.value)
+    assert "checks.allow_shortfall" in str(err.value) or "empty" in str(err.value)
+
+
+def test_an_allowed_shortfall_passes(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, checks={"allow_shortfall": ["b"]})
+    _check(plan, {"a": 70, "b": 30}, {"a1": 30, "a2": 40, "b1": 30})
+    with pytest.raises(mix.MixError, match="source 'a2'"):
+        _check(plan, {"a": 70, "b": 30}, {"a1": 70, "b1": 30})

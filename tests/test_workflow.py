@@ -48,7 +48,13 @@ def make_sources(data: Path) -> dict[str, Any]:
     return {
         "alpha": {"category": "coding", "files": [str(data / "alpha.jsonl")], "format": "alpaca"},
         "beta": {"category": "agent", "files": [str(data / "beta.jsonl")], "format": "messages"},
-        "gamma": {"category": "general", "files": [str(data / "gamma.jsonl")], "format": "sharegpt"},
+        # one of its 4 rows is bad on purpose: allowed explicitly, as a user would
+        "gamma": {
+            "category": "general",
+            "files": [str(data / "gamma.jsonl")],
+            "format": "sharegpt",
+            "max_drop_fraction": 0.3,
+        },
     }
 
 
@@ -203,3 +209,46 @@ def test_comment_edits_in_rules_and_package_rerun_nothing(built: tuple[Workflow,
     for path in (code / "rules" / "generate.smk", code / "dflash_build" / "generate.py"):
         path.write_text(path.read_text() + "\n# a comment added by a test\n")
     assert wf.dry_run() == {}
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("every row over the context", "4 of 4 rows could not be generated"),
+        ("empty input", "the input has no rows"),
+        ("every answer truncated and dropped", "source 'alpha' reaches the mix with no samples"),
+    ],
+)
+def test_a_build_that_would_lose_a_source_fails_and_says_why(
+    tmp_path: Path, tiny_model: Path, case: str, expected: str
+) -> None:
+    data = tmp_path / "data"
+    rows = [{"instruction": f"Write function number {i}."} for i in range(4)]
+    config = base_config(
+        tiny_model,
+        {
+            "alpha": {
+                "category": "coding",
+                "files": [str(write_jsonl(data / "alpha.jsonl", rows))],
+                "format": "alpaca",
+            },
+            "beta": {
+                "category": "general",
+                "files": [str(write_jsonl(data / "beta.jsonl", [{"instruction": "Say hi."}]))],
+                "format": "alpaca",
+            },
+        },
+    )
+    if case == "every row over the context":
+        config["model"]["context_length"] = 20
+    elif case == "empty input":
+        (data / "alpha.jsonl").write_text("")
+    else:
+        config["truncated"] = "drop"
+        config["sources"]["alpha"]["sampling"] = {"max_new_tokens": 1, "temperature": 0.0}
+    wf = Workflow(tmp_path)
+    wf.write_config(config)
+    proc = wf.run(check=False)
+    assert proc.returncode != 0
+    assert expected in proc.stdout + proc.stderr
+    assert not (tmp_path / "dist" / "test-mix").exists()

@@ -1,0 +1,82 @@
+"""Reading raw local files row by row, so that one bad row costs that row and nothing else.
+
+Upstream dumps carry byte-level quirks that a plain ``open(..., encoding="utf-8")`` turns into a dead
+source: a UTF-8 byte-order mark before the first row, or one invalid byte sequence somewhere in a
+multi-gigabyte file. Here a BOM is skipped, and a row whose bytes are not UTF-8 comes back as an
+:class:`InvalidUtf8` marker with its location, to be counted as a drop while every other row is kept.
+Both ``prepare`` and the plan's row counts read through this module, so they agree on what a row is.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InvalidUtf8:
+    """A row whose bytes are not valid UTF-8."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class InvalidJson:
+    """A row that is not valid JSON."""
+
+    detail: str
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) for every non-blank line; bad lines yield a marker instead of a value."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, InvalidUtf8(f"invalid UTF-8 at byte {e.start} of the line: {raw[e.start : e.end]!r}")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, InvalidJson(f"invalid JSON: {e.msg}")
+
+
+def count_jsonl(path: Path) -> int:
+    """Rows :func:`iter_jsonl` yields (bad rows included: they are counted as drops)."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip() and line.strip() != codecs.BOM_UTF8)
+
+
+def load_json(path: Path) -> list[Any]:
+    """The items of a .json file (a list of objects, or one object).
+
+    Invalid byte sequences are decoded as lone surrogates (``surrogateescape``), so the file still
+    parses; an item that holds one comes back as :class:`InvalidUtf8`.
+    """
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+    data = json.loads(text)
+    items = data if isinstance(data, list) else [data]
+    return [InvalidUtf8("invalid UTF-8 in the item's strings") if _has_surrogate(v) else v for v in items]
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False

@@ -1,0 +1,439 @@
+"""Writes the upstream-shaped fixtures in this folder (run it to regenerate them; the output is committed).
+
+Each folder mirrors one hub dataset that config/config.yaml names: the same file layout, the card's
+`configs:` (so `datasets.load_dataset(folder, name, split=...)` resolves exactly as on the hub), the
+real column names and types, and the quirks seen in the dataset viewers. Only the text is ours: a few
+dozen rows, templated so they are distinct. README.md in each folder says which card it follows.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+HERE = Path(__file__).resolve().parent
+TOPICS = [
+    "a linked list",
+    "a binary heap",
+    "an LRU cache",
+    "a trie",
+    "a ring buffer",
+    "a bloom filter",
+    "a union-find structure",
+    "an interval tree",
+    "a rate limiter",
+    "a CSV parser",
+    "a JSON tokenizer",
+    "a URL router",
+    "a thread pool",
+    "a priority queue",
+    "a skip list",
+    "a matrix multiply",
+    "a topological sort",
+    "Dijkstra's algorithm",
+    "a sudoku checker",
+    "a run-length encoder",
+]
+LANGS = ["Python", "Rust", "Go", "TypeScript"]
+
+
+def uid(*parts: object) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "/".join(map(str, parts))))
+
+
+def write_card(folder: Path, header: str, note: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "README.md").write_text(f"---\n{header.strip()}\n---\n{note.strip()}\n")
+
+
+def write_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+# -- nvidia/Nemotron-Post-Training-Dataset-v2 ------------------------------------------------------
+NEMOTRON_SCHEMA = pa.schema(
+    [
+        ("uuid", pa.string()),
+        ("license", pa.string()),
+        ("generator", pa.string()),
+        ("version", pa.string()),
+        ("category", pa.string()),
+        ("reasoning", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ]
+)
+
+
+def nemotron_row(split: str, i: int, turns: list[tuple[str, str]], reasoning: str) -> dict:
+    # Every row opens with an empty system turn: the quirk that once dropped all of them.
+    messages = [{"role": "system", "content": ""}] + [{"role": r, "content": c} for r, c in turns]
+    return {
+        "uuid": uid("nemotron", split, i),
+        "license": "CC BY 4.0",
+        "generator": "DeepSeek-R1-0528, Qwen3-235B-A22B",
+        "version": "v2",
+        "category": split,
+        "reasoning": reasoning,
+        "messages": messages,
+    }
+
+
+def think(answer: str, reasoning: str) -> str:
+    return f"<think>\nLet me work through this.\n</think>\n\n{answer}" if reasoning == "on" else answer
+
+
+def nemotron() -> None:
+    folder = HERE / "nemotron-post-training-v2"
+    write_card(
+        folder,
+        """
+dataset_info:
+  features:
+  - {name: uuid, dtype: string}
+  - {name: license, dtype: string}
+  - {name: generator, dtype: string}
+  - {name: version, dtype: string}
+  - {name: category, dtype: string}
+  - {name: reasoning, dtype: string}
+  - name: messages
+    list:
+    - {name: role, dtype: string}
+    - {name: content, dtype: string}
+configs:
+- config_name: default
+  data_files:
+  - {split: chat, path: data/chat-*}
+  - {split: code, path: data/code-*}
+  - {split: math, path: data/math-*}
+""",
+        """
+Follows the card of nvidia/Nemotron-Post-Training-Dataset-v2: one `default` config whose splits are
+categories (stem, chat, math, code, multilingual_*; stem and multilingual omitted here), columns
+uuid/license/generator/version/category/reasoning/messages, `messages` a list of {role, content}
+that starts with an empty system turn on every row, assistant answers with `<think>` blocks when
+`reasoning` is "on", and multi-turn chat rows.
+""",
+    )
+    code = []
+    for i in range(40):
+        topic, lang = TOPICS[i % len(TOPICS)], LANGS[i // len(TOPICS) % len(LANGS)]
+        reasoning = "on" if i % 3 else "off"
+        question = (
+            f"Implement {topic} in {lang}. Explain the time and space complexity of each operation, "
+            f"handle the edge cases (empty input, a single element, very large inputs) and include "
+            f"a few unit tests. Variant {i}: keep the public API small and document it."
+        )
+        code.append(
+            nemotron_row("code", i, [("user", question), ("assistant", think("```\n...\n```", reasoning))], reasoning)
+        )
+    chat = []
+    for i in range(30):
+        reasoning = "on" if i % 2 else "off"
+        q = f"What are good ways to plan a {['week', 'month', 'trip', 'garden', 'study term'][i % 5]} (case {i})?"
+        turns = [("user", q), ("assistant", think("Here are some ideas.", reasoning))]
+        if i % 4 == 0:  # multi-turn rows: turns: first keeps the conversation up to the first answer
+            turns += [("user", "Can you make that shorter?"), ("assistant", "Sure.")]
+        chat.append(nemotron_row("chat", i, turns, reasoning))
+    math = []
+    for i in range(30):
+        q = f"Solve for x: {i + 2}x + {3 * i + 1} = {5 * i + 40}. Give the exact value and check it."
+        math.append(nemotron_row("math", i, [("user", q), ("assistant", think("x = ...", "on"))], "on"))
+    for split, rows in (("code", code), ("chat", chat), ("math", math)):
+        write_parquet(folder / "data" / f"{split}-00000-of-00001.parquet", rows, NEMOTRON_SCHEMA)
+
+
+SKIES = ["blue", "red at sunset", "white when cloudy"]
+
+
+# -- BAAI/Infinity-Instruct, config 0625 ---------------------------------------------------------------
+def infinity() -> None:
+    folder = HERE / "infinity-instruct"
+    write_card(
+        folder,
+        """
+configs:
+- config_name: '0625'
+  data_files:
+  - {split: train, path: 0625/*}
+- config_name: 7M
+  data_files:
+  - {split: train, path: 7M/*}
+""",
+        """
+Follows the card of BAAI/Infinity-Instruct (config 0625): columns id, conversations (sharegpt:
+{from: human|gpt, value}), label (struct of ability lists), langdetect, source. Rows are English and
+Chinese, some multi-turn. Config 7M is declared on the card but its files are not included here.
+""",
+    )
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
+            (
+                "label",
+                pa.struct(
+                    [
+                        (k, pa.list_(pa.string()))
+                        for k in ("ability_en", "ability_zh", "cate_ability_en", "cate_ability_zh")
+                    ]
+                ),
+            ),
+            ("langdetect", pa.string()),
+            ("source", pa.string()),
+        ]
+    )
+    rows = []
+    for i in range(30):
+        zh = i % 5 == 0
+        q = (
+            f"请解释一下第{i}个关于光合作用的问题。"
+            if zh
+            else f"Explain, for a curious teenager, why the sky looks {SKIES[i % 3]} (question {i})."
+        )
+        conv = [{"from": "human", "value": q}, {"from": "gpt", "value": "..."}]
+        if i % 6 == 1:
+            conv += [{"from": "human", "value": "Give one more example."}, {"from": "gpt", "value": "..."}]
+        rows.append(
+            {
+                "id": str(1000 + i),
+                "conversations": conv,
+                "label": {
+                    "ability_en": ["explanation"],
+                    "ability_zh": ["解释"],
+                    "cate_ability_en": ["natural science"],
+                    "cate_ability_zh": ["自然科学"],
+                },
+                "langdetect": "zh-cn" if zh else "en",
+                "source": "Subjective",
+            }
+        )
+    write_parquet(folder / "0625" / "train-00000-of-00001.parquet", rows, schema)
+
+
+# -- NousResearch/hermes-function-calling-v1 ----------------------------------------------------------
+PREAMBLE = (
+    "You are a function calling AI model. You are provided with function signatures within <tools> </tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
+    "what values to plug into functions.\n<tools>\n{tools}\n</tools>\nFor each function call return a json "
+    "object with function name and arguments within <tool_call> </tool_call> tags with the following schema:\n"
+    "<tool_call>\n{{'arguments': <args-dict>, 'name': <function-name>}}\n</tool_call>\n"
+)
+
+
+def tool(name: str, description: str, params: dict[str, str]) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
+                "required": list(params),
+            },
+        },
+    }
+
+
+def hermes() -> None:
+    folder = HERE / "hermes-function-calling-v1"
+    write_card(
+        folder,
+        """
+configs:
+- config_name: func_calling_singleturn
+  data_files: func-calling-singleturn.json
+  default: true
+- config_name: glaive_func_calling
+  data_files: glaive-function-calling-5k.json
+""",
+        """
+Follows the card and viewer of NousResearch/hermes-function-calling-v1: JSON arrays (not JSONL), one
+file per config, columns id, conversations (sharegpt: from system|human|gpt|tool), category,
+subcategory, task. The system prompt names `<tools> </tools>` in prose before the real block, and the
+block is a Python literal (single quotes) in most rows and JSON in some. glaive_func_calling has
+multi-turn rows with tool turns and rows whose system prompt has no tools at all. Configs func_calling,
+json_mode_agentic and json_mode_singleturn are left out.
+""",
+    )
+    single = []
+    for i in range(12):
+        tools = [
+            tool(
+                f"get_inventory_{i}",
+                "Retrieves current inventory levels for each store.",
+                {"api_endpoint": "The endpoint."},
+            ),
+            tool(
+                f"update_order_{i}",
+                "Updates the status of an order.",
+                {"order_id": "The order.", "status": "New status."},
+            ),
+        ]
+        block = json.dumps(tools) if i % 3 == 0 else repr(tools)
+        single.append(
+            {
+                "id": uid("hermes", i),
+                "conversations": [
+                    {"from": "system", "value": PREAMBLE.format(tools=block)},
+                    {
+                        "from": "human",
+                        "value": f"Our store {i} is running low; check the inventory and mark order A{i} shipped.",
+                    },
+                    {
+                        "from": "gpt",
+                        "value": "<tool_call>\n"
+                        f"{{'arguments': {{'api_endpoint': '/inv'}}, 'name': 'get_inventory_{i}'}}\n</tool_call>",
+                    },
+                ],
+                "category": "E-commerce Platforms",
+                "subcategory": "Inventory Management",
+                "task": f"Manage store inventory {i}",
+            }
+        )
+    (folder / "func-calling-singleturn.json").write_text(json.dumps(single, indent=2, ensure_ascii=False))
+    glaive = []
+    for i in range(12):
+        if i % 4 == 3:  # glaive rows without tools keep their system prompt
+            conv = [
+                {"from": "system", "value": "You are a helpful assistant, with no access to external functions."},
+                {"from": "human", "value": f"Can you suggest a name for a bakery on street {i}?"},
+                {"from": "gpt", "value": "How about ...?"},
+            ]
+        else:
+            tools = [
+                tool(
+                    f"convert_currency_{i}",
+                    "Convert an amount between currencies.",
+                    {"amount": "Amount.", "to": "Target currency."},
+                )
+            ]
+            conv = [
+                {"from": "system", "value": PREAMBLE.format(tools=repr(tools))},
+                {"from": "human", "value": f"Hi, I need to convert {100 + i} US dollars to euros."},
+                {
+                    "from": "gpt",
+                    "value": "<tool_call>\n"
+                    f"{{'name': 'convert_currency_{i}', 'arguments': {{'amount': {100 + i}, 'to': 'EUR'}}}}\n"
+                    "</tool_call>",
+                },
+                {"from": "tool", "value": "<tool_response>\n{'converted_amount': 85.0}\n</tool_response>"},
+                {"from": "gpt", "value": "That is about 85 euros."},
+            ]
+        glaive.append({"id": uid("glaive", i), "conversations": conv, "category": "", "subcategory": "", "task": ""})
+    (folder / "glaive-function-calling-5k.json").write_text(json.dumps(glaive, indent=2, ensure_ascii=False))
+
+
+# -- sahil2801/CodeAlpaca-20k --------------------------------------------------------------------------
+def code_alpaca() -> None:
+    folder = HERE / "code-alpaca-20k"
+    write_card(
+        folder,
+        "license: cc-by-4.0",
+        """
+Follows sahil2801/CodeAlpaca-20k: one JSON array `code_alpaca_20k.json` with instruction, input
+(often the empty string) and output; no `configs:` on the card, so the one split is `train`.
+""",
+    )
+    rows = []
+    for i in range(40):
+        topic = TOPICS[i % len(TOPICS)]
+        rows.append(
+            {
+                "instruction": f"Write a function that builds {topic} from a list of numbers (task {i}).",
+                "input": "" if i % 2 else f"[{i}, {i + 1}, {i + 2}]",
+                "output": "def build(xs):\n    ...",
+            }
+        )
+    (folder / "code_alpaca_20k.json").write_text(json.dumps(rows, indent=4))
+
+
+# -- bigcode/self-oss-instruct-sc2-exec-filter-50k -----------------------------------------------------
+def self_oss() -> None:
+    folder = HERE / "self-oss-instruct-sc2-exec-filter-50k"
+    write_card(
+        folder,
+        """
+configs:
+- config_name: default
+  data_files:
+  - {split: train, path: data/train-*}
+""",
+        """
+Follows bigcode/self-oss-instruct-sc2-exec-filter-50k: parquet under data/, columns fingerprint
+(null), sha1, seed (the code snippet), response, concepts, prompt (the generation prompt that
+produced the instruction: not what to answer), instruction, id. Hence `fields: {prompt: instruction}`.
+""",
+    )
+    schema = pa.schema(
+        [
+            ("fingerprint", pa.null()),
+            ("sha1", pa.string()),
+            ("seed", pa.string()),
+            ("response", pa.string()),
+            ("concepts", pa.list_(pa.string())),
+            ("prompt", pa.string()),
+            ("instruction", pa.string()),
+            ("id", pa.int64()),
+        ]
+    )
+    rows = []
+    for i in range(20):
+        rows.append(
+            {
+                "fingerprint": None,
+                "sha1": uid("sha1", i).replace("-", "")[:40],
+                "seed": f"def f{i}(x):\n    return x * {i}\n",
+                "response": "## Reasoning\n...",
+                "concepts": ["list comprehension", "type checking"],
+                "prompt": "Provide the best response to a given instruction. Follow these steps: ...",
+                "instruction": (
+                    f"Write a Python function `scale_{i}` that multiplies every element of a list by {i} and "
+                    "raises a `TypeError` with a clear message when an element is not a number. Include doctests."
+                ),
+                "id": 4000 + i,
+            }
+        )
+    write_parquet(folder / "data" / "train-00000-of-00001.parquet", rows, schema)
+
+
+# -- openai/gsm8k (a math set in `prompt` format) -------------------------------------------------------
+def gsm8k() -> None:
+    folder = HERE / "gsm8k"
+    write_card(
+        folder,
+        """
+configs:
+- config_name: main
+  data_files:
+  - {split: train, path: main/train-*}
+""",
+        """
+Follows openai/gsm8k (config main): parquet with `question` and `answer` (worked solution ending in
+`#### N`). Read with format `prompt` and `fields: {prompt: question}`.
+""",
+    )
+    schema = pa.schema([("question", pa.string()), ("answer", pa.string())])
+    rows = [
+        {
+            "question": f"Natalia sold clips to {10 + 2 * i} of her friends in April, and then she sold half as many "
+            "clips in May. How many clips did Natalia sell altogether in April and May?",
+            "answer": f"In May she sold {5 + i} clips.\n#### {(10 + 2 * i) * 3 // 2}",
+        }
+        for i in range(10)
+    ]
+    write_parquet(folder / "main" / "train-00000-of-00001.parquet", rows, schema)
+
+
+if __name__ == "__main__":
+    nemotron()
+    infinity()
+    hermes()
+    code_alpaca()
+    self_oss()
+    gsm8k()

@@ -1,0 +1,180 @@
+"""config/config.yaml itself, every source, through the real workflow.
+
+Two substitutions, and only these (README, "Production rehearsal"):
+1. each hub source's `hf.path` points at its upstream-shaped fixture folder in tests/data/upstream
+   (same layout, card configs, columns and quirks; a few dozen rows);
+2. the model is the tiny random-weight test model (its eos ids make answers short) and the engine is
+   the transformers backend on CPU.
+Everything else (sampling, shard size, truncation policy, mix shares, checks) is the production config.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow
+
+UPSTREAM = REPO / "tests" / "data" / "upstream"
+HUB_FIXTURES = {
+    "nvidia/Nemotron-Post-Training-Dataset-v2": "nemotron-post-training-v2",
+    "sahil2801/CodeAlpaca-20k": "code-alpaca-20k",
+    "BAAI/Infinity-Instruct": "infinity-instruct",
+    "NousResearch/hermes-function-calling-v1": "hermes-function-calling-v1",
+    "bigcode/self-oss-instruct-sc2-exec-filter-50k": "self-oss-instruct-sc2-exec-filter-50k",
+}
+PINNED = "0123456789abcdef0123456789abcdef01234567"
+
+
+def production_config() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+
+def substitute(config: dict[str, Any], model: Path) -> dict[str, Any]:
+    config = copy.deepcopy(config)
+    for name, source in config["sources"].items():
+        hub = source["hf"]["path"]
+        assert hub in HUB_FIXTURES, f"source {name}: add an upstream-shaped fixture for {hub}"
+        source["hf"]["path"] = str(UPSTREAM / HUB_FIXTURES[hub])
+    config["model"]["path"] = str(model)
+    config["engine"] = {"backend": "transformers", "options": {"device": "cpu", "batch_size": 16, "threads": 1}}
+    return config
+
+
+@pytest.fixture(scope="module")
+def rehearsal_model(stoppy_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The short-answer tiny model, with a chat template that renders tools as its own."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("rehearsal-model") / "model"
+    shutil.copytree(stoppy_model, out)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = TOOLS_TEMPLATE.read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)  # newer tokenizers save it beside the config
+    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory: pytest.TempPathFactory, rehearsal_model: Path) -> tuple[Workflow, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("rehearsal")
+    wf = Workflow(work)
+    config = substitute(production_config(), rehearsal_model)
+    wf.write_config(config)
+    return wf, config
+
+
+def test_production_config_plans_every_shard_of_every_source(
+    tmp_path: Path, rehearsal_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`snakemake -n` and `dflash-build plan` on the real hub sources, revisions pinned, nothing loaded."""
+    from dflash_build import cli
+
+    config = production_config()
+    config["model"]["path"] = str(rehearsal_model)  # the 27B weights are not here; keys need files
+    for source in config["sources"].values():
+        source["hf"]["revision"] = PINNED
+    wf = Workflow(tmp_path)
+    path = wf.write_config(config)
+    expected = {
+        (name, f"{i:05d}")
+        for name, s in config["sources"].items()
+        for i in range(math.ceil(s["max_samples"] / config["shard_size"]))
+    }
+    jobs = wf.dry_run()
+    assert {(j["source"], j["shard"]) for j in jobs["generate"]} == expected
+    assert {(j["source"], j["shard"]) for j in jobs["tokenize"]} == expected
+    assert {k for k in jobs if k.startswith("prepare_")} == {
+        f"prepare_{n.replace('-', '_')}" for n in config["sources"]
+    }
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["--configfile", str(path), "plan", "--jobs"]) == 0
+    listed = {
+        tuple(line.split()[1].split("/"))
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("generate ")
+    }
+    assert listed == expected
+
+
+def test_rehearsal_dry_run_lists_every_shard(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
+    from dflash_build import config as config_mod
+    from dflash_build import plan as plan_mod
+
+    wf, config = rehearsal
+    jobs = wf.dry_run()
+    plan = plan_mod.build(config_mod.load(wf.workdir / "config.yaml"))
+    expected = {(name, shard) for name, sp in plan.sources.items() for shard in sp.shards}
+    assert {(j["source"], j["shard"]) for j in jobs["generate"]} == expected
+    assert {s for s, _ in expected} == set(config["sources"])
+
+
+def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
+    import datasets
+
+    wf, config = rehearsal
+    wf.build()
+    dist = wf.workdir / config["dataset"]["out"] / config["dataset"]["name"]
+    manifest = json.loads((dist / "manifest.json").read_text())
+    for name in config["sources"]:
+        prepared = json.loads(next((wf.workdir / "store" / "prompts" / name).rglob("manifest.json")).read_text())
+        assert prepared["rows_out"] > 0 and prepared["drops"] == {}, (name, prepared["drops"])
+        assert manifest["sources"][name]["rows"] > 0, f"{name} reaches the dataset"
+    # tool rows carry their schemas, and the template showed them to the model
+    for name in ("hermes-function-calling", "hermes-glaive"):
+        prompts = [
+            r
+            for p in (wf.workdir / "store" / "prompts" / name).rglob("0*.parquet")
+            for r in pq.read_table(p).to_pylist()
+        ]
+        with_tools = [r for r in prompts if r["tools"]]
+        assert len(with_tools) >= 9
+        for r in with_tools:
+            assert "<tools>" not in r["messages"], "the dataset's own preamble is replaced by the template's"
+    ds = datasets.load_dataset(str(dist), split="train")
+    assert len(ds) == manifest["rows"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(config["model"]["path"])
+    agent_rows = [r for r in ds if r["source"] == "hermes-function-calling"]
+    assert agent_rows and all("<tools>" in tok.decode(r["input_ids"]) for r in agent_rows)
+    tolerance = config["checks"]["share_tolerance"]
+    total_share = sum(config["mix"]["categories"].values())
+    for category, c in manifest["mix"]["categories"].items():
+        target = config["mix"]["categories"][category] / total_share
+        assert abs(c["achieved_share"] - target) <= tolerance, (category, c)
+    assert wf.dry_run() == {}
+
+
+def test_loading_the_folder_always_gives_the_current_build(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
+    import datasets
+
+    wf, config = rehearsal
+    dist = wf.workdir / config["dataset"]["out"] / config["dataset"]["name"]
+    if not (dist / "manifest.json").exists():
+        wf.build()
+    before = datasets.load_dataset(str(dist), split="train")
+    changed = copy.deepcopy(config)
+    changed["mix"]["seed"] = 7  # another selection of the same samples
+    wf.write_config(changed)
+    try:
+        wf.build()
+        after = datasets.load_dataset(str(dist), split="train")
+        manifest = json.loads((dist / "manifest.json").read_text())
+        current = pq.read_table(sorted((dist / "data").glob("*.parquet"))).to_pylist()
+        assert len(after) == manifest["rows"] == len(current)
+        assert [(r["prompt_id"], r["sample_idx"]) for r in after] == [
+            (r["prompt_id"], r["sample_idx"]) for r in current
+        ]
+        assert [(r["prompt_id"], r["sample_idx"]) for r in after] != [(r["prompt_id"], r["sample_idx"]) for r in before]
+    finally:
+        wf.write_config(config)
