@@ -263,6 +263,7 @@ class EngineRun:
 
     journaled: int = 0
     engine_tokens: int = 0
+    served: Any = None  # what the engine says it serves (openai backend: per server), for the sidecar
 
 
 def run(plan: Plan, source: str, shard: str, paths: ShardPaths | None = None) -> dict[str, Any]:
@@ -355,6 +356,8 @@ def reuse(work: ShardWork, journal: Journal) -> int:
                 ids = work.renderer.next_context(conv)
                 if ids != old["prompt_ids"]:
                     continue  # rendered differently (should not happen under one reuse_key): generate it
+                if work.context is not None and len(ids) + limit > work.context:
+                    continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
                 output = list(old["output_ids"])
                 use = cand.use_for(limit)
                 if use == "continue":
@@ -450,6 +453,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
             if engine is None:
                 stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
                 engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
+                counts.served = getattr(engine, "identity", None)
                 if kill_kind == "rows" and kill_rows == 0:
                     _die()
             for generated in engine.generate(requests):
@@ -530,6 +534,8 @@ def publish(
     stats[R.STAT_CONTINUED] = continued
     stats[R.STAT_REUSED_FROM] = reused_from
     stats[R.STAT_GENERATED] = engine_run.journaled
+    if engine_run.served is not None:
+        stats["engine"]["served"] = engine_run.served
     check_failures(stats, work.plan.config.checks.max_failed_fraction, journal.path)
     table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
     stats[R.STAT_DATA] = atomic.write_parquet(work.paths.data, table)
@@ -635,7 +641,7 @@ def _stats(
         "components": sp.gen_components,
         "model_fingerprint": plan.model_fingerprint,
         "template_fingerprint": plan.template_fingerprint,
-        # Recorded, never keyed: they change speed, not the distribution.
+        # Recorded; only the options that change the numbers are keyed (keys.ENGINE_OPTIONS).
         "engine": {
             "backend": cfg.backend,
             "options": dict(cfg.engine_options),

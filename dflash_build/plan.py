@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, readers
+from dflash_build import hashing, keys, readers
 from dflash_build.config import Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
 
@@ -104,13 +104,25 @@ class Plan:
         return [p for s in self.sources for p in self.token_shards(s)]
 
 
+# What decides a model's answers: weights (and their shard index), the config and generation config,
+# remote modeling code, and the tokenizer files. A README, licence or .gitattributes decide nothing.
+MODEL_CONFIG_FILES = frozenset({"config.json", "generation_config.json"})
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json", ".bin.index.json")
+CODE_SUFFIXES = (".py",)
+
+
+def is_model_file(name: str) -> bool:
+    return name in MODEL_CONFIG_FILES or name in TOKENIZER_FILES or name.endswith(WEIGHT_SUFFIXES + CODE_SUFFIXES)
+
+
 def _model_files(path: Path) -> list[Path]:
+    """The files of a model (or tokenizer) folder that decide its answers; a file path is itself."""
     if path.is_file():
         return [path]
     return sorted(
         p
         for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        if p.is_file() and is_model_file(p.name) and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
 
 
@@ -128,7 +140,7 @@ def fingerprint_model(config: Config, cache: hashing.FingerprintCache) -> tuple[
         root = Path(model.path)
         files = _model_files(root)
         if not files:
-            raise ConfigError("model.path", f"'{root}' holds no files")
+            raise ConfigError("model.path", f"'{root}' holds no model files (weights, config.json, tokenizer files)")
         digests = cache.files(files, root if root.is_dir() else root.parent)
         weights = {"files": {k: v for k, v in digests.items() if Path(k).name not in TOKENIZER_FILES}}
         template = {
@@ -243,6 +255,8 @@ def build(config: Config) -> Plan:
             "template": template_fp["digest"],
             "chat_template_kwargs": {**config.model.chat_template_kwargs, **spec.chat_template_kwargs},
             "sampling": spec.sampling.as_dict(),
+            # only the options that change the numbers (keys.ENGINE_OPTIONS); speed options stay out
+            "engine": keys.keyed_engine_options(config.engine.backend, config.engine.options),
         }
         if config.model.context_length is not None:
             # an explicit window changes which prompts are skipped; the model's own is fingerprinted

@@ -8,7 +8,9 @@ alone and rerun nothing.
 # 2: empty system turns no longer drop a row; Hermes tools found past a prose mention of <tools> and in
 # Python-literal blocks; a UTF-8 BOM no longer costs the first row; invalid UTF-8 costs only its row.
 PREP_VERSION = 2
-GEN_VERSION = 1
+# 2: the transformers backend seeds every position from (row seed, position), so a continued answer
+# equals a fresh one; reused rows pass the context check; keyed engine options in gen_key.
+GEN_VERSION = 2
 TOK_VERSION = 1
 # 2: data file names carry a digest of their content.
 MIX_VERSION = 2

@@ -48,12 +48,43 @@ def plan_from(config: dict[str, Any]) -> plan_mod.Plan:
     return plan_mod.build(config_mod.from_dict(config))
 
 
+class KeyMismatchError(RuntimeError):
+    """The config, model or inputs changed since Snakemake planned this job: its output would go astray."""
+
+
+def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned: dict[str, Any]) -> None:
+    """Fail unless the job's own plan gives the key Snakemake asked for; say what differs if not."""
+    from dflash_build.operate import diff
+
+    sp = plan.sources[source]
+    key, components = {
+        "prepare": (sp.prompt_key, sp.prompt_components),
+        "generate": (sp.gen_key, sp.gen_components),
+        "tokenize": (sp.tok_key, sp.tok_components),
+    }[stage]
+    if key == asked:
+        return
+    changes = "\n".join(f"  {c}" for c in diff(planned, components)) or "  (no recorded components to compare)"
+    raise KeyMismatchError(
+        f"{stage} {source}: Snakemake planned key {asked}, but the config and inputs now give {key}; "
+        f"something changed since the workflow started:\n{changes}\nRun snakemake again to plan the new key."
+    )
+
+
 def run_rule(smk: Any, stage: str) -> None:
-    """Run ``stage`` for a Snakemake job (the ``snakemake`` object a script receives)."""
+    """Run ``stage`` for a Snakemake job (the ``snakemake`` object a script receives).
+
+    Before any work (no tokenizer, no GPU), the job checks that its own plan gives the key Snakemake
+    asked for, and it reads and writes the paths Snakemake gave it.
+    """
     from dflash_build import generate, mix, prepare, tokenize
 
     with logged(smk.log[0] if smk.log else None):
         plan = plan_from(smk.config)
+        if stage == "prepare":
+            check_key(plan, stage, smk.params.source, Path(smk.output.manifest).parent.name, smk.params.components)
+        elif stage in ("generate", "tokenize"):
+            check_key(plan, stage, smk.wildcards.source, smk.wildcards.key, smk.params.components)
         if stage == "prepare":
             prepare.run(plan, smk.params.source)
         elif stage == "generate":

@@ -39,6 +39,15 @@ def get_completion_shard(wildcards):
     )
 
 
+def get_gen_components(wildcards):
+    # The job compares its own key with the one asked for; these say what differs if they do not match.
+    return PLAN.sources[wildcards.source].gen_components
+
+
+def get_tok_components(wildcards):
+    return PLAN.sources[wildcards.source].tok_components
+
+
 def get_token_shards():
     return [ancient(str(p)) for p in PLAN.all_token_shards()]
 

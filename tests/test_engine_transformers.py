@@ -63,3 +63,41 @@ def test_filter_logits_cuts() -> None:
     assert keep(filter_logits(logits, 1.0, 0, 0.81, 0.0)) == [True, True, True, False]
     assert keep(filter_logits(logits, 1.0, 0, 1.0, 0.2)) == [True, True, True, False]
     assert keep(filter_logits(logits, 1.0, -1, 1.0, 0.0)) == [True] * 4
+
+
+def test_a_hub_model_loads_at_its_pinned_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hub here: the loader's call is what is checked (the revision gen_key names must be the one loaded)."""
+    import transformers
+
+    from dflash_build.engines import transformers_backend
+
+    seen: dict[str, object] = {}
+
+    class Loaded:
+        def to(self, device: str) -> Loaded:
+            return self
+
+        def eval(self) -> Loaded:
+            return self
+
+    def from_pretrained(path: str, **kwargs: object) -> Loaded:
+        seen.update(path=path, **kwargs)
+        return Loaded()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    transformers_backend.load_model("org/model", "cpu", torch.float32, "a" * 40)
+    assert seen == {"path": "org/model", "dtype": torch.float32, "revision": "a" * 40}
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6])
+def test_an_answer_continued_from_its_prefix_is_the_fresh_answer(engine: TransformersEngine, cut: int) -> None:
+    fresh = run(engine, requests())
+    limit = PARAMS.max_new_tokens
+    continued = [
+        Request(r.prompt_id, r.sample_idx, r.prompt_ids + fresh[r.prompt_id][0][:cut], r.params, r.seed)
+        for r in requests(SamplingParams(1.0, 1.0, 0, 0.0, limit - cut))
+        if len(fresh[r.prompt_id][0]) > cut
+    ]
+    assert continued, "rows long enough to cut"
+    for prompt_id, (rest, reason) in run(engine, continued).items():
+        assert fresh[prompt_id][0][:cut] + rest == fresh[prompt_id][0] and reason == fresh[prompt_id][1]

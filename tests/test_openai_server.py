@@ -22,7 +22,7 @@ import pytest
 from dflash_build import chat
 from dflash_build.config import ModelSpec
 from dflash_build.engines import Request, SamplingParams
-from dflash_build.engines.openai_backend import OpenAIEngine, ServerDown
+from dflash_build.engines.openai_backend import ModelMismatch, OpenAIEngine, ServerDown
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by make setup")
@@ -74,8 +74,8 @@ def _request(tokenizer: object, pid: str, text: str, max_new: int) -> Request:
     return Request(pid, 0, ids, SamplingParams(0.0, 1.0, 0, 0.0, max_new), seed=7)
 
 
-def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: object) -> None:
-    engine = OpenAIEngine({"urls": [server], "concurrency": 2}, [2], tokenizer)
+def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: object, gguf_path: Path) -> None:
+    engine = OpenAIEngine({"urls": [server], "concurrency": 2}, [2], tokenizer, str(gguf_path))
     requests = [
         _request(tokenizer, "a", "Reply with the single word: yes", 24),
         _request(tokenizer, "b", "Write a long story about a dragon.", 8),
@@ -84,6 +84,7 @@ def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: o
     results = {r.prompt_id: r for r in engine.generate(requests)}
     engine.close()
     assert engine.prompt_mode == "text", "llama.cpp refuses token-id prompts; the backend falls back to text"
+    assert engine.top_k_off == {server: 0}, "llama.cpp refuses top_k -1; 0 means no top-k there"
     assert set(results) == {"a", "b", "c"}
     assert results["b"].finish_reason == "length"
     assert results["a"].finish_reason == "stop" and results["a"].stop_token_id == 2
@@ -92,12 +93,12 @@ def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: o
         assert len(tokenizer.decode(r.output_ids).strip()) > 0
 
 
-def test_requests_spread_over_servers_within_their_concurrency(server: str, tokenizer: object) -> None:
+def test_requests_spread_over_servers_within_their_concurrency(server: str, tokenizer: object, gguf_path: Path) -> None:
     """Two addresses of one server: each gets at most `concurrency` requests at once, and both get work."""
     seen: dict[str, int] = {}
     peak: dict[str, int] = {}
     urls = [server, server.replace("127.0.0.1", "localhost")]
-    engine = OpenAIEngine({"urls": urls, "concurrency": 1, "prompt": "text"}, [2], tokenizer)
+    engine = OpenAIEngine({"urls": urls, "concurrency": 1, "prompt": "text"}, [2], tokenizer, str(gguf_path))
     active: dict[str, int] = {}
     lock = threading.Lock()
     original = engine._one
@@ -124,7 +125,7 @@ def test_requests_spread_over_servers_within_their_concurrency(server: str, toke
 def test_a_server_that_is_down_fails_clearly(tokenizer: object) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerDown, match=r"engine\.options\.urls.*" + url):
-        OpenAIEngine({"urls": [url], "retries": 1, "backoff": 0.05}, [2], tokenizer)
+        OpenAIEngine({"urls": [url], "retries": 1, "backoff": 0.05}, [2], tokenizer, "model")
 
 
 def test_busy_and_failing_responses_are_retried(tokenizer: object) -> None:
@@ -161,7 +162,8 @@ def test_busy_and_failing_responses_are_retried(tokenizer: object) -> None:
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{stub.server_address[1]}"
-        engine = OpenAIEngine({"urls": [url], "backoff": 0.01, "prompt": "ids"}, [2], tokenizer)
+        options = {"urls": [url], "backoff": 0.01, "prompt": "ids", "expect_model": "m"}
+        engine = OpenAIEngine(options, [2], tokenizer, "/models/served-as-m")
         [result] = engine.generate([_request(tokenizer, "a", "hi", 4)])
     finally:
         stub.shutdown()
@@ -192,4 +194,24 @@ def test_workflow_on_the_server(server: str, gguf_path: Path, tmp_path: Path) ->
     assert stats["input_rows"] == 3 and stats["retokenized_turns"] == 3
     assert 0.0 <= stats["retokenize_drift_rate"] <= 1.0
     assert stats["engine"]["backend"] == "openai" and stats["engine"]["gpu"] is None
+    assert any(name.endswith(gguf_path.name) for name in stats["engine"]["served"][server])
     assert (wf.workdir / "dist" / "test-mix" / "manifest.json").exists()
+
+
+def test_a_server_of_another_model_is_refused(server: str, tokenizer: object, gguf_path: Path) -> None:
+    """The key names model.path's files; a server that serves anything else must not answer under it."""
+    with pytest.raises(ModelMismatch, match=rf"server {server} serves .*{gguf_path.name}.*not model.path"):
+        OpenAIEngine({"urls": [server]}, [2], tokenizer, "/models/Qwen3.6-27B")
+    # a server that reports a served name is accepted when the config says which name that is
+    engine = OpenAIEngine({"urls": [server], "expect_model": gguf_path.name}, [2], tokenizer, "/elsewhere/x")
+    engine.close()
+
+
+def test_every_sampling_knob_is_sent_so_no_server_default_applies() -> None:
+    from dflash_build.engines.openai_backend import completions_body
+
+    request = Request("p", 0, [1, 2], SamplingParams(0.6, 0.95, 0, 0.0, 16), seed=9)
+    body = completions_body(request, "m", [1, 2], [2])
+    assert body["top_k"] == -1 and body["min_p"] == 0.0 and body["seed"] == 9
+    assert body["repeat_penalty"] == body["repetition_penalty"] == 1.0
+    assert body["frequency_penalty"] == body["presence_penalty"] == 0.0

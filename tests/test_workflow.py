@@ -252,3 +252,25 @@ def test_a_build_that_would_lose_a_source_fails_and_says_why(
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr
     assert not (tmp_path / "dist" / "test-mix").exists()
+
+
+def test_editing_the_model_folders_readme_lists_no_job(built: tuple[Workflow, dict[str, Any]]) -> None:
+    wf, config = built
+    readme = Path(config["model"]["path"]) / "README.md"
+    readme.write_text("# a model card edited after the build\n")
+    try:
+        assert wf.dry_run() == {}
+    finally:
+        readme.unlink()
+
+
+@pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"device": "cuda"}])
+def test_numerics_options_list_every_generate_job(
+    built: tuple[Workflow, dict[str, Any]], options: dict[str, Any]
+) -> None:
+    wf, config = built
+    changed = copy.deepcopy(config)
+    changed["engine"]["options"].update(options)
+    jobs = _dry_run_with(wf, config, changed)
+    assert set(jobs) == {"generate", "tokenize", "mix"}
+    assert _sources_of(jobs, "generate") == ["alpha", "alpha", "beta", "gamma"]

@@ -8,6 +8,7 @@ inside their own module, so an optional engine is never needed to parse the work
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,6 +65,16 @@ class Engine(Protocol):
 BACKENDS = ("transformers", "sglang", "openai")
 
 
+def position_seed(row_seed: int, position: int) -> int:
+    """The seed of one sampled position: (row seed, absolute position in the sequence), 63 bits.
+
+    Keyed by position like SGLang's seeded sampler (hash of seed and position), so an answer continued
+    from its own prefix samples the same tokens as the answer generated in one go.
+    """
+    digest = hashlib.blake2b(f"{row_seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def uses_gpu(engine: EngineSpec) -> bool:
     """Whether a generation job holds a GPU (so the rule asks for ``gpu=1`` and pins one)."""
     if engine.backend == "openai":
@@ -83,7 +94,7 @@ def load(
     if engine.backend == "transformers":
         from dflash_build.engines.transformers_backend import TransformersEngine
 
-        return TransformersEngine(model.path, engine.options, stop_token_ids)
+        return TransformersEngine(model.path, engine.options, stop_token_ids, model.revision)
     if engine.backend == "sglang":
         from dflash_build.engines.sglang_backend import SGLangEngine
 
@@ -91,5 +102,5 @@ def load(
     if engine.backend == "openai":
         from dflash_build.engines.openai_backend import OpenAIEngine
 
-        return OpenAIEngine(engine.options, stop_token_ids, tokenizer)
+        return OpenAIEngine(engine.options, stop_token_ids, tokenizer, model.path)
     raise ValueError(f"config key 'engine.backend': unknown backend '{engine.backend}' (known: {', '.join(BACKENDS)})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -28,7 +29,7 @@ from dflash_build.engines import Request, Result
 log = logging.getLogger(__name__)
 
 KNOWN_OPTIONS = frozenset(
-    {"urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff"}
+    {"urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff", "expect_model"}
 )
 APIS = ("completions", "generate")
 PROMPT_MODES = ("auto", "ids", "text")
@@ -47,6 +48,10 @@ class HTTPFailure(Exception):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:300]}")
         self.status = status
+
+
+class ModelMismatch(RuntimeError):
+    """A server serves another model than model.path: its answers would be stored under the wrong key."""
 
 
 class RequestRefused(HTTPFailure):
@@ -82,6 +87,7 @@ def _options(options: Mapping[str, Any]) -> dict[str, Any]:
         "retries": int(options.get("retries", 5)),
         "backoff": float(options.get("backoff", 0.5)),
         "max_backoff": float(options.get("max_backoff", 30)),
+        "expect_model": options.get("expect_model"),
     }
     if out["api"] not in APIS:
         raise ValueError(f"config key 'engine.options.api': '{out['api']}' is not one of {APIS}")
@@ -90,8 +96,12 @@ def _options(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# "No top-k" is -1 for SGLang and vLLM; llama.cpp refuses -1 and means the same by 0.
+TOP_K_OFF = (-1, 0)
+
+
 def completions_body(
-    request: Request, model: str, prompt: list[int] | str, stop_token_ids: list[int]
+    request: Request, model: str, prompt: list[int] | str, stop_token_ids: list[int], top_k_off: int = -1
 ) -> dict[str, Any]:
     p = request.params
     body: dict[str, Any] = {
@@ -101,14 +111,37 @@ def completions_body(
         "temperature": p.temperature,
         "top_p": p.top_p,
         "min_p": p.min_p,
+        # sent even when disabled: leaving it out would apply the server's own default
+        "top_k": p.top_k if p.top_k > 0 else top_k_off,
         "seed": request.seed,
+        # Servers' own defaults are not ours (llama.cpp's repeat_penalty is 1.1): every knob is sent.
+        "repetition_penalty": 1.0,
+        "repeat_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
         "stop_token_ids": list(stop_token_ids),
         "skip_special_tokens": False,
         "return_token_ids": True,  # vLLM: token ids of the answer in the response
     }
-    if p.top_k > 0:
-        body["top_k"] = p.top_k
     return body
+
+
+def served_identities(models: Any, model_info: Any) -> list[str]:
+    """What a server says it serves: /v1/models ids and roots (vLLM), SGLang's /get_model_info path."""
+    names: list[str] = []
+    for entry in (models or {}).get("data") or []:
+        names += [str(entry[k]) for k in ("id", "root") if isinstance(entry, dict) and entry.get(k)]
+    if isinstance(model_info, dict) and model_info.get("model_path"):
+        names.append(str(model_info["model_path"]))
+    return names
+
+
+def matches_model(served: list[str], model_path: str, expect: str | None) -> bool:
+    """A served name is model.path, ends with its folder or file name, or is the name the config expects."""
+    wanted = {model_path.rstrip("/"), os.path.basename(model_path.rstrip("/"))}
+    if expect:
+        wanted.add(expect)
+    return any(name.rstrip("/") in wanted or os.path.basename(name.rstrip("/")) in wanted for name in served)
 
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
@@ -119,16 +152,35 @@ def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]
 
 
 class OpenAIEngine:
-    def __init__(self, options: Mapping[str, Any], stop_token_ids: list[int], tokenizer: Any) -> None:
+    def __init__(self, options: Mapping[str, Any], stop_token_ids: list[int], tokenizer: Any, model_path: str) -> None:
         self.opts = _options(options)
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer  # for text prompts and re-tokenized answers
         self._mode_lock = threading.Lock()
+        self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
         for url in self.opts["urls"]:
             self._health(url)
+        self.identity = {url: self._check_identity(url, model_path) for url in self.opts["urls"]}
         self.model_name = self.opts["model"] or self._served_model(self.opts["urls"][0])
         self.pool = ThreadPoolExecutor(max_workers=self.opts["concurrency"] * len(self.opts["urls"]))
+
+    def _check_identity(self, url: str, model_path: str) -> list[str]:
+        """What ``url`` serves; refuses a server whose model is not model.path's (the key names those files)."""
+        answers = []
+        for path in ("/v1/models", "/get_model_info"):
+            try:
+                answers.append(self._call(url, path, None, retries=1))
+            except (RequestRefused, ServerDown):
+                answers.append(None)
+        served = served_identities(*answers)
+        if not matches_model(served, model_path, self.opts["expect_model"]):
+            raise ModelMismatch(
+                f"server {url} serves {served or 'a model it does not name'}, not model.path '{model_path}': "
+                "its answers would be stored under that model's key. Point engine.options.urls at servers of "
+                "model.path, or set engine.options.expect_model to the name the server reports for it."
+            )
+        return served
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _call(self, url: str, path: str, body: dict[str, Any] | None, retries: int | None = None) -> Any:
@@ -147,6 +199,8 @@ class OpenAIEngine:
                 text = e.read().decode(errors="replace")
                 if e.code not in _RETRY_STATUS:
                     raise RequestRefused(e.code, text) from e
+                if "validation error" in text:  # llama.cpp answers a bad request with a 500: no retry helps
+                    raise HTTPFailure(e.code, text) from e
                 status, last = e.code, RuntimeError(f"HTTP {e.code}: {text[:200]}")
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = e
@@ -195,7 +249,7 @@ class OpenAIEngine:
             # (llama.cpp) with a 500 validation error. If the same request then works as text, the
             # server is text-only; if it does not, the first error stands.
             try:
-                out = self._call(url, "/v1/completions", self._completion_body(request, request.prompt_ids), retries=0)
+                out = self._post_completion(url, request, request.prompt_ids, retries=0)
             except HTTPFailure as refused:
                 if refused.status not in _REFUSAL_STATUS:
                     raise
@@ -212,17 +266,30 @@ class OpenAIEngine:
                 if self.prompt_mode == "auto":
                     self.prompt_mode = "ids"
         elif self.prompt_mode == "ids":
-            out = self._call(url, "/v1/completions", self._completion_body(request, request.prompt_ids))
+            out = self._post_completion(url, request, request.prompt_ids)
         else:
             out = self._text_completion(url, request)
         return self._parse_completion(request, out)
 
     def _text_completion(self, url: str, request: Request) -> Any:
         text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
-        return self._call(url, "/v1/completions", self._completion_body(request, text))
+        return self._post_completion(url, request, text)
 
-    def _completion_body(self, request: Request, prompt: list[int] | str) -> dict[str, Any]:
-        return completions_body(request, self.model_name, prompt, self.stop_token_ids)
+    def _post_completion(self, url: str, request: Request, prompt: list[int] | str, retries: int | None = None) -> Any:
+        """POST /v1/completions; a server that refuses top_k -1 gets 0 ("disabled" too) from then on."""
+        off = self.top_k_off.get(url, TOP_K_OFF[0])
+        body = completions_body(request, self.model_name, prompt, self.stop_token_ids, off)
+        try:
+            return self._call(url, "/v1/completions", body, retries)
+        except HTTPFailure as e:
+            if body["top_k"] != TOP_K_OFF[0] or "top_k" not in str(e):
+                raise
+            with self._mode_lock:
+                if url not in self.top_k_off:
+                    log.warning("%s refuses top_k %d (%s): sending %d for no top-k", url, off, e, TOP_K_OFF[1])
+                self.top_k_off[url] = TOP_K_OFF[1]
+            body["top_k"] = TOP_K_OFF[1]
+            return self._call(url, "/v1/completions", body, retries)
 
     def _parse_completion(self, request: Request, out: Mapping[str, Any]) -> Result:
         choice = (out.get("choices") or [{}])[0]

@@ -1,8 +1,10 @@
 """Transformers backend: CPU demo, tests and small GPU runs.
 
-It runs its own decoding loop instead of ``model.generate`` so that every row samples from its own
-``torch.Generator`` seeded with the row's seed: a row's answer does not depend on which rows share its
-batch. Rows are batched by prompt length; finished rows leave the batch (and the KV cache) at once.
+It runs its own decoding loop instead of ``model.generate`` so that every sampled position draws from
+a generator seeded with (the row's seed, the position in the sequence), as SGLang's seeded sampler
+does: a row's answer does not depend on which rows share its batch, and an answer continued from a
+prefix (prompt + prefix as the prompt) draws exactly what the fresh answer drew at each position.
+Rows are batched by prompt length; finished rows leave the batch (and the KV cache) at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 import torch
 
-from dflash_build.engines import Request, Result
+from dflash_build.engines import Request, Result, position_seed
+from dflash_build.keys import transformers_dtype
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,8 @@ KNOWN_OPTIONS = frozenset({"device", "dtype", "batch_size", "threads"})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(path: str, device: str, dtype: torch.dtype) -> Any:
+def load_model(path: str, device: str, dtype: torch.dtype, revision: str | None = None) -> Any:
+    """A local folder or .gguf file, or a hub id at its pinned ``revision`` (the one gen_key names)."""
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
@@ -31,7 +35,7 @@ def load_model(path: str, device: str, dtype: torch.dtype) -> Any:
             os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=dtype
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision)
     return model.to(device).eval()
 
 
@@ -55,19 +59,21 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 class TransformersEngine:
-    def __init__(self, model_path: str, options: Mapping[str, Any], stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, model_path: str, options: Mapping[str, Any], stop_token_ids: list[int], revision: str | None = None
+    ) -> None:
         unknown = set(options) - KNOWN_OPTIONS
         if unknown:
             raise ValueError(f"config key 'engine.options': unknown transformers options {sorted(unknown)}")
         self.device = str(options.get("device", "cpu"))
-        dtype_name = str(options.get("dtype", "float32" if self.device == "cpu" else "bfloat16"))
+        dtype_name = transformers_dtype(options)
         if dtype_name not in _DTYPES:
             raise ValueError(f"config key 'engine.options.dtype': '{dtype_name}' is not one of {sorted(_DTYPES)}")
         self.batch_size = int(options.get("batch_size", 8))
         if "threads" in options:
             torch.set_num_threads(int(options["threads"]))
         self.stop_token_ids = set(stop_token_ids)
-        self.model = load_model(model_path, self.device, _DTYPES[dtype_name])
+        self.model = load_model(model_path, self.device, _DTYPES[dtype_name], revision)
         # transformers 5 renamed `past_key_values` to `cache` (the old name goes in 5.40)
         self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         config = self.model.config
@@ -97,7 +103,6 @@ class TransformersEngine:
             input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             attention[i, width - len(r.prompt_ids) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        generators = [torch.Generator().manual_seed(r.seed) for r in batch]
         outputs: list[list[int]] = [[] for _ in batch]
         active = list(range(len(batch)))  # batch rows still generating, in cache order
         out = self.model(
@@ -109,7 +114,9 @@ class TransformersEngine:
         cache = getattr(out, self.cache_arg)
         logits = out.logits[:, -1, :]
         while active:
-            tokens = self._sample(logits, params, [generators[i] for i in active])
+            # the draw for each row depends only on its seed and the position being sampled
+            seeds = [position_seed(batch[i].seed, len(batch[i].prompt_ids) + len(outputs[i])) for i in active]
+            tokens = self._sample(logits, params, seeds)
             still: list[int] = []
             for pos, row in enumerate(active):
                 token = int(tokens[pos])
@@ -140,10 +147,12 @@ class TransformersEngine:
             logits = out.logits[:, -1, :]
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: Any, generators: list[torch.Generator]) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, params: Any, seeds: list[int]) -> torch.Tensor:
         if params.temperature == 0:
             return logits.argmax(dim=-1).cpu()
         probs = torch.softmax(
             filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p), dim=-1
         ).cpu()
-        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+        return torch.cat(
+            [torch.multinomial(probs[i], 1, generator=torch.Generator().manual_seed(s)) for i, s in enumerate(seeds)]
+        )

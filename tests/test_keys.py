@@ -1,0 +1,295 @@
+"""The key contract (dflash_build.keys): complete, and true of the keys the plan computes.
+
+Property-style: for random small configs, every edit of a keyed field changes exactly the keys its
+decision names (for the sources it touches, and only those), and every unkeyed edit changes none.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import keys
+from dflash_build import plan as plan_mod
+from dflash_build.engines import openai_backend, sglang_backend, transformers_backend
+from tests.conftest import REPO, write_jsonl
+
+SCHEMA = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+
+
+def schema_fields(node: dict[str, Any], prefix: str = "") -> set[str]:
+    """Every config field the schema accepts; an object with a decision of its own is one field."""
+    out: set[str] = set()
+    for name, sub in node.get("properties", {}).items():
+        path = f"{prefix}{name}"
+        if path in keys.CONFIG_FIELDS or ("properties" not in sub and path != "sources"):
+            out.add(path)
+            continue
+        if path == "sources":
+            out.add("sources.*")
+            out |= schema_fields(sub["additionalProperties"], "sources.*.")
+        else:
+            out |= schema_fields(sub, f"{path}.")
+    return out
+
+
+def test_every_schema_field_has_a_decision_and_every_decision_a_field() -> None:
+    assert schema_fields(SCHEMA) == set(keys.CONFIG_FIELDS)
+    assert all(d.why and d.key in (None, keys.PROMPT, keys.GEN, keys.TOK) for d in keys.CONFIG_FIELDS.values())
+
+
+@pytest.mark.parametrize(
+    ("backend", "accepted"),
+    [
+        ("transformers", transformers_backend.KNOWN_OPTIONS),
+        ("openai", openai_backend.KNOWN_OPTIONS),
+        ("sglang", sglang_backend.PASSTHROUGH_OPTIONS | sglang_backend.OWN_OPTIONS),
+    ],
+)
+def test_every_engine_option_has_a_decision(backend: str, accepted: frozenset[str]) -> None:
+    assert set(keys.ENGINE_OPTIONS[backend]) == set(accepted)
+    assert all(d.why and d.key in (None, keys.GEN) for d in keys.ENGINE_OPTIONS[backend].values())
+
+
+# -- the decisions hold for the keys the plan computes ---------------------------------------------------
+class Workspace:
+    """Files a random config can point at, and a way to compute its keys."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for name, n in (("a", 9), ("b", 5), ("c", 3)):
+            write_jsonl(root / f"{name}.jsonl", [{"instruction": f"{name} task {i}"} for i in range(n)])
+        write_jsonl(root / "a2.jsonl", [{"instruction": f"a other task {i}"} for i in range(9)])
+        self.model = root / "model"
+        self.model.mkdir()
+        (self.model / "model.safetensors").write_bytes(b"weights-1")
+        (self.model / "config.json").write_text('{"model_type": "llama"}')
+        (self.model / "tokenizer.json").write_text("{}")
+        (root / "weights-2").mkdir()
+        (root / "weights-2" / "model.safetensors").write_bytes(b"weights-2")
+        (root / "weights-2" / "config.json").write_text('{"model_type": "llama"}')
+        (root / "weights-2" / "tokenizer.json").write_text("{}")
+        (root / "tok").mkdir()
+        (root / "tok" / "tokenizer.json").write_text('{"other": true}')
+        write_jsonl(root / "hfdata" / "train.jsonl", [{"instruction": f"hub-shaped task {i}"} for i in range(4)])
+        (root / "t1.jinja").write_text("{{ messages }}")
+        (root / "t2.jinja").write_text("{{ messages }}!")
+
+    def keys(self, raw: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+        path = self.root / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        plan = plan_mod.build(cfg.load(path))
+        return {name: (sp.prompt_key, sp.gen_key, sp.tok_key) for name, sp in plan.sources.items()}
+
+
+def random_config(ws: Workspace, rng: random.Random) -> dict[str, Any]:
+    names = rng.sample(["a", "b", "c"], rng.randint(1, 3))
+    sources = {
+        n: {"category": rng.choice(["x", "y"]), "format": "alpaca", "files": [str(ws.root / f"{n}.jsonl")]}
+        for n in names
+    }
+    sampling = {"temperature": rng.choice([0.0, 0.6, 1.0]), "top_k": rng.choice([0, 20]), "seed": rng.randint(0, 9)}
+    return {
+        "store": str(ws.root / "store"),
+        "model": {"path": str(ws.model), "chat_template": str(ws.root / "t1.jinja")},
+        "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": rng.randint(1, 8)}},
+        "sampling": sampling,
+        "shard_size": rng.choice([2, 4]),
+        "mix": {"categories": {"x": 1, "y": 1}},
+        "sources": sources,
+    }
+
+
+Edit = Callable[[dict[str, Any], Workspace], str | None]  # mutates the config; returns the one source it touches
+
+
+def _first(c: dict[str, Any]) -> str:
+    return sorted(c["sources"])[0]
+
+
+def _set(path: str, value: Any) -> Edit:
+    def edit(c: dict[str, Any], ws: Workspace) -> None:
+        node = c
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value(node.get(last)) if callable(value) else value
+
+    return edit
+
+
+def _source(field: str, value: Any) -> Edit:
+    def edit(c: dict[str, Any], ws: Workspace) -> str:
+        name = _first(c)
+        node = c["sources"][name]
+        *parents, last = field.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value(ws, name) if callable(value) else value
+        return name
+
+    return edit
+
+
+def _readme(c: dict[str, Any], ws: Workspace) -> None:
+    (ws.model / "README.md").write_text(f"a model card, edited {random.random()}")
+
+
+def _config_json(c: dict[str, Any], ws: Workspace) -> None:
+    (ws.model / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": random.random()}))
+
+
+def _to_hf(c: dict[str, Any], ws: Workspace) -> str:
+    name = _first(c)
+    del c["sources"][name]["files"]
+    c["sources"][name]["hf"] = {"path": str(ws.root / "hfdata")}
+    return name
+
+
+def _shard_count(c: dict[str, Any], ws: Workspace) -> None:
+    c["shard_size"] = 1  # 3+ rows per source: a new shard count for every source
+
+
+# (edit, the first key it changes, or None for no key)
+EDITS: dict[str, tuple[Edit, str | None]] = {
+    "store": (_set("store", lambda v: v + "-2"), None),
+    "logs": (_set("logs", "other-logs"), None),
+    "dataset.name": (_set("dataset.name", "other"), None),
+    "dataset.rows_per_file": (_set("dataset.rows_per_file", 7), None),
+    "model.path": (lambda c, ws: c["model"].update(path=str(ws.root / "weights-2")), keys.GEN),
+    "model.path README": (_readme, None),
+    "model.path config.json": (_config_json, keys.GEN),
+    "model.tokenizer": (lambda c, ws: c["model"].update(tokenizer=str(ws.root / "tok")), keys.GEN),
+    "model.chat_template": (_set("model.chat_template", lambda v: v.replace("t1", "t2")), keys.GEN),
+    "model.chat_template_kwargs": (_set("model.chat_template_kwargs", {"enable_thinking": False}), keys.GEN),
+    "model.context_length": (_set("model.context_length", 4096), keys.GEN),
+    "engine.options.dtype": (_set("engine.options.dtype", "bfloat16"), keys.GEN),
+    "engine.options.batch_size": (_set("engine.options.batch_size", lambda v: v + 1), None),
+    "engine.options.threads": (_set("engine.options.threads", 3), None),
+    "engine.gpus": (_set("engine.gpus", ["0", "1"]), None),
+    "engine.base_port": (_set("engine.base_port", 32000), None),
+    "engine.journal_flush_rows": (_set("engine.journal_flush_rows", 5), None),
+    "sampling.temperature": (_set("sampling.temperature", lambda v: v + 0.25), keys.GEN),
+    "sampling.top_p": (_set("sampling.top_p", 0.5), keys.GEN),
+    "sampling.top_k": (_set("sampling.top_k", lambda v: v + 5), keys.GEN),
+    "sampling.min_p": (_set("sampling.min_p", 0.1), keys.GEN),
+    "sampling.max_new_tokens": (_set("sampling.max_new_tokens", 77), keys.GEN),
+    "sampling.seed": (_set("sampling.seed", lambda v: v + 1), keys.GEN),
+    "sampling.samples_per_prompt": (_set("sampling.samples_per_prompt", 2), keys.GEN),
+    "shard_size": (_shard_count, keys.PROMPT),
+    "truncated": (_set("truncated", "keep"), keys.TOK),
+    "mix.seed": (_set("mix.seed", 5), None),
+    "mix.budget_tokens": (_set("mix.budget_tokens", 1000), None),
+    "checks.share_tolerance": (_set("checks.share_tolerance", 0.3), None),
+    "checks.max_failed_fraction": (_set("checks.max_failed_fraction", 1.0), None),
+    "sources.*.files": (_source("files", lambda ws, n: [str(ws.root / "a2.jsonl")]), keys.PROMPT),
+    "sources.*.hf": (_to_hf, keys.PROMPT),
+    "sources.*.format": (_source("format", "prompt"), keys.PROMPT),
+    "sources.*.fields": (_source("fields", {"input": "context"}), keys.PROMPT),
+    "sources.*.roles": (_source("roles", {"narrator": "user"}), keys.PROMPT),
+    "sources.*.max_samples": (_source("max_samples", 2), keys.PROMPT),
+    "sources.*.seed": (_source("seed", 3), keys.PROMPT),
+    "sources.*.filters.min_chars": (_source("filters.min_chars", 3), keys.PROMPT),
+    "sources.*.turns": (_source("turns", "all"), keys.PROMPT),
+    "sources.*.sampling": (_source("sampling", {"temperature": 0.33}), keys.GEN),
+    "sources.*.chat_template_kwargs": (_source("chat_template_kwargs", {"enable_thinking": True}), keys.GEN),
+    "sources.*.max_drop_fraction": (_source("max_drop_fraction", 0.9), None),
+}
+ORDER = (keys.PROMPT, keys.GEN, keys.TOK)
+
+
+def test_the_edit_catalogue_covers_every_keyed_field() -> None:
+    keyed = {f for f, d in keys.CONFIG_FIELDS.items() if d.key is not None}
+    keyed -= {"sources.*", "sources.*.category"}  # below
+    keyed -= {"model.revision"}  # a hub model: test_a_hub_models_commit_is_its_identity
+    keyed -= {"sources.*.filters.max_chars"}  # the same mechanism as min_chars
+    assert keyed <= {e.split(" ")[0] for e in EDITS}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    ws = Workspace(tmp_path)
+    base = random_config(ws, rng)
+    before = ws.keys(base)
+    for name, (edit, first_key) in EDITS.items():
+        config = copy.deepcopy(base)
+        readme, config_json = ws.model / "README.md", (ws.model / "config.json").read_text()
+        touched = edit(config, ws)
+        if name == "sources.*.format":
+            config["sources"][touched]["fields"] = {"prompt": "instruction"}
+        if name == "sources.*.fields":
+            config["sources"][touched]["fields"] = {"input": "instruction"}
+        after = ws.keys(config)
+        readme.unlink(missing_ok=True)
+        (ws.model / "config.json").write_text(config_json)
+        for source, old in before.items():
+            changed = {k for k, a, b in zip(ORDER, old, after[source], strict=True) if a != b}
+            hit = touched is None or touched == source
+            expected = set(ORDER[ORDER.index(first_key) :]) if first_key is not None and hit else set()
+            assert changed == expected, f"edit {name!r} on source {source}: changed {changed}, expected {expected}"
+
+
+def test_category_and_source_name_enter_the_prompt_key(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(9))
+    name = _first(base)
+    before = ws.keys(base)[name]
+    other = copy.deepcopy(base)
+    other["sources"][name]["category"] = "y" if base["sources"][name]["category"] == "x" else "x"
+    assert ws.keys(other)[name][0] != before[0]
+    renamed = copy.deepcopy(base)
+    renamed["sources"]["renamed"] = renamed["sources"].pop(name)
+    assert ws.keys(renamed)["renamed"][0] != before[0]
+
+
+@pytest.mark.parametrize(
+    ("backend", "option", "value", "keyed"),
+    [
+        ("sglang", "quantization", "fp8", True),
+        ("sglang", "kv_cache_dtype", "fp8_e5m2", True),
+        ("sglang", "enable_deterministic_inference", True, True),
+        ("sglang", "mem_fraction_static", 0.5, False),
+        ("sglang", "cuda_graph_max_bs", 64, False),
+        ("sglang", "max_inflight", 8, False),
+        ("openai", "prompt", "text", True),
+        ("openai", "concurrency", 64, False),
+        ("transformers", "device", "cuda", True),  # the default dtype follows the device
+    ],
+)
+def test_engine_option_edits(tmp_path: Path, backend: str, option: str, value: Any, keyed: bool) -> None:
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(1))
+    base["engine"] = {"backend": backend, "options": {"urls": ["http://127.0.0.1:1"]} if backend == "openai" else {}}
+    changed = copy.deepcopy(base)
+    changed["engine"]["options"][option] = value
+    before, after = ws.keys(base), ws.keys(changed)
+    for source in before:
+        assert (before[source][1] != after[source][1]) is keyed
+        assert before[source][0] == after[source][0]
+
+
+def test_spelling_out_a_default_changes_no_key(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(2))
+    explicit = copy.deepcopy(base)
+    explicit["engine"]["options"]["dtype"] = "float32"  # the CPU default
+    assert ws.keys(base) == ws.keys(explicit)
+
+
+def test_a_hub_models_commit_is_its_identity(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(3))
+    base["model"] = {"path": "org/model", "revision": "a" * 40, "chat_template": str(ws.root / "t1.jinja")}
+    other = copy.deepcopy(base)
+    other["model"]["revision"] = "b" * 40
+    before, after = ws.keys(base), ws.keys(other)
+    assert all(before[s][0] == after[s][0] and before[s][1] != after[s][1] for s in before)
