@@ -83,7 +83,8 @@ def length_stats(lengths: list[int]) -> dict[str, float | int]:
 
 def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     cfg = plan.config
-    inputs = [(source, path) for source in plan.sources for path in plan.token_shards(source)]
+    # by source name and shard: the dataset's row order does not depend on the config's source order
+    inputs = [(source, path) for source in sorted(plan.sources) for path in plan.token_shards(source)]
     by_category: dict[str, list[Candidate]] = defaultdict(list)
     available: Counter[str] = Counter()
     available_by_source: Counter[str] = Counter()

@@ -7,6 +7,7 @@ the job's config (fingerprints come from the cache) and the stage runs with its 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -52,8 +53,11 @@ class KeyMismatchError(RuntimeError):
     """The config, model or inputs changed since Snakemake planned this job: its output would go astray."""
 
 
-def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned: dict[str, Any]) -> None:
-    """Fail unless the job's own plan gives the key Snakemake asked for; say what differs if not."""
+def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned: str) -> None:
+    """Fail unless the job's own plan gives the key Snakemake asked for; say what differs if not.
+
+    ``planned`` is the canonical JSON of the components Snakemake planned with (the rule's params).
+    """
     from dflash_build.operate import diff
 
     sp = plan.sources[source]
@@ -64,7 +68,7 @@ def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned:
     }[stage]
     if key == asked:
         return
-    changes = "\n".join(f"  {c}" for c in diff(planned, components)) or "  (no recorded components to compare)"
+    changes = "\n".join(f"  {c}" for c in diff(json.loads(planned), components)) or "  (no differences recorded)"
     raise KeyMismatchError(
         f"{stage} {source}: Snakemake planned key {asked}, but the config and inputs now give {key}; "
         f"something changed since the workflow started:\n{changes}\nRun snakemake again to plan the new key."

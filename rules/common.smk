@@ -3,6 +3,7 @@ from snakemake.utils import validate
 import dflash_build.config
 import dflash_build.engines
 import dflash_build.plan
+from dflash_build.hashing import canonical_json
 from dflash_build.mix import summary
 
 validate(config, schema="../config/schema.yaml")
@@ -41,15 +42,20 @@ def get_completion_shard(wildcards):
 
 def get_gen_components(wildcards):
     # The job compares its own key with the one asked for; these say what differs if they do not match.
-    return PLAN.sources[wildcards.source].gen_components
+    # Canonical JSON: one string per key, so the params rerun trigger never fires for a reordered config.
+    return canonical_json(PLAN.sources[wildcards.source].gen_components)
 
 
 def get_tok_components(wildcards):
-    return PLAN.sources[wildcards.source].tok_components
+    return canonical_json(PLAN.sources[wildcards.source].tok_components)
+
+
+def get_prompt_components(source):
+    return canonical_json(PLAN.sources[source].prompt_components)
 
 
 def get_token_shards():
-    return [ancient(str(p)) for p in PLAN.all_token_shards()]
+    return [ancient(str(p)) for p in sorted(PLAN.all_token_shards())]
 
 
 def get_generate_threads():
@@ -57,13 +63,16 @@ def get_generate_threads():
 
 
 def get_mix_params():
-    # Recorded so that a mix edit (shares, budget, seed) reruns the mix via the params trigger.
-    return {
-        "categories": dict(CONFIG.mix_categories),
-        "budget_tokens": CONFIG.mix_budget_tokens,
-        "seed": CONFIG.mix_seed,
-        "rows_per_file": CONFIG.rows_per_file,
-    }
+    # Recorded so that a mix edit (shares, budget, seed) reruns the mix via the params trigger;
+    # canonical, so that reordering the config does not.
+    return canonical_json(
+        {
+            "categories": dict(CONFIG.mix_categories),
+            "budget_tokens": CONFIG.mix_budget_tokens,
+            "seed": CONFIG.mix_seed,
+            "rows_per_file": CONFIG.rows_per_file,
+        }
+    )
 
 
 def print_summary():

@@ -16,6 +16,6 @@ for source_name, source_plan in PLAN.sources.items():
             "../envs/cpu.yaml"
         params:
             source=source_name,
-            components=source_plan.prompt_components,
+            components=get_prompt_components(source_name),
         script:
             "scripts/prepare.py"

@@ -21,6 +21,7 @@ from dflash_build import chat
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build import workflow as workflow_mod  # not `workflow`: snakemake's validate reads that global
+from dflash_build.hashing import canonical_json
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
 SHORT = 4  # max_new_tokens of the first build
@@ -115,7 +116,7 @@ def test_a_job_whose_key_moved_since_planning_fails_before_any_work(
         config=_validated(changed, tmp_path),
         log=[str(tmp_path / "job.log")],
         wildcards=SimpleNamespace(source="s", key=sp.gen_key, shard="00000"),
-        params=SimpleNamespace(components=sp.gen_components),
+        params=SimpleNamespace(components=canonical_json(sp.gen_components)),
         input=[str(tmp_path / "in.parquet")],
         output=SimpleNamespace(data=str(tmp_path / "x.parquet"), stats=str(tmp_path / "x.json")),
     )

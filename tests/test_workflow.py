@@ -274,3 +274,15 @@ def test_numerics_options_list_every_generate_job(
     jobs = _dry_run_with(wf, config, changed)
     assert set(jobs) == {"generate", "tokenize", "mix"}
     assert _sources_of(jobs, "generate") == ["alpha", "alpha", "beta", "gamma"]
+
+
+def _reversed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _reversed(v) for k, v in reversed(list(value.items()))}
+    return value
+
+
+def test_reordering_the_config_reruns_nothing(built: tuple[Workflow, dict[str, Any]]) -> None:
+    """Same key, same params: the components Snakemake records are canonical, whatever the YAML order."""
+    wf, config = built
+    assert _dry_run_with(wf, config, _reversed(config)) == {}
