@@ -8,6 +8,7 @@ pinned revisions. Every error names the config key it is about.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -257,8 +258,63 @@ def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
     )
 
 
+def prepare_rule_name(source: str) -> str:
+    """The Snakemake rule that prepares ``source`` (rule names allow letters, digits and _ only)."""
+    return "prepare_" + re.sub(r"[^A-Za-z0-9_]", "_", source)
+
+
+def _finite(value: Any, key: str) -> None:
+    """JSON schema lets .nan and .inf through every bound; no config number may be either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"{value!r} is not a finite number")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite(v, f"{key}[{i}]")
+
+
+def _static_prefix(pattern: str) -> str:
+    """The part of a glob pattern before its first wildcard: the folder it reads from."""
+    parts = []
+    for part in Path(pattern).parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return str(Path(*parts)) if parts else "."
+
+
+def _check_dataset_dir(config: Config) -> None:
+    """The mix replaces its folder whole: it must hold no input, no store, no logs and no model."""
+    dataset = Path(os.path.abspath(config.dataset_dir))
+    guarded: list[tuple[str, str]] = [("store", str(config.store)), ("logs", str(config.logs))]
+    guarded.append(("model.path", config.model.path))
+    for name, spec in config.sources.items():
+        guarded += [(f"sources.{name}.files", _static_prefix(f)) for f in spec.files]
+        if spec.hf is not None and spec.hf.is_local:
+            guarded.append((f"sources.{name}.hf.path", spec.hf.path))
+    for key, path in guarded:
+        other = Path(os.path.abspath(path))
+        if other == dataset or dataset in other.parents or (key in ("store", "logs") and other in dataset.parents):
+            raise ConfigError(
+                "dataset.out",
+                f"the dataset folder '{config.dataset_dir}' overlaps {key} ('{path}'): the mix replaces that "
+                "folder whole, so it must not hold or sit inside inputs, the store, the logs or the model",
+            )
+
+
 def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build the typed config from a schema-validated dict (defaults already filled)."""
+    _finite(raw, "")
+    rule_names: dict[str, str] = {}
+    for name in raw["sources"]:
+        other = rule_names.setdefault(prepare_rule_name(name), name)
+        if other != name:
+            raise ConfigError(
+                f"sources.{name}",
+                f"its rule name {prepare_rule_name(name)} is also that of source '{other}'; rename one",
+            )
     mix = raw["mix"]
     # Shares are weights: 46/26/11/9/7 sums to 99 and means exactly what it says.
     weights = {str(k): float(v) for k, v in mix["categories"].items()}
@@ -276,7 +332,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     engine = raw["engine"]
     if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
         raise ConfigError("engine.gpus", f"lists a GPU twice: {engine['gpus']}")
-    return Config(
+    config = Config(
         store=Path(raw["store"]),
         logs=Path(raw["logs"]),
         dataset_name=dataset["name"],
@@ -308,6 +364,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         sources=sources,
         checks=checks,
     )
+    _check_dataset_dir(config)
+    return config
 
 
 def load(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Config:

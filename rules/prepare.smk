@@ -4,7 +4,7 @@ for source_name, source_plan in PLAN.sources.items():
 
     rule:
         name:
-            f"prepare_{source_name.replace('-', '_').replace('.', '_')}"
+            dflash_build.config.prepare_rule_name(source_name)
         input:
             [ancient(str(f)) for f in source_plan.input_files],
         output:

@@ -201,3 +201,65 @@ def test_per_source_template_kwargs_change_only_that_sources_gen_key(raw: dict[s
     )
     assert merged.sources["a"].gen_components["chat_template_kwargs"] == {"enable_thinking": True, "x": 1}
     assert model_wide.sources["b"].gen_key == merged.sources["b"].gen_key
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "key"),
+    [
+        ("sampling", {"top_p": float("nan")}, "sampling.top_p"),
+        ("sources.a.sampling", {"temperature": float("inf")}, "sources.a.sampling.temperature"),
+        ("mix.categories", {"coding": float("nan"), "math": 1}, "mix.categories.coding"),
+    ],
+)
+def test_non_finite_numbers_are_refused(raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str) -> None:
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.from_dict(_defaults(edit(raw, dotted, value)))
+    assert err.value.key == key
+
+
+def _defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """Schema defaults filled in as snakemake's validate would (it lets non-finite numbers through)."""
+    from snakemake.utils import validate
+
+    validated = copy.deepcopy(raw)
+    validate(validated, str(cfg.SCHEMA_PATH))
+    return validated
+
+
+def test_sources_whose_rule_names_collide_are_refused(raw: dict[str, Any], tmp_path: Path) -> None:
+    collide = edit(raw, "sources", {**raw["sources"], "a-b": raw["sources"]["a"], "a_b": raw["sources"]["a"]})
+    with pytest.raises(cfg.ConfigError, match="prepare_a_b is also that of source 'a-b'") as err:
+        build(collide, tmp_path)
+    assert err.value.key == "sources.a_b"
+
+
+def test_names_that_cannot_be_files_are_refused_by_the_schema(raw: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=r"too long|longer than"):
+        build(edit(raw, "sources", {**raw["sources"], "s" * 300: raw["sources"]["a"]}), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        {"out": ".", "name": "store"},  # the store itself
+        {"out": "store", "name": "mix"},  # inside the store
+        {"out": ".", "name": "logs"},
+        {"out": "..", "name": "HERE"},  # the working directory: holds the inputs and the store
+        {"out": ".", "name": "model"},
+    ],
+)
+def test_the_dataset_folder_may_not_overlap_inputs_store_logs_or_model(
+    raw: dict[str, Any], tmp_path: Path, dataset: dict[str, str]
+) -> None:
+    dataset = {k: v.replace("HERE", tmp_path.name) for k, v in dataset.items()}
+    with pytest.raises(cfg.ConfigError, match="overlaps") as err:
+        build(edit(raw, "dataset", dataset), tmp_path)
+    assert err.value.key == "dataset.out"
+    build(edit(raw, "dataset", {"out": "dist", "name": "mix"}), tmp_path)  # the usual place is fine
+
+
+def test_a_dataset_folder_over_a_globbed_input_folder_is_refused(raw: dict[str, Any], tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data" / "c.jsonl", [{"instruction": "x"}])
+    changed = edit(raw, "sources.a.files", ["data/*.jsonl"])
+    with pytest.raises(cfg.ConfigError, match=r"sources\.a\.files"):
+        build(edit(changed, "dataset", {"out": ".", "name": "data"}), tmp_path)
