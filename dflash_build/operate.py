@@ -88,7 +88,8 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
             elif sp.spec.hf is not None and not sp.spec.hf.is_local:
                 # a hub dataset is not loaded to plan (it may be large, or offline): count the upper
                 # bound, every row generated, none reused
-                rows = sp.planned_rows // sp.n_shards + (int(shard) < sp.planned_rows % sp.n_shards)
+                lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+                rows = hi - lo
                 est.rows_in_jobs += rows * sampling.samples_per_prompt
                 est.rows_to_generate += rows * sampling.samples_per_prompt
                 continue

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing, keys, readers
-from dflash_build.config import Config, ConfigError, HubSpec, SourceSpec, expand_files
+from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
 
 TOKENIZER_FILES = frozenset(
@@ -156,7 +156,7 @@ def fingerprint_model(config: Config, cache: hashing.FingerprintCache) -> tuple[
 
 def _count_rows(path: Path, cache: hashing.FingerprintCache) -> int | None:
     """Rows of a local file, cached by content; None for a format we cannot count cheaply."""
-    if path.suffix not in (".parquet", ".jsonl", ".json"):
+    if path.suffix not in LOCAL_SUFFIXES:
         return None
     sha = cache.file(path)
     memo_key = f"rows:{sha}"

@@ -161,8 +161,10 @@ class OpenAIEngine:
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
         for url in self.opts["urls"]:
             self._health(url)
+        self._model_ids: dict[str, list[str]] = {}  # /v1/models ids per server, read once
         self.identity = {url: self._check_identity(url, model_path) for url in self.opts["urls"]}
-        self.model_name = self.opts["model"] or self._served_model(self.opts["urls"][0])
+        first = self._model_ids[self.opts["urls"][0]]
+        self.model_name = self.opts["model"] or (first[0] if first else "default")
         self.pool = ThreadPoolExecutor(max_workers=self.opts["concurrency"] * len(self.opts["urls"]))
 
     def _check_identity(self, url: str, model_path: str) -> list[str]:
@@ -173,6 +175,9 @@ class OpenAIEngine:
                 answers.append(self._call(url, path, None, retries=1))
             except (RequestRefused, ServerDown):
                 answers.append(None)
+        self._model_ids[url] = [
+            e["id"] for e in (answers[0] or {}).get("data") or [] if isinstance(e, dict) and "id" in e
+        ]
         served = served_identities(*answers)
         if not matches_model(served, model_path, self.opts["expect_model"]):
             raise ModelMismatch(
@@ -219,13 +224,6 @@ class OpenAIEngine:
             pass  # it answers: some servers have no /v1/models
         except ServerDown as e:
             raise ServerDown(f"config key 'engine.options.urls': {e}") from e
-
-    def _served_model(self, url: str) -> str:
-        try:
-            models = self._call(url, "/v1/models", None, retries=0).get("data") or []
-        except (RequestRefused, ServerDown):
-            return "default"
-        return models[0]["id"] if models else "default"
 
     # -- one request --------------------------------------------------------------------------
     def _one(self, url: str, request: Request) -> Result:
