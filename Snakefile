@@ -22,5 +22,9 @@ rule all:
         get_final_targets(),
 
 
+onstart:
+    register_config()
+
+
 onsuccess:
     print_summary()

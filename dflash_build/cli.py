@@ -4,9 +4,12 @@ plan      per source: prompt rows, shards built / to build, rows really generate
           estimated output tokens and GPU-hours
 explain   every key component of a target; for a missing one, what differs from the nearest
           key in the store
-gc        store entries the current config no longer references (delete with --yes)
-verify    re-read every referenced store and dist file against its manifest (--repair removes
-          the bad ones, so the next build rebuilds exactly those)
+gc        store entries no config registered on the store references, and temporaries of dead
+          writers (delete with --yes)
+configs   the configs registered on the store (each build registers its own); --forget ID
+verify    re-read every referenced store and dist file against its manifest, every journal, the
+          row index and the fingerprint cache (--repair removes the bad files, so the next build
+          rebuilds exactly those, and heals the derived state)
 reindex   rebuild the per-row reuse index from the store
 summary   the dataset summary of a built dist folder
 """
@@ -67,9 +70,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    entries = operate.garbage(plan, journals=args.journals)
+    operate.register(plan)  # this config uses the store too
+    entries = operate.garbage(plan, journals=args.journals, tmp_age=args.tmp_age * 60)
     for e in entries:
-        print(f"{'keep' if e.kept else ('delete' if args.yes else 'unreferenced')} {e.path} ({e.bytes} bytes)")
+        action = "keep" if e.kept else ("delete" if args.yes else e.why)
+        print(f"{action} {e.path} ({e.bytes} bytes)")
+    kept_for_others = operate.protected(plan)
+    if kept_for_others:
+        configs = sorted({who for whos in kept_for_others.values() for who in whos})
+        print(
+            f"kept: {len(kept_for_others)} entries other registered configs reference "
+            f"({'; '.join(configs)}); `dflash-build configs` lists them"
+        )
     if not entries:
         print("nothing unreferenced")
     elif args.yes:
@@ -79,16 +91,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_configs(args: argparse.Namespace) -> int:
+    store = config_mod.load(args.configfile).store
+    if args.forget:
+        print(f"forgot {operate.forget(store, args.forget)}")
+        return 0
+    for ident, entry in operate.registrations(store).items():
+        print(
+            f"{ident}  {entry['dataset']}  (workdir {entry.get('workdir')}, host {entry.get('host')}, "
+            f"last build {entry.get('updated_at')}, {len(entry['references'])} store entries)"
+        )
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    # the cache is checked before a plan is built: building one heals it
+    problems = operate.cache_problems(config_mod.load(args.configfile))
     plan = _plan(args)
-    checked, problems = operate.verify(plan)
+    checked, found = operate.verify(plan)
+    problems += found
     for p in problems:
         print(f"BAD {p.path}: {p.reason}")
-    print(f"checked {checked} files, {len(problems)} bad")
+    print(f"checked {checked + 1} files, {len(problems)} bad")
     if problems and args.repair:
         for path in operate.repair(plan, problems):
-            print(f"removed {path}")
-        print("the next build regenerates exactly these")
+            print(f"repaired {path}")
+        print("the next build regenerates exactly what was removed")
         return 0
     return 1 if problems else 0
 
@@ -128,7 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("gc", help="unreferenced store entries")
     p.add_argument("--yes", action="store_true", help="delete them")
     p.add_argument("--journals", action="store_true", help="also delete journals of unfinished shards")
+    p.add_argument(
+        "--tmp-age",
+        type=float,
+        default=operate.TMP_AGE_SECONDS / 60,
+        help="minutes a temporary must be untouched to count as stray (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_gc)
+    p = sub.add_parser("configs", help="configs registered on the store")
+    p.add_argument("--forget", metavar="ID", help="drop a retired config's registration")
+    p.set_defaults(func=cmd_configs)
     p = sub.add_parser("verify", help="check every referenced file against its manifest")
     p.add_argument("--repair", action="store_true", help="remove bad files so the next build rebuilds them")
     p.set_defaults(func=cmd_verify)

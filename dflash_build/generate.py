@@ -2,11 +2,14 @@
 
 The driver renders every prompt with the target's chat template, builds one request per
 (prompt, sample) with its own seed, streams results from the backend into a journal, accounts for
-every row and publishes the shard and its stats sidecar atomically; only then is the journal removed.
-A rerun after a crash or kill skips every journaled row. Rows that cannot be generated are recorded
-with their reason instead of failing the shard: a conversation the template refuses (``error``), a
-prompt longer than the context minus max_new_tokens (``skipped``, before any engine call), an engine
-abort (``abort``).
+every row and publishes the shard and its stats sidecar atomically into the journal's folder, then
+links them to the outputs (see journal). A rerun after a crash or kill skips every journaled row, and a
+job whose outputs were deleted after they were published (``--rerun-incomplete`` after a killed
+Snakemake) restores them without the engine. One job at a time holds a shard (a lock in the store).
+
+Rows that cannot be generated are recorded with their reason instead of failing the shard: a
+conversation the template refuses (``error``), a prompt longer than the context minus max_new_tokens
+(``skipped``, before any engine call), an engine abort (``abort``).
 
 ``turns: all`` regenerates every assistant turn of a conversation on top of the regenerated history.
 Turn k+1's prompt is turn k's ids + the generated ids + the stop token + the ids of what the template
@@ -21,9 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import platform
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, chat, engines, gpus, hashing
+from dflash_build import atomic, chat, engines, gpus, hashing, killpoints
 from dflash_build import records as R
 from dflash_build.config import SourceSpec
 from dflash_build.engines import Request, Result, SamplingParams
@@ -44,9 +45,6 @@ from dflash_build.rowindex import RowIndex, reuse_key
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_SECONDS = 30.0
-# Test hook: "rows:N" kills the job with SIGKILL after N rows are journaled and synced,
-# "publish" kills it after the last row, just before the shard is written.
-KILL_AT_ENV = "DFLASH_BUILD_KILL_AT"
 
 
 def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0) -> int:
@@ -184,17 +182,6 @@ class Renderer:
         return chat.encode(self.tokenizer, text[len(seen) :])
 
 
-def _kill_point() -> tuple[str, int]:
-    spec = os.environ.get(KILL_AT_ENV, "")
-    kind, _, n = spec.partition(":")
-    return kind, int(n or 0)
-
-
-def _die() -> None:
-    logging.shutdown()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
     return {
         "prompt_id": conv.prompt_id,
@@ -269,23 +256,66 @@ class EngineRun:
 def run(plan: Plan, source: str, shard: str, paths: ShardPaths | None = None) -> dict[str, Any]:
     """Generate every (prompt, sample) of one shard; returns the stats written beside it.
 
-    The pipeline: rows to do (:func:`open_shard`) → resume from the journal (:func:`replay`) → reuse
-    earlier completions (:func:`reuse`) → the engine for the rest (:func:`generate_rest`) → publish.
+    The pipeline, under the shard's lock: restore a shard published before (:func:`restore`), else
+    rows to do (:func:`open_shard`) → resume from the journal (:func:`replay`) → reuse earlier
+    completions (:func:`reuse`) → the engine for the rest (:func:`generate_rest`) → :func:`publish`.
     """
     cfg = plan.config
     paths = paths or ShardPaths.of(plan, source, shard)
-    needs_gpu = engines.uses_gpu(cfg.engine)
-    with gpus.pinned(cfg.engine) if needs_gpu else contextlib.nullcontext() as lease:
-        started = time.time()
-        work = open_shard(plan, source, shard, paths)
-        journal = Journal(paths.journal, cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
-        resumed = replay(work, journal)
-        if work.spec.turns == "first":
-            reuse(work, journal)
-        engine_run = generate_rest(work, journal, lease)
-        if _kill_point()[0] == "publish":
-            _die()
-        return publish(work, journal, lease, resumed, engine_run, time.time() - started)
+    journal = Journal(paths.journal, cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
+    with journal.locked(f"{source}/{shard}"):
+        restored = restore(plan, source, shard, paths, journal)
+        if restored is not None:
+            return restored
+        needs_gpu = engines.uses_gpu(cfg.engine)
+        with gpus.pinned(cfg.engine) if needs_gpu else contextlib.nullcontext() as lease:
+            started = time.time()
+            work = open_shard(plan, source, shard, paths)
+            resumed = replay(work, journal)
+            if work.spec.turns == "first":
+                reuse(work, journal)
+            engine_run = generate_rest(work, journal, lease)
+            killpoints.die_at("publish")
+            return publish(work, journal, lease, resumed, engine_run, time.time() - started)
+
+
+def restore(plan: Plan, source: str, shard: str, paths: ShardPaths, journal: Journal) -> dict[str, Any] | None:
+    """Republish the shard this journal already published, if it is intact; None if there is none.
+
+    No tokenizer, no engine: the data file is the one published before (same bytes), the sidecar says
+    that this run generated nothing.
+    """
+    found = journal.published()
+    if found is None:
+        return None
+    data, old = found
+    sp = plan.sources[source]
+    expected = old.get(R.STAT_DATA) or {}
+    if (
+        old.get("gen_key") != sp.gen_key
+        or old.get("shard") != shard
+        or expected.get("sha256") != hashing.sha256_file(data)
+    ):
+        log.warning("%s/%s: the published copy in %s is damaged; generating the shard", source, shard, journal.folder)
+        journal.discard_published()
+        return None
+    started = time.time()
+    rows = pq.read_table(data, columns=list(_INDEXED_COLUMNS)).to_pylist()
+    stats = {
+        **old,
+        R.STAT_GENERATED: 0,
+        R.STAT_RESUMED_TURNS: sum(len(r["turns"]) if r["turns"] else int(r["n_prompt_tokens"] > 0) for r in rows),
+        R.STAT_OUTPUT_TOK_PER_S: 0.0,
+        "restored_from": str(journal.folder),
+        "started_at": round(started, 3),
+        "finished_at": round(time.time(), 3),
+    }
+    atomic.write_json(journal.published_stats, stats)
+    _link_outputs(journal, paths)
+    _index_shard(plan, source, paths.data, rows)
+    journal.retire()
+    log.info("%s/%s: restored the shard published before from %s; nothing generated", source, shard, journal.folder)
+    return stats
 
 
 def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardWork:
@@ -314,18 +344,33 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
     )
 
 
+_JOURNAL_FIELDS = ("prompt_id", "sample_idx", "turn", "output_ids", "finish_reason", "stop_token_id", "error")
+
+
 def replay(work: ShardWork, journal: Journal) -> int:
-    """Apply every journaled turn, in order (each turn's context derives from the ones before)."""
-    resumed = journal.load()
-    for row in resumed:
-        conv = work.convs.get((row["prompt_id"], row["sample_idx"]))
-        if conv is None or row["turn"] != len(conv.turns):
-            raise RuntimeError(f"journal {journal.path} does not match prompt shard {work.label}; delete it")
+    """Apply every journaled turn, in order (each turn's context derives from the ones before).
+
+    A row that does not fit (a repeated turn, a turn after a gap, a prompt not in this shard, missing
+    fields: damage, or two writers before shards had locks) is skipped with a warning and its turn is
+    generated again; the first copy of a turn wins.
+    """
+    applied, skipped = 0, 0
+    for row in journal.load():
+        conv = work.convs.get((row.get("prompt_id"), row.get("sample_idx")))  # type: ignore[arg-type]
+        if conv is None or any(k not in row for k in _JOURNAL_FIELDS) or row["turn"] != len(conv.turns):
+            skipped += 1
+            continue
+        if conv.finish_reason is not None:
+            skipped += 1
+            continue
         turn = _apply(conv, work.renderer.next_context(conv), _result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
-    if resumed:
-        log.info("%s: resuming, %d turns already journaled", work.label, len(resumed))
-    return len(resumed)
+        applied += 1
+    if skipped:
+        log.warning("%s: %d journal rows in %s do not fit the shard and are skipped", work.label, skipped, journal.path)
+    if applied:
+        log.info("%s: resuming, %d turns already journaled", work.label, applied)
+    return applied
 
 
 def reuse(work: ShardWork, journal: Journal) -> int:
@@ -335,20 +380,22 @@ def reuse(work: ShardWork, journal: Journal) -> int:
     pending = [c.key for c in work.pending() if not c.turns]
     if not pending:
         return 0
-    index = RowIndex(work.plan.config.store)
-    try:
-        found = index.lookup(reuse_key(sp.gen_components), pending, limit, exclude_gen_key=sp.gen_key)
+    store = work.plan.config.store
+    with RowIndex.open(store) as index:
+        found = index.lookup(reuse_key(sp.gen_components), pending, limit)
         by_file: dict[str, list[Any]] = {}
         for cand in found.values():
             by_file.setdefault(cand.path, []).append(cand)
         count = 0
         for path, cands in by_file.items():
             try:
-                table = pq.read_table(path, columns=["prompt_ids", "output_ids", "stop_token_id", "finish_reason"])
+                table = pq.read_table(
+                    store / path, columns=["prompt_ids", "output_ids", "stop_token_id", "finish_reason"]
+                )
                 rows = table.take(pa.array([c.row for c in cands], type=pa.int64())).to_pylist()
             except (OSError, pa.ArrowException, IndexError) as e:
-                log.warning("index points at unreadable %s (%s): dropping its entries", path, e)
-                index.remove_shard(Path(path))
+                log.warning("index points at unreadable %s (%s): dropping its entries", store / path, e)
+                index.remove_shard(store / path)
                 continue
             origin = f"{Path(path).parent.name}/{Path(path).stem}"
             for cand, old in zip(cands, rows, strict=True):
@@ -375,8 +422,6 @@ def reuse(work: ShardWork, journal: Journal) -> int:
         if count:
             log.info("%s: %d rows reused from earlier completions", work.label, count)
         return count
-    finally:
-        index.close()
 
 
 def next_requests(work: ShardWork, progress: Progress) -> tuple[list[Request], dict[tuple[str, int], list[int]]]:
@@ -440,7 +485,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
     The engine starts only when a round has requests, so a shard that is all reused never loads it.
     """
     cfg = work.plan.config
-    kill_kind, kill_rows = _kill_point()
+    kill_kind, kill_rows = killpoints.kill_point()
     counts = EngineRun()
     done = sum(c.finish_reason is not None for c in work.convs.values())
     progress = Progress(len(work.convs), done, work.label)
@@ -455,7 +500,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                 engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
                 counts.served = getattr(engine, "identity", None)
                 if kill_kind == "rows" and kill_rows == 0:
-                    _die()
+                    killpoints.die()
             for generated in engine.generate(requests):
                 counts.engine_tokens += len(generated.output_ids)
                 turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
@@ -465,7 +510,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                 progress.update(generated, conv.finish_reason is not None)
                 if kill_kind == "rows" and counts.journaled >= kill_rows:
                     journal.sync()
-                    _die()
+                    killpoints.die()
             if contexts:
                 missing = list(contexts)[:3]
                 raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")
@@ -513,10 +558,9 @@ def publish(
 ) -> dict[str, Any]:
     """Account for every row, refuse a mostly failed shard, then write shard and sidecar atomically.
 
-    Only then is the shard indexed for reuse and its journal removed.
+    Only then is the shard indexed for reuse and the journal's rows file removed.
     """
-    sp = work.plan.sources[work.source]
-    sampling = sp.spec.sampling
+    sampling = work.plan.sources[work.source].spec.sampling
     convs = work.convs.values()
     rows = [_completion_row(conv, work.renderer, sampling.seed) for conv in convs]
     stats = _stats(work.plan, work.source, work.shard, rows, resumed, lease, wall, engine_run.engine_tokens)
@@ -538,14 +582,30 @@ def publish(
         stats["engine"]["served"] = engine_run.served
     check_failures(stats, work.plan.config.checks.max_failed_fraction, journal.path)
     table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
-    stats[R.STAT_DATA] = atomic.write_parquet(work.paths.data, table)
-    atomic.write_json(work.paths.stats, stats)
-    index = RowIndex(work.plan.config.store)
-    index.add_shard(reuse_key(sp.gen_components), sp.gen_key, work.paths.data, rows, sampling.max_new_tokens)
-    index.close()
-    journal.remove()
-    log.info("%s: %s", work.label, {k: stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED)})
+    # Written into the journal's folder first: the outputs are links to these (see journal).
+    stats[R.STAT_DATA] = atomic.write_parquet(journal.published_data, table)
+    atomic.write_json(journal.published_stats, stats)
+    _link_outputs(journal, work.paths)
+    _index_shard(work.plan, work.source, work.paths.data, rows)
+    journal.retire()
+    counts = (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED, R.STAT_GENERATED, R.STAT_RESUMED_TURNS)
+    log.info("%s: published %s", work.label, {k: stats[k] for k in counts})
     return stats
+
+
+# What the row index needs of a completion shard (restore reads only these).
+_INDEXED_COLUMNS = ("prompt_id", "sample_idx", "finish_reason", "n_output_tokens", "n_prompt_tokens", "turns")
+
+
+def _link_outputs(journal: Journal, paths: ShardPaths) -> None:
+    atomic.link(journal.published_data, paths.data)
+    atomic.link(journal.published_stats, paths.stats)
+
+
+def _index_shard(plan: Plan, source: str, data: Path, rows: list[dict[str, Any]]) -> None:
+    sp = plan.sources[source]
+    with RowIndex.open(plan.config.store) as index:
+        index.add_shard(reuse_key(sp.gen_components), sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens)
 
 
 def _result_of(row: dict[str, Any]) -> Result:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -20,6 +21,8 @@ from dflash_build import atomic
 
 KEY_LENGTH = 16
 _CHUNK = 8 << 20
+
+log = logging.getLogger(__name__)
 
 
 def _normalise(value: Any) -> Any:
@@ -70,17 +73,20 @@ class FingerprintCache:
         self._entries: dict[str, dict[str, Any]] = {}
         self._dirty = False
         if self.cache_file is not None and self.cache_file.exists():
-            try:
-                self._entries = json.loads(self.cache_file.read_text())
-            except (OSError, json.JSONDecodeError):
-                self._entries = {}  # a broken cache is only a cache: rebuild it
+            problem = cache_problem(self.cache_file)
+            if problem is None:
+                self._entries = json.loads(self.cache_file.read_text(encoding="utf-8"))
+            else:  # only a cache: start afresh (files are hashed again) and replace it on save
+                log.warning("fingerprint cache %s is %s: rebuilding it", self.cache_file, problem)
+                self._dirty = True
 
     def file(self, path: str | os.PathLike[str]) -> str:
         real = os.path.realpath(path)
         st = os.stat(real)
         stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
         entry = self._entries.get(real)
-        if entry is not None and all(entry.get(k) == v for k, v in stamp.items()):
+        fresh = entry is not None and all(entry.get(k) == v for k, v in stamp.items())
+        if fresh and isinstance(entry.get("sha256"), str):
             return str(entry["sha256"])
         sha = sha256_file(real)
         self._entries[real] = {**stamp, "sha256": sha}
@@ -109,3 +115,14 @@ class FingerprintCache:
         if self._dirty and self.cache_file is not None:
             atomic.write_json(self.cache_file, self._entries)
             self._dirty = False
+
+
+def cache_problem(path: Path) -> str | None:
+    """Why a fingerprint cache file cannot be used (None: it can)."""
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: bad JSON and bad UTF-8 alike
+        return f"unreadable ({type(e).__name__}: {str(e)[:80]})"
+    if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
+        return "not a cache (a JSON object of entries)"
+    return None

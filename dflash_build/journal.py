@@ -1,19 +1,32 @@
-"""The generation journal: finished rows of an unpublished shard, kept across failed and killed jobs.
+"""The generation journal: a shard's finished rows, kept across failed and killed jobs and schedulers.
 
 It lives under store/journal/{gen_key}/{shard}/, outside every Snakemake output, so Snakemake never
-deletes it when a job fails. Rows are appended as JSON lines and fsync'd every N rows or T seconds;
+deletes it. Rows are appended as JSON lines to ``rows.jsonl`` and fsync'd every N rows or T seconds;
 a kill loses at most the rows since the last sync, which are then generated again (never twice: a
-row is in the journal or it is not). A torn last line from a kill mid-write is cut off on open.
+row is in the journal or it is not). A torn last line from a kill mid-write is cut off on open; a
+line that does not parse (a damaged disk block) costs that row only, with a warning.
+
+When the shard is published, the journal keeps it: the shard and its sidecar are written here first
+(``published.parquet``, ``published.stats.json``) and the Snakemake outputs are hard links to them.
+Whatever deletes the outputs later (``--rerun-incomplete`` after a killed Snakemake, a second
+working directory's Snakemake, a forced rerun) leaves this copy, and the next job restores the shard
+from it instead of generating it again. The copy goes when the shard's key is garbage (`gc`).
+
+One job at a time owns a journal: :meth:`Journal.locked` takes an exclusive lock on the shard (a
+second job, from this working directory or another one on the same store, waits for it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import platform
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,6 +34,10 @@ from dflash_build import atomic
 
 log = logging.getLogger(__name__)
 ROWS_FILE = "rows.jsonl"
+LOCK_FILE = "lock"
+PUBLISHED_DATA = "published.parquet"
+PUBLISHED_STATS = "published.stats.json"
+LOCK_REPORT_SECONDS = 60.0
 
 
 class Journal:
@@ -35,6 +52,51 @@ class Journal:
     def path(self) -> Path:
         return self.folder / ROWS_FILE
 
+    @property
+    def published_data(self) -> Path:
+        return self.folder / PUBLISHED_DATA
+
+    @property
+    def published_stats(self) -> Path:
+        return self.folder / PUBLISHED_STATS
+
+    @contextlib.contextmanager
+    def locked(self, label: str) -> Iterator[None]:
+        """Hold the shard's lock; wait (saying who holds it) while another job does."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / LOCK_FILE, "a+", encoding="utf-8") as handle:
+            waited_since = time.monotonic()
+            reported = 0.0
+            while True:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    now = time.monotonic()
+                    if now - reported >= LOCK_REPORT_SECONDS or not reported:
+                        handle.seek(0)
+                        holder = handle.read().strip() or "another job"
+                        log.warning(
+                            "%s: waiting for the shard's lock %s, held by %s (%.0fs so far)",
+                            label,
+                            self.folder / LOCK_FILE,
+                            holder,
+                            now - waited_since,
+                        )
+                        reported = now
+                    time.sleep(0.5)
+            handle.seek(0)
+            handle.truncate()
+            holder = f"pid {os.getpid()} on {platform.node()}, working directory {os.getcwd()}, since {time.ctime()}"
+            handle.write(holder)
+            handle.flush()
+            try:
+                yield
+            finally:
+                handle.seek(0)
+                handle.truncate()
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
     def load(self) -> list[dict[str, Any]]:
         """Rows journaled so far; cuts a torn last line (a kill mid-write) off the file."""
         if not self.path.exists():
@@ -46,15 +108,23 @@ class Journal:
             with open(self.path, "rb+") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
-        return _parse(self.path, data[:end])
+        rows, bad = parse(data[:end])
+        if bad:
+            log.warning(
+                "journal %s: %d damaged lines (first: line %d) are skipped; their rows are generated again",
+                self.path,
+                len(bad),
+                bad[0],
+            )
+        return rows
 
     @staticmethod
     def read(path: Path) -> list[dict[str, Any]]:
-        """The complete rows of a journal file, changing nothing (for `plan`, while a job may write it)."""
+        """The complete, readable rows of a journal file, changing nothing (for `plan`, while a job writes)."""
         if not path.exists():
             return []
         data = path.read_bytes()
-        return _parse(path, data[: data.rfind(b"\n") + 1])
+        return parse(data[: data.rfind(b"\n") + 1])[0]
 
     def append(self, row: dict[str, Any]) -> None:
         if self._file is None:
@@ -81,19 +151,45 @@ class Journal:
             self._file.close()
             self._file = None
 
-    def remove(self) -> None:
-        """Called once the shard is published: its rows live in the shard now."""
+    def published(self) -> tuple[Path, dict[str, Any]] | None:
+        """The shard this journal published, with its sidecar, if both are here."""
+        if not (self.published_data.exists() and self.published_stats.exists()):
+            return None
+        try:
+            return self.published_data, json.loads(self.published_stats.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("journal %s: unreadable published sidecar (%s): the shard is rebuilt", self.folder, e)
+            return None
+
+    def discard_published(self) -> None:
+        self.published_data.unlink(missing_ok=True)
+        self.published_stats.unlink(missing_ok=True)
+
+    def retire(self) -> None:
+        """Called once the shard is published here: its rows live in ``published.parquet`` now."""
         self.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
-        with contextlib.suppress(OSError):  # the gen_key folder goes with its last shard
-            self.folder.parent.rmdir()
+        self.path.unlink(missing_ok=True)
+        atomic.fsync_dir(self.folder)
 
 
-def _parse(path: Path, data: bytes) -> list[dict[str, Any]]:
-    rows = []
+def parse(data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
+    """(rows, numbers of the lines that do not parse as a JSON object)."""
+    rows, bad = [], []
     for lineno, line in enumerate(data.splitlines(), start=1):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise RuntimeError(f"journal {path}:{lineno} is corrupt ({e.msg}); delete it to regenerate") from e
-    return rows
+            row = json.loads(line)
+        except ValueError:
+            bad.append(lineno)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(lineno)
+    return rows, bad
+
+
+def remove_tree(folder: Path) -> None:
+    """Delete a journal folder, and its gen_key folder once that is empty."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()

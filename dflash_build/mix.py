@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing
+from dflash_build import atomic, hashing, killpoints
 from dflash_build import records as R
 from dflash_build.plan import Plan
 from dflash_build.versions import MIX_VERSION
@@ -127,6 +127,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
                 loss_tokens += row["n_loss_tokens"]
             writer.write(table)
         files = writer.close()
+        killpoints.die_at("mix")
         total = sum(tokens_by["category"].values())
         manifest = {
             "stage": "mix",

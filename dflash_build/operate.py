@@ -5,18 +5,23 @@ Each function takes the build plan of the current config and returns plain data;
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import platform
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import hashing, prepare
-from dflash_build.journal import ROWS_FILE, Journal
-from dflash_build.plan import Plan
+from dflash_build import atomic, hashing, prepare, rowindex
+from dflash_build.config import Config
+from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
+from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.rowindex import RowIndex, reuse_key
 
 DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
@@ -62,9 +67,14 @@ def _measured(plan: Plan) -> tuple[float | None, float | None]:
 def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> list[SourceEstimate]:
     """What a build of the current config would do, per source."""
     mean_tokens, rate = _measured(plan)
+    with RowIndex.open(plan.config.store) as index:
+        return _estimate(plan, index, mean_tokens, rate, default_tokens_per_second)
+
+
+def _estimate(
+    plan: Plan, index: RowIndex, mean_tokens: float | None, rate: float | None, default_tokens_per_second: float
+) -> list[SourceEstimate]:
     out = []
-    index_file = plan.config.store / "index" / "rows.sqlite"
-    index = RowIndex(plan.config.store) if index_file.exists() else None
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
         manifest_file = plan.prompt_dir(name) / "manifest.json"
@@ -106,8 +116,8 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
                 done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
                 est.rows_journaled += len(wanted & done)
                 wanted -= done
-            if index is not None and sp.spec.turns == "first":
-                found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens, sp.gen_key)
+            if sp.spec.turns == "first":
+                found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens)
                 taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
                 est.rows_reused += len(taken)
                 est.rows_continued += len(found) - len(taken)
@@ -117,8 +127,6 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
         est.gpu_hours = est.output_tokens / (rate or default_tokens_per_second) / 3600
         out.append(est)
-    if index is not None:
-        index.close()
     return out
 
 
@@ -215,16 +223,8 @@ def parse_target(plan: Plan, target: str) -> tuple[str, str, str | None]:
     return rest[0], rest[1], shard
 
 
-# -- gc ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Entry:
-    path: Path
-    bytes: int
-    kept: bool  # unreferenced but kept (journals, unless asked)
-
-
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+# -- configs sharing the store -------------------------------------------------------------
+REGISTRY = "configs"
 
 
 def referenced(plan: Plan) -> set[Path]:
@@ -235,37 +235,159 @@ def referenced(plan: Plan) -> set[Path]:
     return refs
 
 
-def garbage(plan: Plan, journals: bool = False) -> list[Entry]:
-    """Store entries no target of the current config references."""
-    store, refs = plan.config.store, referenced(plan)
+def registration_id(plan: Plan) -> str:
+    """One registration per dataset folder: a config that builds that folder replaces the one before."""
+    return hashing.digest({"dataset": os.path.abspath(plan.config.dataset_dir)})[:16]
+
+
+def register(plan: Plan) -> Path:
+    """Record in the store what this config references, so `gc` from any other config keeps it.
+
+    Called at the start of every build (the Snakefile's onstart) and by `gc` for its own config.
+    """
+    store = plan.config.store
+    entry = {
+        "dataset": os.path.abspath(plan.config.dataset_dir),
+        "workdir": os.getcwd(),
+        "host": platform.node(),
+        "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "references": sorted(os.path.relpath(p, store) for p in referenced(plan)),
+    }
+    path = store / REGISTRY / f"{registration_id(plan)}.json"
+    atomic.write_json(path, entry)
+    return path
+
+
+def registrations(store: Path) -> dict[str, dict[str, Any]]:
+    """Every config registered on the store, by id; an unreadable registration is reported, not skipped."""
+    out = {}
+    for path in sorted((store / REGISTRY).glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            entry["references"] = list(entry["references"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"registration {path} is unreadable ({e}): fix it, or delete it with "
+                f"`dflash-build configs --forget {path.stem}` if that config is retired"
+            ) from e
+        out[path.stem] = entry
+    return out
+
+
+def forget(store: Path, ident: str) -> Path:
+    path = store / REGISTRY / f"{ident}.json"
+    if not path.exists():
+        raise KeyError(f"no config {ident} is registered on {store} (see `dflash-build configs`)")
+    path.unlink()
+    return path
+
+
+# -- gc ---------------------------------------------------------------------------------------
+TMP_AGE_SECONDS = 3600.0  # a temporary file or folder untouched this long belongs to a dead process
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    bytes: int
+    kept: bool  # unreferenced but kept (journals, unless asked)
+    why: str = "unreferenced"
+
+
+def _size(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes under ``path``; a file with several names (a shard and its journal's copy) counts once."""
+    seen = set() if seen is None else seen
+    total = 0
+    for p in [path] if path.is_file() else path.rglob("*"):
+        st = p.lstat()
+        if p.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
+
+
+def _last_change(path: Path) -> float:
+    if path.is_file() or path.is_symlink():
+        return path.lstat().st_mtime
+    return max([path.lstat().st_mtime, *(p.lstat().st_mtime for p in path.rglob("*"))])
+
+
+def all_references(plan: Plan) -> tuple[set[Path], dict[Path, list[str]]]:
+    """What this config and every registered one reference; for each entry only others keep, which."""
+    store = plan.config.store
+    mine = referenced(plan)
+    others: dict[Path, list[str]] = {}
+    for ident, entry in registrations(store).items():
+        if ident == registration_id(plan):
+            continue
+        for rel in entry["references"]:
+            path = store / rel
+            if path not in mine:
+                others.setdefault(path, []).append(f"{entry['dataset']} ({ident})")
+    return mine | set(others), others
+
+
+def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
+    """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
+    now = time.time()
+    found = [p for p in plan.config.store.rglob(".*.tmp")]
+    found += [p for p in plan.config.store.rglob(".*.old")]
+    dist = plan.config.dataset_dir
+    found += list(dist.parent.glob(f".{dist.name}.*.tmp")) + list(dist.parent.glob(f".{dist.name}.*.old"))
+    out = []
+    for path in sorted(set(found)):
+        if any(parent in found for parent in path.parents):
+            continue  # inside a stray folder: goes with it
+        try:
+            if now - _last_change(path) >= older_than:
+                out.append(path)
+        except FileNotFoundError:  # its writer finished meanwhile
+            continue
+    return out
+
+
+def garbage(plan: Plan, journals: bool = False, tmp_age: float = TMP_AGE_SECONDS) -> list[Entry]:
+    """Store entries no registered config references, and stray temporaries of dead writers."""
+    store = plan.config.store
+    refs, _ = all_references(plan)
+    seen: set[tuple[int, int]] = set()
     out = []
     for stage in STAGES:
         for entry in sorted(store.glob(f"{stage}/*/*")):
             if entry.is_dir() and entry not in refs:
-                out.append(Entry(entry, _size(entry), kept=False))
+                out.append(Entry(entry, _size(entry, seen), kept=False))
     for entry in sorted(store.glob("journal/*")):
         if entry.is_dir() and entry not in refs:
             unfinished = any(entry.rglob(ROWS_FILE))
-            out.append(Entry(entry, _size(entry), kept=unfinished and not journals))
+            out.append(Entry(entry, _size(entry, seen), kept=unfinished and not journals))
+    out += [Entry(p, _size(p, seen), kept=False, why="stray temporary") for p in stray_temporaries(plan, tmp_age)]
     return out
+
+
+def protected(plan: Plan) -> dict[Path, list[str]]:
+    """Store entries this config does not reference but another registered config does."""
+    store = plan.config.store
+    _, others = all_references(plan)
+    return {p: who for p, who in others.items() if p.exists() and p.is_relative_to(store)}
 
 
 def collect(plan: Plan, entries: list[Entry]) -> int:
     """Delete the entries that are not kept; returns bytes freed."""
-    referenced_now = referenced(plan)
-    index = RowIndex(plan.config.store)
+    refs, _ = all_references(plan)
     freed = 0
-    try:
+    with RowIndex.open(plan.config.store) as index:
         for entry in entries:
             if entry.kept:
                 continue
-            assert entry.path not in referenced_now, f"refusing to delete referenced {entry.path}"
-            for shard in entry.path.glob("*.parquet"):
+            if entry.path in refs:
+                raise RuntimeError(f"refusing to delete {entry.path}: a registered config references it")
+            for shard in entry.path.glob("*.parquet") if entry.path.is_dir() else ():
                 index.remove_shard(shard)
-            shutil.rmtree(entry.path)
+            if entry.path.is_dir():
+                shutil.rmtree(entry.path)
+            else:
+                entry.path.unlink(missing_ok=True)
             freed += entry.bytes
-    finally:
-        index.close()
     return freed
 
 
@@ -275,6 +397,7 @@ class Problem:
     path: Path
     reason: str
     remove: tuple[Path, ...]  # what --repair deletes so the next build rebuilds exactly this
+    heal: Callable[[], object] | None = None  # what --repair does instead, for derived state
 
 
 def _check(path: Path, expected: dict[str, Any] | None) -> str | None:
@@ -296,8 +419,9 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
     """(file, what its manifest says, what --repair removes): the file, its sidecar, what derives from it.
 
     Derived files go too, or Snakemake would never need the repaired file again: a completion shard
-    takes its token shard and the dataset with it. A prompt shard goes alone (its completions are
-    still valid); prepare rebuilds it the next time a job needs it.
+    takes its token shard, the dataset and its journal's published copy (the same file, linked) with
+    it. A prompt shard goes alone (its completions are still valid); prepare rebuilds it the next time
+    a job needs it.
     """
     dist = plan.config.dataset_dir
 
@@ -314,9 +438,12 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
         for shard, path in zip(sp.shards, plan.prompt_shards(name), strict=True):
             if path.exists():
                 yield path, manifest["shards"].get(shard), (path,)
-        for completion, tokens in zip(plan.completion_shards(name), plan.token_shards(name), strict=True):
+        built = zip(sp.shards, plan.completion_shards(name), plan.token_shards(name), strict=True)
+        for shard, completion, tokens in built:
+            published = plan.journal_dir(name, shard)
+            copy = (published / PUBLISHED_DATA, published / PUBLISHED_STATS)
             if completion.exists():
-                yield completion, expected(completion), (*with_sidecar(completion), *with_sidecar(tokens), dist)
+                yield completion, expected(completion), (*with_sidecar(completion), *copy, *with_sidecar(tokens), dist)
             if tokens.exists():
                 yield tokens, expected(tokens), (*with_sidecar(tokens), dist)
     manifest_file = dist / "manifest.json"
@@ -325,8 +452,62 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
             yield dist / info["path"], info, (dist,)
 
 
+def _journal_problems(store: Path) -> Iterator[Problem]:
+    """Damaged journal lines, and published copies that no longer match their sidecar."""
+    for rows_file in sorted(store.glob(f"journal/*/*/{ROWS_FILE}")):
+        data = rows_file.read_bytes()
+        _, bad = parse(data[: data.rfind(b"\n") + 1])
+        if bad:
+
+            def drop_bad_lines(path: Path = rows_file) -> None:
+                raw = path.read_bytes()
+                good = [line for line in raw[: raw.rfind(b"\n") + 1].splitlines() if parse(line)[0]]
+                atomic.write_text(path, "".join(line.decode() + "\n" for line in good))
+
+            reason = f"{len(bad)} damaged lines (first: line {bad[0]}); their rows would be generated again"
+            yield Problem(rows_file, reason, (), drop_bad_lines)
+    for data in sorted(store.glob(f"journal/*/*/{PUBLISHED_DATA}")):
+        stats_file = data.with_name(PUBLISHED_STATS)
+        try:
+            expected = json.loads(stats_file.read_text()).get("data")
+        except (OSError, ValueError):
+            expected = None
+        if (reason := _check(data, expected)) is not None:
+            yield Problem(data, f"published copy: {reason}", (data, stats_file))
+
+
+def _derived_problems(plan: Plan) -> Iterator[Problem]:
+    """The row index: damaged, or out of step with the store."""
+    store = plan.config.store
+    index_file = store / rowindex.INDEX_FILE
+    reason = RowIndex.problem(store)
+    if reason is None and index_file.exists():
+        index = RowIndex(store)
+        try:
+            missing, gone = index.differences()
+        finally:
+            index.close()
+        if missing or gone:
+            reason = (
+                f"out of step with the store: {len(missing)} published shards missing or incomplete, "
+                f"{len(gone)} entries for shards that are gone"
+            )
+    elif reason is None and rowindex.published_shards(store):
+        reason = "missing while the store has published shards"
+    if reason is not None:
+        yield Problem(index_file, reason, (), functools.partial(rowindex.rebuild, store))
+
+
+def cache_problems(config: Config) -> list[Problem]:
+    """The fingerprint cache, checked before a plan is built (building one heals it, with a warning)."""
+    cache_file = fingerprint_cache_file(config)
+    if cache_file.exists() and (reason := hashing.cache_problem(cache_file)) is not None:
+        return [Problem(cache_file, reason + " (only a cache: rebuilt as this command plans)", (cache_file,))]
+    return []
+
+
 def verify(plan: Plan) -> tuple[int, list[Problem]]:
-    """Re-read every store and dist file the config references; (files checked, problems)."""
+    """Re-read every store and dist file the config references, every journal and the index."""
     checked, problems = 0, []
     for path, expected, remove in _store_files(plan):
         checked += 1
@@ -334,15 +515,24 @@ def verify(plan: Plan) -> tuple[int, list[Problem]]:
             problems.append(Problem(path, "missing", remove))
         elif (reason := _check(path, expected)) is not None:
             problems.append(Problem(path, reason, remove))
+    store = plan.config.store
+    checked += sum(1 for name in (ROWS_FILE, PUBLISHED_DATA) for _ in store.glob(f"journal/*/*/{name}"))
+    problems += _journal_problems(store)
+    checked += 1
+    problems += _derived_problems(plan)
     return checked, problems
 
 
 def repair(plan: Plan, problems: list[Problem]) -> list[Path]:
-    """Remove what each problem names, and its index entries; the next build regenerates exactly that."""
+    """Remove what each problem names, and its index entries; the next build regenerates exactly that.
+
+    Derived state (journal lines, the index) is healed in place instead.
+    """
     removed = []
-    index = RowIndex(plan.config.store)
-    try:
+    with RowIndex.open(plan.config.store) as index:
         for problem in problems:
+            if problem.heal is not None:
+                continue
             for path in problem.remove:
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -350,9 +540,11 @@ def repair(plan: Plan, problems: list[Problem]) -> list[Path]:
                     path.unlink()
                 else:
                     continue
-                if path.suffix == ".parquet":
+                if path.suffix == ".parquet" and path.parent.parent.parent.name == "completions":
                     index.remove_shard(path)
                 removed.append(path)
-    finally:
-        index.close()
+    for problem in problems:
+        if problem.heal is not None:
+            problem.heal()
+            removed.append(problem.path)
     return removed

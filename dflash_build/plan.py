@@ -220,9 +220,13 @@ def _source_input(
     return (), ident, None
 
 
+def fingerprint_cache_file(config: Config) -> Path:
+    return config.store / ".cache" / "fingerprints.json"
+
+
 def fingerprint_cache(config: Config) -> hashing.FingerprintCache:
     """The store's file-digest cache: parse time fills it, jobs read it instead of hashing again."""
-    return hashing.FingerprintCache(config.store / ".cache" / "fingerprints.json")
+    return hashing.FingerprintCache(fingerprint_cache_file(config))
 
 
 def build(config: Config) -> Plan:

@@ -12,21 +12,31 @@ sample of this one. Under a new max_new_tokens M, a row with n output tokens is 
   which is as valid a sample as one generated from scratch.
 
 SQLite (WAL, one file per store) keeps the lookup fast at millions of rows and safe for concurrent
-jobs. The index is derived data: ``rebuild`` recreates it from the shards' stats sidecars.
+jobs. Paths in it are relative to the store, so every working directory (and every mount point of a
+shared store) reads the same entries. The index is derived data and heals itself: :meth:`RowIndex.open`
+rebuilds an index that is not a database or is of an older layout, and adds the published shards it
+lacks (an emptied or lost index), with a warning; ``dflash-build reindex`` rebuilds it by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
+import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing
 
+log = logging.getLogger(__name__)
 INDEX_FILE = Path("index") / "rows.sqlite"
+LOCK_FILE = Path("index") / "rebuild.lock"
+LAYOUT = 2  # PRAGMA user_version: 2 = store-relative paths and per-shard row counts
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
     reuse_key TEXT NOT NULL,
@@ -40,8 +50,17 @@ CREATE TABLE IF NOT EXISTS rows (
     max_new_tokens INTEGER NOT NULL,
     PRIMARY KEY (reuse_key, prompt_id, sample_idx, gen_key)
 );
-CREATE TABLE IF NOT EXISTS shards (path TEXT PRIMARY KEY, gen_key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shards (path TEXT PRIMARY KEY, gen_key TEXT NOT NULL, indexed_rows INTEGER NOT NULL);
 """
+
+
+class IndexCorrupt(RuntimeError):
+    """The index file is damaged in a way found only while using it."""
+
+
+def _indexed(rows: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """The rows worth indexing: single-turn rows that stopped or ran out (multi-turn rows are not reused)."""
+    return [(i, r) for i, r in enumerate(rows) if r["finish_reason"] in ("stop", "length") and not r.get("turns")]
 
 
 def _outcome(row: dict[str, Any], max_new_tokens: int) -> tuple[str, int, int]:
@@ -83,40 +102,127 @@ def _rank(cand: Candidate, max_new_tokens: int) -> tuple[bool, int]:
 
 class RowIndex:
     def __init__(self, store: Path) -> None:
+        """Connect without any check (use :meth:`open`)."""
+        self.store = store
         self.path = store / INDEX_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, timeout=60)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(_SCHEMA)
 
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, store: Path) -> Iterator[RowIndex]:
+        """The store's index, healed first: rebuilt when damaged or old, completed when shards are missing."""
+        index = cls._healthy(store)
+        try:
+            index.sync()
+            yield index
+        except sqlite3.DatabaseError as e:
+            raise IndexCorrupt(
+                f"the row index {index.path} is damaged ({e}); run `dflash-build reindex` to rebuild it"
+            ) from e
+        finally:
+            index.close()
+
+    @classmethod
+    def _healthy(cls, store: Path) -> RowIndex:
+        try:
+            index = cls(store)
+            layout = index.db.execute("PRAGMA user_version").fetchone()[0]
+            has_rows = index.db.execute("SELECT 1 FROM shards LIMIT 1").fetchone() is not None
+        except sqlite3.DatabaseError as e:
+            log.warning("row index %s is not readable (%s): rebuilding it from the store", store / INDEX_FILE, e)
+            rebuild(store, force=False)
+            return cls(store)
+        if layout != LAYOUT:
+            if has_rows:
+                log.warning("row index %s has an older layout: rebuilding it from the store", index.path)
+                index.close()
+                rebuild(store, force=False)
+                return cls(store)
+            index.db.execute(f"PRAGMA user_version = {LAYOUT}")
+        return index
+
+    @staticmethod
+    def problem(store: Path) -> str | None:
+        """Why the index cannot be used as it is (None: it can, or there is none yet)."""
+        path = store / INDEX_FILE
+        if not path.exists():
+            return None
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+            try:
+                layout = db.execute("PRAGMA user_version").fetchone()[0]
+                check = db.execute("PRAGMA quick_check").fetchone()[0]
+            finally:
+                db.close()
+        except sqlite3.DatabaseError as e:
+            return f"not a readable SQLite database ({e})"
+        if check != "ok":
+            return f"damaged ({check})"
+        if layout not in (0, LAYOUT):
+            return f"layout {layout}, this version writes {LAYOUT}"
+        return None
+
     def close(self) -> None:
         self.db.close()
+
+    def relative(self, path: str | os.PathLike[str]) -> str:
+        """``path`` as the index names it: relative to the store, whatever the working directory."""
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(self.store))
 
     def add_shard(
         self, key: str, gen_key: str, path: Path, rows: Iterable[dict[str, Any]], max_new_tokens: int
     ) -> None:
         """Index a published completion shard (multi-turn rows are not reused, so not indexed)."""
+        name = self.relative(path)
+        indexed = _indexed(rows)
         with self.db:
-            self.db.execute("DELETE FROM rows WHERE path = ?", (str(path),))
+            self.db.execute("DELETE FROM rows WHERE path = ?", (name,))
             self.db.executemany(
                 "INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (*(key, r["prompt_id"], r["sample_idx"], gen_key, str(path), i), *_outcome(r, max_new_tokens))
-                    for i, r in enumerate(rows)
-                    if r["finish_reason"] in ("stop", "length") and not r.get("turns")
+                    (*(key, r["prompt_id"], r["sample_idx"], gen_key, name, i), *_outcome(r, max_new_tokens))
+                    for i, r in indexed
                 ],
             )
-            self.db.execute("INSERT OR REPLACE INTO shards VALUES (?, ?)", (str(path), gen_key))
+            self.db.execute("INSERT OR REPLACE INTO shards VALUES (?, ?, ?)", (name, gen_key, len(indexed)))
 
     def remove_shard(self, path: Path) -> None:
+        name = self.relative(path)
         with self.db:
-            self.db.execute("DELETE FROM rows WHERE path = ?", (str(path),))
-            self.db.execute("DELETE FROM shards WHERE path = ?", (str(path),))
+            self.db.execute("DELETE FROM rows WHERE path = ?", (name,))
+            self.db.execute("DELETE FROM shards WHERE path = ?", (name,))
+
+    def differences(self) -> tuple[list[Path], list[str]]:
+        """(published shards the index lacks or lists with another row count, indexed shards that are gone)."""
+        indexed = dict(self.db.execute("SELECT path, indexed_rows FROM shards"))
+        counted = dict(self.db.execute("SELECT path, COUNT(*) FROM rows GROUP BY path"))
+        published = {self.relative(p): p for p in published_shards(self.store)}
+        missing = [
+            path
+            for name, path in sorted(published.items())
+            if name not in indexed or counted.get(name, 0) != indexed[name]
+        ]
+        gone = sorted(name for name in indexed if name not in published)
+        return missing, gone
+
+    def sync(self) -> int:
+        """Index what the store has and the index lacks; forget what is gone. Returns shards changed."""
+        missing, gone = self.differences()
+        for name in gone:
+            self.remove_shard(self.store / name)
+        for data in missing:
+            _index_file(self, data)
+        if missing:
+            log.warning("row index %s lacked %d published shards: indexed them now", self.path, len(missing))
+        return len(missing) + len(gone)
 
     def lookup(
-        self, key: str, wanted: Iterable[tuple[str, int]], max_new_tokens: int, exclude_gen_key: str
+        self, key: str, wanted: Iterable[tuple[str, int]], max_new_tokens: int
     ) -> dict[tuple[str, int], Candidate]:
-        """The best usable earlier row for each wanted (prompt_id, sample_idx)."""
+        """The best usable earlier row for each wanted (prompt_id, sample_idx); paths relative to the store."""
         best: dict[tuple[str, int], Candidate] = {}
         wanted = list(wanted)
         for start in range(0, len(wanted), 500):
@@ -125,8 +231,8 @@ class RowIndex:
             marks = ",".join("?" * len(ids))
             cursor = self.db.execute(
                 f"SELECT prompt_id, sample_idx, gen_key, path, row, finish_reason, n_output, max_new_tokens "
-                f"FROM rows WHERE reuse_key = ? AND gen_key != ? AND prompt_id IN ({marks})",
-                (key, exclude_gen_key, *ids),
+                f"FROM rows WHERE reuse_key = ? AND prompt_id IN ({marks})",
+                (key, *ids),
             )
             keys = set(chunk)
             for values in cursor:
@@ -141,25 +247,53 @@ class RowIndex:
         return best
 
 
-def rebuild(store: Path) -> int:
-    """Recreate the index from every completion shard's stats sidecar; returns the shard count."""
-    import pyarrow.parquet as pq
-
-    index_file = store / INDEX_FILE
-    for suffix in ("", "-wal", "-shm"):
-        Path(str(index_file) + suffix).unlink(missing_ok=True)
-    index = RowIndex(store)
-    count = 0
+def published_shards(store: Path) -> list[Path]:
+    """Completion shards with their stats sidecar (a shard is published when both exist)."""
+    out = []
     for stats_file in sorted((store / "completions").glob("*/*/*.stats.json")):
         data = stats_file.with_name(stats_file.name.replace(".stats.json", ".parquet"))
-        if not data.exists():
-            continue
+        if data.exists():
+            out.append(data)
+    return out
+
+
+def _index_file(index: RowIndex, data: Path) -> None:
+    import pyarrow.parquet as pq
+
+    stats_file = data.with_name(data.name.replace(".parquet", ".stats.json"))
+    try:
         stats = json.loads(stats_file.read_text())
+        components = stats["components"]
         rows = pq.read_table(
             data, columns=["prompt_id", "sample_idx", "finish_reason", "n_output_tokens", "turns"]
         ).to_pylist()
-        components = stats["components"]
-        index.add_shard(reuse_key(components), stats["gen_key"], data, rows, components["sampling"]["max_new_tokens"])
-        count += 1
-    index.close()
-    return count
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError
+        log.warning("cannot index %s (%s): `dflash-build verify` checks it", data, e)
+        return
+    index.add_shard(reuse_key(components), stats["gen_key"], data, rows, components["sampling"]["max_new_tokens"])
+
+
+def rebuild(store: Path, force: bool = True) -> int:
+    """Recreate the index from every published completion shard; returns the shard count.
+
+    One process rebuilds at a time (a lock beside the index); jobs that found it damaged meanwhile
+    wait, then use the one rebuilt (``force=False`` rebuilds only if it is still unusable).
+    """
+    lock = store / LOCK_FILE
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        if not force and RowIndex.problem(store) is None and (store / INDEX_FILE).exists():
+            with contextlib.closing(RowIndex(store)) as fresh:
+                if fresh.db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT:
+                    return 0
+        index_file = store / INDEX_FILE
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(index_file) + suffix).unlink(missing_ok=True)
+        index = RowIndex(store)
+        index.db.execute(f"PRAGMA user_version = {LAYOUT}")
+        shards = published_shards(store)
+        for data in shards:
+            _index_file(index, data)
+        index.close()
+        return len(shards)

@@ -45,6 +45,17 @@ def logged(log_path: str | Path | None) -> Iterator[None]:
             h.close()
 
 
+def warnings_to_stderr() -> None:
+    """While Snakemake parses the workflow, the package's warnings (a cache rebuilt, ...) reach the user."""
+    root = logging.getLogger("dflash_build")
+    if not any(getattr(h, "dflash_parse_time", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter("dflash-build: %(levelname)s: %(message)s"))
+        handler.dflash_parse_time = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+
+
 def plan_from(config: dict[str, Any]) -> plan_mod.Plan:
     return plan_mod.build(config_mod.from_dict(config))
 

@@ -3,12 +3,14 @@ from snakemake.utils import validate
 import dflash_build.config
 import dflash_build.engines
 import dflash_build.plan
+import dflash_build.workflow
 from dflash_build.hashing import canonical_json
 from dflash_build.mix import summary
 
 validate(config, schema="../config/schema.yaml")
 
 
+dflash_build.workflow.warnings_to_stderr()
 CONFIG = dflash_build.config.from_dict(config)
 PLAN = dflash_build.plan.build(CONFIG)
 STORE = str(CONFIG.store)
@@ -35,9 +37,12 @@ def get_prompt_shard(wildcards):
 
 
 def get_completion_shard(wildcards):
-    return ancient(
-        str(PLAN.completion_dir(wildcards.source) / f"{wildcards.shard}.parquet")
-    )
+    # Not ancient(), unlike the prompt shard of a GPU job: Snakemake (9.27) skips every job downstream of
+    # a forced one whose inputs are all ancient and present, so after a killed Snakemake
+    # `--rerun-incomplete` would rerun the generate jobs and leave tokenize and mix undone. A
+    # completion is rewritten only with its token shard gone (restores keep its mtime), and tokenizing
+    # is cheap.
+    return str(PLAN.completion_dir(wildcards.source) / f"{wildcards.shard}.parquet")
 
 
 def get_gen_components(wildcards):
@@ -55,7 +60,8 @@ def get_prompt_components(source):
 
 
 def get_token_shards():
-    return [ancient(str(p)) for p in sorted(PLAN.all_token_shards())]
+    # not ancient() either, for the same reason (see get_completion_shard)
+    return [str(p) for p in sorted(PLAN.all_token_shards())]
 
 
 def get_generate_threads():
@@ -73,6 +79,13 @@ def get_mix_params():
             "rows_per_file": CONFIG.rows_per_file,
         }
     )
+
+
+def register_config():
+    # gc from any config sharing this store keeps what this one references
+    import dflash_build.operate
+
+    dflash_build.operate.register(PLAN)
 
 
 def print_summary():

@@ -2,8 +2,8 @@ rule generate:
     input:
         get_prompt_shard,
     output:
-        data=f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.parquet",
-        stats=f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.stats.json",
+        data=update(f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.parquet"),
+        stats=update(f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.stats.json"),
     log:
         f"{LOGS}/completions/{{source}}/{{key}}/{{shard}}.log",
     conda:

@@ -2,8 +2,8 @@ rule tokenize:
     input:
         get_completion_shard,
     output:
-        data=f"{STORE}/tokens/{{source}}/{{key}}/{{shard}}.parquet",
-        stats=f"{STORE}/tokens/{{source}}/{{key}}/{{shard}}.stats.json",
+        data=update(f"{STORE}/tokens/{{source}}/{{key}}/{{shard}}.parquet"),
+        stats=update(f"{STORE}/tokens/{{source}}/{{key}}/{{shard}}.stats.json"),
     log:
         f"{LOGS}/tokens/{{source}}/{{key}}/{{shard}}.log",
     conda:

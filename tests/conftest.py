@@ -121,9 +121,10 @@ class Workflow:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
-    def run(
-        self, *args: str, check: bool = True, cores: int = 2, env_extra: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
+    def command(
+        self, *args: str, cores: int = 2, env_extra: dict[str, str] | None = None
+    ) -> tuple[list[str], dict[str, str]]:
+        """The snakemake command line of this workflow, and its environment."""
         env = {**os.environ, **(env_extra or {})}
         if self.pythonpath is not None:
             env["PYTHONPATH"] = f"{self.pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -141,6 +142,12 @@ class Workflow:
             str(cores),
             *args,
         ]
+        return cmd, env
+
+    def run(
+        self, *args: str, check: bool = True, cores: int = 2, env_extra: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        cmd, env = self.command(*args, cores=cores, env_extra=env_extra)
         proc = subprocess.run(cmd, cwd=self.workdir, env=env, capture_output=True, text=True, timeout=900)
         if check and proc.returncode != 0:
             raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -314,15 +314,26 @@ def test_next_requests_skips_over_the_context_and_continues_prefixes(tmp_path: P
     assert turn.output_ids == [7, 8, 9] and turn.continued and turn.reused_from == "k/00000"
 
 
-def test_replay_refuses_a_journal_of_another_shard(tmp_path: Path, tiny_model: Path) -> None:
+def test_replay_applies_each_turn_once_and_skips_what_does_not_fit(tmp_path: Path, tiny_model: Path) -> None:
+    """Two writers before shards had locks, or a damaged line: the first copy of a turn wins, the rest is
+    generated again; nothing makes the journal unusable."""
     from dflash_build.journal import Journal
 
     work = _work(tmp_path, tiny_model, ROWS[:1])
+    pid = next(iter(work.convs))[0]
+
+    def row(sample: int, ids: list[int], **extra: Any) -> dict[str, Any]:
+        base = {"prompt_id": pid, "sample_idx": sample, "turn": 0, "output_ids": ids, "finish_reason": "length"}
+        return {**base, "stop_token_id": None, "error": None, **extra}
+
     journal = Journal(work.paths.journal, 1, 0)
-    journal.append({"prompt_id": "not-here", "sample_idx": 0, "turn": 0, "output_ids": [], "finish_reason": "stop"})
+    for r in (row(0, [5, 6]), row(0, [7, 8]), row(1, [9], turn=1), {**row(1, [3]), "prompt_id": "not-here"}):
+        journal.append(r)
+    journal.append({"prompt_id": pid})  # parses, but is no journal row
     journal.close()
-    with pytest.raises(RuntimeError, match="does not match prompt shard s/00000"):
-        generate.replay(work, Journal(work.paths.journal, 1, 0))
+    assert generate.replay(work, Journal(work.paths.journal, 1, 0)) == 1
+    assert work.convs[(pid, 0)].turns[0].output_ids == [5, 6]
+    assert not work.convs[(pid, 1)].turns, "a turn after a gap is generated again"
 
 
 def test_paths_given_by_snakemake_are_the_ones_written(

@@ -103,13 +103,13 @@ def test_requests_spread_over_servers_within_their_concurrency(server: str, toke
     lock = threading.Lock()
     original = engine._one
 
-    def counting(url: str, request: Request) -> object:
+    async def counting(url: str, request: Request) -> object:
         with lock:
             active[url] = active.get(url, 0) + 1
             peak[url] = max(peak.get(url, 0), active[url])
             seen[url] = seen.get(url, 0) + 1
         try:
-            return original(url, request)
+            return await original(url, request)
         finally:
             with lock:
                 active[url] -= 1

@@ -63,6 +63,7 @@ def base(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> tuple[
 def workflow_copy(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> tuple[Workflow, dict[str, Any]]:
     work = tmp_path / "work"
     shutil.copytree(base[0], work, symlinks=True)
+    shutil.rmtree(work / "store" / "configs")  # the original working directory's registration, not this one's
     return Workflow(work), copy.deepcopy(base[1])
 
 
@@ -161,7 +162,8 @@ def test_gc_deletes_only_unreferenced_entries(base: tuple[Path, dict[str, Any]],
     wf.write_config(config)
     wf.build()
     listed = cli(wf, "gc").stdout
-    assert listed.count("unreferenced") == 2 and "completions/objs" in listed and "tokens/objs" in listed
+    assert listed.count("unreferenced") == 3, listed
+    assert all(f"{stage}/objs" in listed for stage in ("completions", "tokens")) and "journal/" in listed
     cli(wf, "gc", "--yes")
     assert "nothing unreferenced" in cli(wf, "gc").stdout
     assert wf.dry_run() == {}, "every referenced file is still there"

@@ -6,27 +6,32 @@ Token ids go in and out where the server allows it: SGLang's native ``/generate`
 comes back as text, which is re-tokenized; each such row is marked, and rows whose re-tokenized
 length differs from the server's own completion-token count are counted as drift in the stats.
 
-Requests are spread over the servers with a bounded number in flight per server. Timeouts, 429 and
-5xx are retried with exponential backoff; a server that does not answer its health check, or that
-stays down through every retry, fails the job with its address (finished rows stay journaled).
+Requests are spread over the servers with a bounded number in flight per server (httpx, async, one
+pooled client). A server fault is never data: each attempt has a total deadline (``timeout``, from
+connecting to the last byte), and timeouts, broken connections, 408/429/5xx and answers that are not
+a well-formed completion (not JSON, no choices, no tokens, more tokens than ``max_tokens``) are
+retried with exponential backoff. When the retries run out the job fails with the server's address
+and its last answer; finished rows stay journaled. A request the server refuses (other 4xx) is an
+error row, and one it keeps aborting an abort row: both count against ``checks.max_failed_fraction``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import queue
 import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import httpx
 
 from dflash_build.engines import Request, Result
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KNOWN_OPTIONS = frozenset(
     {"urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff", "expect_model"}
@@ -36,17 +41,18 @@ PROMPT_MODES = ("auto", "ids", "text")
 _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # How servers refuse a token-id prompt (llama.cpp: a 500 validation error); busy answers are not refusals.
 _REFUSAL_STATUS = frozenset({400, 415, 422, 500})
+_SHOWN = 300  # characters of a server's answer quoted in errors
 
 
 class ServerDown(RuntimeError):
-    pass
+    """A server did not answer usefully through every retry: the job fails, its journal stays."""
 
 
 class HTTPFailure(Exception):
     """The server answered with an error status."""
 
     def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:300]}")
+        super().__init__(f"HTTP {status}: {body[:_SHOWN]}")
         self.status = status
 
 
@@ -64,6 +70,18 @@ class ServerError(ServerDown, HTTPFailure):
     def __init__(self, status: int, message: str) -> None:
         RuntimeError.__init__(self, message)
         self.status = status
+
+
+class Malformed(Exception):
+    """A 200 answer that is not a usable completion: retried like a 5xx, never stored."""
+
+
+class Aborted(Exception):
+    """A well-formed answer whose finish_reason says the server gave up on the request: retried."""
+
+    def __init__(self, result: Result) -> None:
+        super().__init__(result.error)
+        self.result = result
 
 
 def _options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,23 +174,38 @@ class OpenAIEngine:
         self.opts = _options(options)
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer  # for text prompts and re-tokenized answers
-        self._mode_lock = threading.Lock()
         self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
-        for url in self.opts["urls"]:
-            self._health(url)
-        self._model_ids: dict[str, list[str]] = {}  # /v1/models ids per server, read once
-        self.identity = {url: self._check_identity(url, model_path) for url in self.opts["urls"]}
+        # One event loop in a thread of its own: the driver's loop stays synchronous.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="openai-backend", daemon=True)
+        self._thread.start()
+        self._client = self._run(self._open_client())
+        try:
+            for url in self.opts["urls"]:
+                self._run(self._health(url))
+            self._model_ids: dict[str, list[str]] = {}  # /v1/models ids per server, read once
+            self.identity = {url: self._run(self._check_identity(url, model_path)) for url in self.opts["urls"]}
+        except BaseException:
+            self.close()
+            raise
         first = self._model_ids[self.opts["urls"][0]]
         self.model_name = self.opts["model"] or (first[0] if first else "default")
-        self.pool = ThreadPoolExecutor(max_workers=self.opts["concurrency"] * len(self.opts["urls"]))
 
-    def _check_identity(self, url: str, model_path: str) -> list[str]:
+    def _run(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    async def _open_client(self) -> httpx.AsyncClient:
+        per_server = self.opts["concurrency"]
+        limits = httpx.Limits(max_connections=per_server * len(self.opts["urls"]) + 4, max_keepalive_connections=None)
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.opts["timeout"]), trust_env=False)
+
+    async def _check_identity(self, url: str, model_path: str) -> list[str]:
         """What ``url`` serves; refuses a server whose model is not model.path's (the key names those files)."""
         answers = []
         for path in ("/v1/models", "/get_model_info"):
             try:
-                answers.append(self._call(url, path, None, retries=1))
+                answers.append(await self._call(url, path, None, retries=1))
             except (RequestRefused, ServerDown):
                 answers.append(None)
         self._model_ids[url] = [
@@ -188,152 +221,245 @@ class OpenAIEngine:
         return served
 
     # -- HTTP ---------------------------------------------------------------------------------
-    def _call(self, url: str, path: str, body: dict[str, Any] | None, retries: int | None = None) -> Any:
-        """POST (or GET without body) with retries on timeouts, 429 and 5xx."""
+    async def _attempt(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
+        """One request: the JSON it answers, or the failure it is."""
+        if body is None:
+            response = await self._client.get(url + path)
+        else:
+            response = await self._client.post(url + path, json=body)
+        text = response.text
+        if response.status_code >= 400:
+            if response.status_code not in _RETRY_STATUS:
+                raise RequestRefused(response.status_code, text)
+            if "validation error" in text:  # llama.cpp answers a bad request with a 500: no retry helps
+                raise HTTPFailure(response.status_code, text)
+            raise _Retry(f"HTTP {response.status_code}: {text[:_SHOWN]}", response.status_code)
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise Malformed(f"HTTP {response.status_code} with a body that is not JSON: {text[:_SHOWN]!r}") from None
+
+    async def _call(
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any] | None,
+        retries: int | None = None,
+        parse: Callable[[Any], T] | None = None,
+    ) -> Any:
+        """GET (no body) or POST, parsed by ``parse``; faults retried with backoff within a total deadline each."""
         attempts = (self.opts["retries"] if retries is None else retries) + 1
         delay = self.opts["backoff"]
-        last: Exception | None = None
-        status, text = 0, ""
+        last, status = "", 0
         for attempt in range(attempts):
-            data = None if body is None else json.dumps(body).encode()
-            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.opts["timeout"]) as resp:
-                    return json.loads(resp.read())
-            except urllib.error.HTTPError as e:
-                text = e.read().decode(errors="replace")
-                if e.code not in _RETRY_STATUS:
-                    raise RequestRefused(e.code, text) from e
-                if "validation error" in text:  # llama.cpp answers a bad request with a 500: no retry helps
-                    raise HTTPFailure(e.code, text) from e
-                status, last = e.code, RuntimeError(f"HTTP {e.code}: {text[:200]}")
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last = e
+                answer = await asyncio.wait_for(self._attempt(url, path, body), self.opts["timeout"])
+                return answer if parse is None else _parsed(parse, answer)
+            except _Retry as e:
+                last, status = str(e), e.status
+            except Malformed as e:
+                last, status = str(e), 0
+            except Aborted as e:
+                if attempt + 1 == attempts:
+                    return e.result  # the server keeps giving up on this request: an abort row
+                last, status = str(e), 0
+            except (asyncio.TimeoutError, TimeoutError):
+                last, status = f"no complete answer within the deadline of {self.opts['timeout']:g}s", 0
+            except httpx.TransportError as e:  # refused, reset, closed mid-body, ...
+                last, status = f"{type(e).__name__}: {e}", 0
             if attempt + 1 < attempts:
                 log.warning("%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, attempts - 1, delay)
-                time.sleep(delay)
+                await asyncio.sleep(delay)
                 delay = min(delay * 2, self.opts["max_backoff"])
+        message = f"server {url} failed {path} after {attempts} attempts; last answer: {last}"
         if status:
-            raise ServerError(status, f"server {url} failed {path} after {attempts} attempts: {last}")
-        raise ServerDown(f"server {url} failed {path} after {attempts} attempts: {last}")
+            raise ServerError(status, message)
+        raise ServerDown(message)
 
-    def _health(self, url: str) -> None:
+    async def _health(self, url: str) -> None:
         try:
-            self._call(url, "/v1/models", None, retries=2)
+            await self._call(url, "/v1/models", None, retries=2)
         except RequestRefused:
             pass  # it answers: some servers have no /v1/models
         except ServerDown as e:
             raise ServerDown(f"config key 'engine.options.urls': {e}") from e
 
     # -- one request --------------------------------------------------------------------------
-    def _one(self, url: str, request: Request) -> Result:
+    async def _one(self, url: str, request: Request) -> Result:
         try:
             if self.opts["api"] == "generate":
-                return self._native(url, request)
-            return self._completion(url, request)
+                return await self._native(url, request)
+            return await self._completion(url, request)
         except RequestRefused as e:
             return Result(request.prompt_id, request.sample_idx, [], "error", error=f"{url}: {e}")
 
-    def _native(self, url: str, request: Request) -> Result:
+    async def _native(self, url: str, request: Request) -> Result:
         from dflash_build.engines.sglang_backend import parse_output
 
-        out = self._call(url, "/generate", generate_body(request, self.stop_token_ids))
-        out = out[0] if isinstance(out, list) else out
-        return parse_output(request, out, self.stop_token_ids)
+        def parse(out: Any) -> Result:
+            out = out[0] if isinstance(out, list) and out else out
+            if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
+                raise Malformed(f"not a /generate answer (no output_ids): {json.dumps(out)[:_SHOWN]}")
+            return self._checked(request, parse_output(request, out, self.stop_token_ids), out)
 
-    def _completion(self, url: str, request: Request) -> Result:
+        return await self._call(url, "/generate", generate_body(request, self.stop_token_ids), parse=parse)
+
+    async def _completion(self, url: str, request: Request) -> Result:
         if self.prompt_mode == "auto":
             # Probe once, without retries: some servers refuse token-id prompts with a 4xx, others
             # (llama.cpp) with a 500 validation error. If the same request then works as text, the
             # server is text-only; if it does not, the first error stands.
             try:
-                out = self._post_completion(url, request, request.prompt_ids, retries=0)
+                result = await self._post_completion(url, request, request.prompt_ids, retries=0)
             except HTTPFailure as refused:
                 if refused.status not in _REFUSAL_STATUS:
                     raise
                 try:
-                    result = self._parse_completion(request, self._text_completion(url, request))
+                    result = await self._text_completion(url, request)
                 except HTTPFailure:
                     raise refused from None
-                with self._mode_lock:
-                    if self.prompt_mode == "auto":
-                        log.warning("%s refuses token-id prompts (%s): sending rendered text from now on", url, refused)
-                        self.prompt_mode = "text"
+                if self.prompt_mode == "auto":  # one event loop: no other task runs between these lines
+                    log.warning("%s refuses token-id prompts (%s): sending rendered text from now on", url, refused)
+                    self.prompt_mode = "text"
                 return result
-            with self._mode_lock:
-                if self.prompt_mode == "auto":
-                    self.prompt_mode = "ids"
-        elif self.prompt_mode == "ids":
-            out = self._post_completion(url, request, request.prompt_ids)
-        else:
-            out = self._text_completion(url, request)
-        return self._parse_completion(request, out)
+            if self.prompt_mode == "auto":
+                self.prompt_mode = "ids"
+            return result
+        if self.prompt_mode == "ids":
+            return await self._post_completion(url, request, request.prompt_ids)
+        return await self._text_completion(url, request)
 
-    def _text_completion(self, url: str, request: Request) -> Any:
+    async def _text_completion(self, url: str, request: Request) -> Result:
         text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
-        return self._post_completion(url, request, text)
+        return await self._post_completion(url, request, text)
 
-    def _post_completion(self, url: str, request: Request, prompt: list[int] | str, retries: int | None = None) -> Any:
+    async def _post_completion(
+        self, url: str, request: Request, prompt: list[int] | str, retries: int | None = None
+    ) -> Result:
         """POST /v1/completions; a server that refuses top_k -1 gets 0 ("disabled" too) from then on."""
         off = self.top_k_off.get(url, TOP_K_OFF[0])
         body = completions_body(request, self.model_name, prompt, self.stop_token_ids, off)
+
+        def parse(out: Any) -> Result:
+            return self._parse_completion(request, out)
+
         try:
-            return self._call(url, "/v1/completions", body, retries)
+            return await self._call(url, "/v1/completions", body, retries, parse)  # type: ignore[no-any-return]
         except HTTPFailure as e:
             if body["top_k"] != TOP_K_OFF[0] or "top_k" not in str(e):
                 raise
-            with self._mode_lock:
-                if url not in self.top_k_off:
-                    log.warning("%s refuses top_k %d (%s): sending %d for no top-k", url, off, e, TOP_K_OFF[1])
-                self.top_k_off[url] = TOP_K_OFF[1]
+            if url not in self.top_k_off:
+                log.warning("%s refuses top_k %d (%s): sending %d for no top-k", url, off, e, TOP_K_OFF[1])
+            self.top_k_off[url] = TOP_K_OFF[1]
             body["top_k"] = TOP_K_OFF[1]
-            return self._call(url, "/v1/completions", body, retries)
+            return await self._call(url, "/v1/completions", body, retries, parse)  # type: ignore[no-any-return]
 
-    def _parse_completion(self, request: Request, out: Mapping[str, Any]) -> Result:
-        choice = (out.get("choices") or [{}])[0]
+    def _parse_completion(self, request: Request, out: Any) -> Result:
+        """A /v1/completions answer as a Result; anything else is Malformed (retried, never stored)."""
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise Malformed(f"no choices in the answer: {json.dumps(out)[:_SHOWN]}")
+        choice = choices[0]
         reason = choice.get("finish_reason")
-        server_count = (out.get("usage") or {}).get("completion_tokens")
+        usage = out.get("usage")
+        server_count = usage.get("completion_tokens") if isinstance(usage, dict) else None
         ids = choice.get("token_ids")
         retokenized = ids is None
         if retokenized:
-            ids = list(self.tokenizer(choice.get("text") or "", add_special_tokens=False)["input_ids"])
-        ids = [int(t) for t in ids]
+            text = choice.get("text")
+            if not isinstance(text, str):
+                raise Malformed(f"a choice with neither token_ids nor text: {json.dumps(choice)[:_SHOWN]}")
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise Malformed(f"token_ids are not a list of ints: {json.dumps(choice)[:_SHOWN]}")
+        ids = list(ids)
         if reason == "stop":
             # Text answers carry no stop token; the server stopped on the model's end of turn.
             stop = ids.pop() if ids and ids[-1] in self.stop_token_ids else self.stop_token_ids[0]
             if server_count is not None and retokenized:
                 server_count -= 1  # the server counts the stop token it emitted
-            return Result(request.prompt_id, request.sample_idx, ids, "stop", stop, None, retokenized, server_count)
-        if reason == "length":
-            return Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
-        return Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
+            result = Result(request.prompt_id, request.sample_idx, ids, "stop", stop, None, retokenized, server_count)
+        elif reason == "length":
+            result = Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
+        else:
+            result = Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
+        return self._checked(request, result, out)
+
+    def _checked(self, request: Request, result: Result, out: Any) -> Result:
+        """Refuse more tokens than asked for (a server that ignores max_tokens); retry what aborted."""
+        limit = request.params.max_new_tokens
+        # a re-tokenized answer may come out a token or two longer than the server's own count
+        counted = result.engine_output_tokens if result.retokenized else len(result.output_ids)
+        if counted is not None and counted > limit:
+            raise Malformed(f"{counted} tokens for max_tokens {limit}: {json.dumps(out)[:_SHOWN]}")
+        if result.finish_reason == "abort":
+            raise Aborted(result)
+        return result
 
     # -- Engine -------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """At most ``concurrency`` requests in flight per server, each to the least loaded one."""
-        per_server = self.opts["concurrency"]
+        results: queue.Queue[Any] = queue.Queue()
+        done = object()
+        running = asyncio.run_coroutine_threadsafe(self._generate(iter(requests), results, done), self._loop)
+        try:
+            while (item := results.get()) is not done:
+                yield item
+            running.result()  # a ServerDown propagates: the job fails, the journal stays
+        finally:
+            running.cancel()
+
+    async def _generate(self, todo: Iterator[Request], results: queue.Queue[Any], done: object) -> None:
         in_flight = dict.fromkeys(self.opts["urls"], 0)
-        owner: dict[Future[Result], str] = {}
-        todo = iter(requests)
+        owner: dict[asyncio.Task[Result], str] = {}
 
         def fill() -> None:
             while True:
                 url = min(in_flight, key=in_flight.__getitem__)
-                if in_flight[url] >= per_server:
+                if in_flight[url] >= self.opts["concurrency"]:
                     return
                 request = next(todo, None)
                 if request is None:
                     return
                 in_flight[url] += 1
-                owner[self.pool.submit(self._one, url, request)] = url
+                owner[asyncio.ensure_future(self._one(url, request))] = url
 
-        fill()
-        while owner:
-            done, _ = wait(owner, return_when=FIRST_COMPLETED)
-            for future in done:
-                in_flight[owner.pop(future)] -= 1
-                yield future.result()  # ServerDown propagates: the job fails, the journal stays
+        try:
             fill()
+            while owner:
+                finished, _ = await asyncio.wait(owner, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    in_flight[owner.pop(task)] -= 1
+                    results.put(task.result())
+                fill()
+        finally:
+            for task in owner:
+                task.cancel()
+            results.put(done)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop.is_closed():
+            return
+        if getattr(self, "_client", None) is not None:
+            self._run(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+class _Retry(Exception):
+    """A status worth asking again (busy, overloaded, a gateway in between)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _parsed(parse: Callable[[Any], T], answer: Any) -> T:
+    """``parse(answer)``; an answer of an unexpected shape is Malformed (retried), not a crash."""
+    try:
+        return parse(answer)
+    except (Malformed, Aborted):
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise Malformed(f"unexpected answer ({type(e).__name__}: {e}): {json.dumps(answer)[:_SHOWN]}") from e

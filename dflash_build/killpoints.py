@@ -1,0 +1,30 @@
+"""Test hook: SIGKILL this process at a named point of a stage, as a crash or an OOM kill would.
+
+Set ``DFLASH_BUILD_KILL_AT`` to ``rows:N`` (a generate job, after N rows are journaled and synced;
+``rows:0`` once the engine is loaded), ``publish`` (after the last row, before the shard is written) or
+``mix`` (the mix, after its files are written, before its folder is swapped in). Unset, nothing happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+KILL_AT_ENV = "DFLASH_BUILD_KILL_AT"
+
+
+def kill_point() -> tuple[str, int]:
+    """(kind, N) of the point asked for; ("", 0) when none is."""
+    kind, _, n = os.environ.get(KILL_AT_ENV, "").partition(":")
+    return kind, int(n or 0)
+
+
+def die_at(kind: str) -> None:
+    if kill_point()[0] == kind:
+        die()
+
+
+def die() -> None:
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,130 @@
+"""A stand-in OpenAI-protocol server on 127.0.0.1 that answers deterministically and misbehaves on demand.
+
+Its answer to a request depends only on the request's seed and prompt (like a real server with fixed
+seeds), so a build through it can be compared with a build through it that met faults on the way.
+A fault applies to /v1/completions requests number ``first`` to ``last`` (1-based, inclusive).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STOP_ID = 2  # SmolLM2's <|im_end|>
+FAULTS = ("http_503", "empty_choices", "not_json", "json_list", "cut_mid_body", "trickle", "too_long")
+
+
+def answer(body: dict[str, Any]) -> dict[str, Any]:
+    """A completion of 1..max_tokens ids: shorter ones stop (plus the stop id), the full length runs out."""
+    prompt = body["prompt"]
+    rng = random.Random(f"{body['seed']}/{json.dumps(prompt)}")
+    limit = int(body["max_tokens"])
+    n = rng.randint(1, limit)
+    ids = [rng.randrange(300, 5000) for _ in range(n)]
+    if n < limit:
+        return {"choices": [{"token_ids": [*ids, STOP_ID], "finish_reason": "stop"}], "usage": {"completion_tokens": n}}
+    return {"choices": [{"token_ids": ids, "finish_reason": "length"}], "usage": {"completion_tokens": n}}
+
+
+@dataclass
+class StandIn:
+    model_id: str
+    fault: str | None = None
+    first: int = 1
+    last: int = 0
+    trickle_seconds: float = 0.4
+    completions: int = 0
+    faults_sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    server: http.server.ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> StandIn:
+        standin = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    self._send(200, json.dumps({"data": [{"id": standin.model_id}]}).encode())
+                else:
+                    self._send(404, b'{"error": "not found"}')
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with standin.lock:
+                    standin.completions += 1
+                    n = standin.completions
+                faulty = standin.fault is not None and standin.first <= n and (not standin.last or n <= standin.last)
+                if not faulty:
+                    self._send(200, json.dumps(answer(body)).encode())
+                    return
+                with standin.lock:
+                    standin.faults_sent += 1
+                self._fault(standin.fault or "", body)
+
+            def _fault(self, fault: str, body: dict[str, Any]) -> None:
+                good = json.dumps(answer(body)).encode()
+                if fault == "http_503":
+                    self._send(503, b'{"error": "overloaded"}')
+                elif fault == "empty_choices":
+                    self._send(200, b'{"choices": [], "usage": {"completion_tokens": 0}}')
+                elif fault == "not_json":
+                    self._send(200, b"<html>502 Bad Gateway</html>")
+                elif fault == "json_list":
+                    self._send(200, b"[1, 2, 3]")
+                elif fault == "cut_mid_body":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(good)))
+                    self.end_headers()
+                    self.wfile.write(good[: len(good) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                elif fault == "trickle":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(good)))
+                    self.end_headers()
+                    for i in range(len(good)):  # bounded: the whole answer, one byte at a time
+                        try:
+                            self.wfile.write(good[i : i + 1])
+                            self.wfile.flush()
+                        except OSError:
+                            return
+                        time.sleep(standin.trickle_seconds)
+                elif fault == "too_long":
+                    over = dict(answer({**body, "max_tokens": int(body["max_tokens"]) + 3}))
+                    over["choices"][0]["token_ids"] = [7] * (int(body["max_tokens"]) + 3)
+                    over["choices"][0]["finish_reason"] = "length"
+                    self._send(200, json.dumps(over).encode())
+                else:
+                    raise ValueError(fault)
+
+            def _send(self, status: int, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()

@@ -1,0 +1,429 @@
+"""Fault suite: whatever dies or misbehaves, no finished row is generated twice, and after recovery the
+dataset equals an uninterrupted build's (same rows, same token ids: the same files, byte for byte).
+
+Real workflow runs: Snakemake killed with SIGKILL at random points, two working directories building at
+once on one store, a stand-in OpenAI server that misbehaves in each way seen in production, and
+damaged derived state (fingerprint cache, row index, journals, a killed mix's temporary folder).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import re
+import signal
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_build.journal import PUBLISHED_DATA, ROWS_FILE, Journal
+from tests.conftest import Workflow, base_config, write_jsonl
+from tests.standin_server import FAULTS, StandIn
+
+PROMPTS = [f"question {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4]) for i in range(24)]
+
+
+def _config(root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store") -> dict[str, Any]:
+    data = write_jsonl(root / "data" / "p.jsonl", [{"instruction": p} for p in PROMPTS])
+    config = base_config(
+        model, {name: {"category": "c", "files": [str(data)], "format": "alpaca"} for name in sources}, shard_size=4
+    )
+    config["store"] = store
+    config["engine"]["journal_flush_rows"] = 1
+    config["sampling"]["max_new_tokens"] = 12
+    return config
+
+
+def _workflow(workdir: Path, config: dict[str, Any]) -> Workflow:
+    workdir.mkdir(parents=True, exist_ok=True)
+    wf = Workflow(workdir)
+    wf.write_config(config)
+    return wf
+
+
+def dataset(wf: Workflow) -> list[tuple[str, str]]:
+    """The built dataset's files and their content hashes (the names carry a digest of the content too)."""
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    return [(f["path"], f["sha256"]) for f in manifest["files"]]
+
+
+def sidecars(store: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """Completion sidecars by (gen_key, shard)."""
+    out = {}
+    for path in store.glob("completions/*/*/*.stats.json"):
+        stats = json.loads(path.read_text())
+        out[(stats["gen_key"], stats["shard"])] = stats
+    return out
+
+
+def finished_rows(store: Path) -> dict[tuple[str, str], tuple[int, bool]]:
+    """What the store holds for each shard before a recovery: (rows finished, published)."""
+    out = {}
+    for folder in store.glob("journal/*/*"):
+        key = (folder.parent.name, folder.name)
+        if (folder / PUBLISHED_DATA).exists():
+            out[key] = (pq.read_metadata(folder / PUBLISHED_DATA).num_rows, True)
+        else:
+            rows = Journal.read(folder / ROWS_FILE)
+            out[key] = (len({(r["prompt_id"], r["sample_idx"]) for r in rows if r.get("turn") == 0}), False)
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def wait_gone(pids: set[int], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = set()
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.add(pid)
+        if not alive:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"orphaned jobs {pids} did not finish")
+
+
+def recover(wf: Workflow) -> subprocess.CompletedProcess[str]:
+    """The recovery the README gives (and Snakemake asks for, one message at a time)."""
+    wf.run("--unlock")
+    return wf.run("--rerun-incomplete")
+
+
+def generated_in_logs(workdir: Path) -> dict[tuple[str, str], int]:
+    """Rows each generate job of a working directory reports it generated (0 for a restore)."""
+    out: dict[tuple[str, str], int] = {}
+    for log in workdir.glob("logs/completions/*/*/*.log"):
+        text = log.read_text()
+        key = (log.parent.name, log.stem)
+        if "nothing generated" in text:
+            out[key] = out.get(key, 0)
+        for match in re.finditer(r"published \{.*'generated': (\d+)", text):
+            out[key] = out.get(key, 0) + int(match.group(1))
+    return out
+
+
+# -- kill -9 of Snakemake -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[list[tuple[str, str]], float]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    wf = _workflow(root / "work", _config(root, tiny_model))
+    start = time.monotonic()
+    wf.build()
+    return dataset(wf), time.monotonic() - start
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_minus_nine_of_snakemake_then_recovery_generates_no_finished_row_again(
+    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float], seed: int
+) -> None:
+    baseline, build_seconds = uninterrupted
+    wf = _workflow(tmp_path / "work", _config(tmp_path, tiny_model))
+    cmd, env = wf.command()
+    delay = random.Random(seed).uniform(0.3, 0.9) * build_seconds
+    with open(tmp_path / "killed.log", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=wf.workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            orphans = descendants(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            wait_gone(orphans)  # they finish what they were doing, as after a real scheduler crash
+    store = wf.workdir / "store"
+    before, sidecars_before = finished_rows(store), sidecars(store)
+    recover(wf)
+    again = wf.run()
+    assert "Nothing to be done" in again.stdout + again.stderr, "the recovery finished the build"
+    assert dataset(wf) == baseline
+    for key, stats in sidecars(store).items():
+        if stats == sidecars_before.get(key):
+            continue  # Snakemake knew this shard was complete: no job ran
+        rows_before, published = before.get(key, (0, False))
+        expected = 0 if published else stats["input_rows"] - rows_before
+        assert stats["generated"] == expected, f"{key}: {rows_before} rows were finished (published: {published})"
+
+
+# -- two working directories on one store ---------------------------------------------------------
+def test_two_workdirs_at_once_on_one_store_share_the_work_and_keep_each_others_entries(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A and B share source s; B sits deeper (relative store paths differ). Each row is generated once."""
+    a_config = _config(tmp_path, tiny_model, ("s", "a_only"), store="../store")
+    b_config = _config(tmp_path, tiny_model, ("s", "b_only"), store="../../store")
+    # other seeds: no row of one source is a valid row of another (nothing reused across them)
+    a_config["sources"]["a_only"]["sampling"] = {"seed": 11}
+    b_config["sources"]["b_only"]["sampling"] = {"seed": 7}
+    alone = {}
+    for name, config in (("a", a_config), ("b", b_config)):
+        wf = _workflow(tmp_path / "alone" / name / "work", config)
+        wf.build()
+        alone[name] = dataset(wf)
+
+    a = _workflow(tmp_path / "shared" / "a", a_config)
+    b = _workflow(tmp_path / "shared" / "deep" / "b", b_config)
+    procs = []
+    for wf in (a, b):
+        cmd, env = wf.command()
+        out = subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, cwd=wf.workdir, env=env, text=True, stdout=out, stderr=subprocess.STDOUT))
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert dataset(a) == alone["a"] and dataset(b) == alone["b"]
+
+    # every row of the shared source was generated by exactly one of them
+    store = tmp_path / "shared" / "store"
+    s_key = next(k for (k, _), st in sidecars(store).items() if st["source"] == "s")
+    counts: dict[tuple[str, str], list[int]] = {}
+    for wf in (a, b):
+        for key, n in generated_in_logs(wf.workdir).items():
+            counts.setdefault(key, []).append(n)
+    shared = {shard: n for (key, shard), n in counts.items() if key == s_key}
+    assert len(shared) == 6 and all(sum(n) == 4 for n in shared.values()), shared
+
+    # gc from either side keeps what the other references
+    for wf in (a, b):
+        listed = subprocess.run(
+            [*_cli(wf), "gc", "--yes"], cwd=wf.workdir, capture_output=True, text=True, check=True
+        ).stdout
+        assert "delete" not in listed, listed
+    assert a.dry_run() == {} and b.dry_run() == {}
+
+    # B plans one more sample per prompt of s: plan promises only the new samples, the build keeps that
+    b_more = copy.deepcopy(b_config)
+    b_more["sources"]["s"]["sampling"] = {"samples_per_prompt": 2}
+    b.write_config(b_more)
+    plan = json.loads(
+        subprocess.run([*_cli(b), "plan", "--json"], cwd=b.workdir, capture_output=True, text=True, check=True).stdout
+    )
+    promised = next(e for e in plan if e["source"] == "s")
+    assert promised["rows_to_generate"] == len(PROMPTS) and promised["rows_reused"] == len(PROMPTS)
+    b.build()
+    new = [st for st in sidecars(store).values() if st["source"] == "s" and st["gen_key"] != s_key]
+    assert sum(st["generated"] for st in new) == len(PROMPTS)
+    assert sum(st["reused"] for st in new) == len(PROMPTS)
+
+
+def _cli(wf: Workflow) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "dflash_build", "--configfile", str(wf.workdir / "config.yaml")]
+
+
+# -- server faults ----------------------------------------------------------------------------------
+def _server_config(root: Path, model: Path, url: str) -> dict[str, Any]:
+    config = _config(root, model)
+    config["shard_size"] = 12  # two jobs: a fault hits one of them, the other finishes
+    config["engine"] = {
+        "backend": "openai",
+        "options": {"urls": [url], "prompt": "ids", "retries": 3, "backoff": 0.01, "timeout": 2, "concurrency": 2},
+        "journal_flush_rows": 1,
+    }
+    return config
+
+
+@pytest.fixture
+def standin(tiny_model: Path) -> Iterator[StandIn]:
+    server = StandIn(model_id=tiny_model.name).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def served_baseline(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> list[tuple[str, str]]:
+    server = StandIn(model_id=tiny_model.name).start()
+    try:
+        root = tmp_path_factory.mktemp("served")
+        wf = _workflow(root / "work", _server_config(root, tiny_model, server.url))
+        wf.build()
+        return dataset(wf)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_passing_server_fault_is_retried_and_never_stored(
+    tmp_path: Path, tiny_model: Path, standin: StandIn, served_baseline: list[tuple[str, str]], fault: str
+) -> None:
+    standin.fault, standin.first, standin.last = fault, 3, 5
+    wf = _workflow(tmp_path / "work", _server_config(tmp_path, tiny_model, standin.url))
+    if fault == "trickle":
+        wf.write_config(_with_options(wf, timeout=1))
+    wf.build()
+    assert standin.faults_sent == 3
+    assert dataset(wf) == served_baseline
+    stats = sidecars(wf.workdir / "store")
+    assert sum(s["error"] for s in stats.values()) == 0
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_lasting_server_fault_fails_the_job_naming_the_server_and_keeps_its_rows(
+    tmp_path: Path, tiny_model: Path, standin: StandIn, served_baseline: list[tuple[str, str]], fault: str
+) -> None:
+    standin.fault, standin.first = fault, 3  # the first two rows come back, then the server stays broken
+    config = _server_config(tmp_path, tiny_model, standin.url)
+    config["engine"]["options"].update(retries=1, timeout=1, concurrency=1)
+    config["shard_size"] = 24  # one shard, one job
+    wf = _workflow(tmp_path / "work", config)
+    start = time.monotonic()
+    failed = wf.run("--until", "generate", check=False)
+    elapsed = time.monotonic() - start
+    text = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    assert f"server {standin.url} failed /v1/completions after 2 attempts; last answer:" in text, text[-3000:]
+    assert elapsed < 60, f"a deadline of 1 s per attempt held the job {elapsed:.0f}s"
+    assert not list((wf.workdir / "store").glob("completions/*/*/*.parquet")), "nothing published"
+    [journal] = (wf.workdir / "store").glob(f"journal/*/*/{ROWS_FILE}")
+    assert len(Journal.read(journal)) == 2
+
+    standin.fault = None  # the server is fixed: the rerun generates only the rest
+    wf.build()
+    [stats] = sidecars(wf.workdir / "store").values()
+    assert stats["generated"] == 22 and stats["resumed_turns"] == 2
+
+
+def _with_options(wf: Workflow, **options: Any) -> dict[str, Any]:
+    import yaml
+
+    config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
+    config["engine"]["options"].update(options)
+    return config
+
+
+# -- derived state ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    root = tmp_path_factory.mktemp("derived")
+    wf = _workflow(root / "work", _config(root, tiny_model))
+    wf.build()
+    return root
+
+
+def _copy(built: Path, tmp_path: Path) -> Workflow:
+    import shutil
+
+    shutil.copytree(built, tmp_path / "root", symlinks=True)
+    shutil.rmtree(tmp_path / "root" / "work" / "store" / "configs")
+    return Workflow(tmp_path / "root" / "work")
+
+
+def _verify(wf: Workflow, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*_cli(wf), "verify", *args], cwd=wf.workdir, capture_output=True, text=True)
+
+
+def _more_samples(wf: Workflow) -> None:
+    """An edit whose build can reuse every existing row: one more sample per prompt."""
+    import yaml
+
+    config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
+    config["sampling"]["samples_per_prompt"] = 2
+    wf.write_config(config)
+
+
+def _new_reused_generated(wf: Workflow, old_keys: set[str]) -> tuple[int, int]:
+    new = [s for s in sidecars(wf.workdir / "store").values() if s["gen_key"] not in old_keys]
+    return sum(s["reused"] for s in new), sum(s["generated"] for s in new)
+
+
+@pytest.mark.parametrize("damage", ["random_bytes", "emptied_file", "rows_deleted", "old_layout"])
+def test_a_damaged_row_index_heals_and_every_row_is_still_reused(built: Path, tmp_path: Path, damage: str) -> None:
+    wf = _copy(built, tmp_path)
+    store = wf.workdir / "store"
+    index = store / "index" / "rows.sqlite"
+    old_keys = {k for k, _ in sidecars(store)}
+    if damage in ("rows_deleted", "old_layout"):
+        db = sqlite3.connect(index)
+        with db:
+            if damage == "rows_deleted":
+                db.execute("DELETE FROM rows")
+            else:  # an index of the previous version: paths relative to the working directory
+                db.execute("UPDATE rows SET path = 'store/' || path")
+                db.execute("PRAGMA user_version = 0")
+        db.close()
+    else:
+        for suffix in ("-wal", "-shm"):
+            Path(f"{index}{suffix}").unlink(missing_ok=True)
+        index.write_bytes(random.Random(0).randbytes(8192) if damage == "random_bytes" else b"")
+    found = _verify(wf)
+    assert found.returncode == 1 and "BAD store/index/rows.sqlite" in found.stdout, found.stdout + found.stderr
+    _more_samples(wf)
+    wf.build()
+    assert _new_reused_generated(wf, old_keys) == (len(PROMPTS), len(PROMPTS))
+    assert _verify(wf).returncode == 0
+
+
+def test_a_damaged_fingerprint_cache_is_rebuilt_with_a_warning(built: Path, tmp_path: Path) -> None:
+    wf = _copy(built, tmp_path)
+    cache = wf.workdir / "store" / ".cache" / "fingerprints.json"
+    damage = b"\xff\xfe" + random.Random(1).randbytes(200)
+    cache.write_bytes(damage)
+    dry = wf.run("-n")
+    assert "fingerprint cache store/.cache/fingerprints.json is unreadable" in dry.stderr + dry.stdout
+    assert wf.dry_run() == {}, "same keys: nothing to rebuild"
+    assert _verify(wf).returncode == 0, "the run rewrote the cache"
+    cache.write_bytes(damage)
+    found = _verify(wf)
+    assert found.returncode == 1 and "BAD store/.cache/fingerprints.json: unreadable" in found.stdout
+
+
+def test_verify_finds_and_repairs_a_damaged_journal(built: Path, tmp_path: Path) -> None:
+    import yaml
+
+    wf = _copy(built, tmp_path)
+    config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
+    config["sampling"]["seed"] = 5  # new rows to generate: a job killed after three leaves a journal
+    wf.write_config(config)
+    failed = wf.run("--until", "generate", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "rows:3"})
+    assert failed.returncode != 0
+    journals = list((wf.workdir / "store").glob(f"journal/*/*/{ROWS_FILE}"))
+    assert journals
+    lines = journals[0].read_bytes().splitlines(keepends=True)
+    journals[0].write_bytes(lines[0] + b'{"prompt_id": "x", "out\n' + b"".join(lines[1:]))
+    found = _verify(wf)
+    assert found.returncode == 1 and "1 damaged lines (first: line 2)" in found.stdout, found.stdout
+    assert _verify(wf, "--repair").returncode == 0
+    assert _verify(wf).returncode == 0
+    assert len(Journal.read(journals[0])) == len(lines)
+
+
+def test_gc_removes_what_a_killed_mix_left(built: Path, tmp_path: Path) -> None:
+    wf = _copy(built, tmp_path)
+    dist = wf.workdir / "dist"
+    failed = wf.run("--forcerun", "mix", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "mix"})
+    assert failed.returncode != 0
+    strays = list(dist.glob(".test-mix.*.tmp"))
+    assert strays, "the killed mix left its temporary folder"
+    gc = [*_cli(wf), "gc", "--tmp-age", "0"]
+    listed = subprocess.run(gc, cwd=wf.workdir, capture_output=True, text=True, check=True).stdout
+    assert f"stray temporary {strays[0].relative_to(wf.workdir)}" in listed, listed
+    subprocess.run([*gc, "--yes"], cwd=wf.workdir, capture_output=True, text=True, check=True)
+    assert not list(dist.glob(".test-mix.*"))
+    wf.build()
+    assert (dist / "test-mix" / "manifest.json").exists()
