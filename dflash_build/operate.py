@@ -111,7 +111,11 @@ def _estimate(
                 ids = [r["prompt_id"] for r in selection.shards[shard]]
             wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
             est.rows_in_jobs += len(wanted)
-            journaled = Journal.read(plan.journal_dir(name, shard) / ROWS_FILE)
+            journal_dir = plan.journal_dir(name, shard)
+            if (journal_dir / PUBLISHED_DATA).exists():  # published before: the job restores it
+                est.rows_journaled += len(wanted)
+                continue
+            journaled = Journal.read(journal_dir / ROWS_FILE)
             if journaled:
                 done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
                 est.rows_journaled += len(wanted & done)

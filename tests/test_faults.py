@@ -31,10 +31,14 @@ from tests.standin_server import FAULTS, StandIn
 PROMPTS = [f"question {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4]) for i in range(24)]
 
 
-def _config(root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store") -> dict[str, Any]:
+def _config(
+    root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store", shard_size: int = 4
+) -> dict[str, Any]:
     data = write_jsonl(root / "data" / "p.jsonl", [{"instruction": p} for p in PROMPTS])
     config = base_config(
-        model, {name: {"category": "c", "files": [str(data)], "format": "alpaca"} for name in sources}, shard_size=4
+        model,
+        {name: {"category": "c", "files": [str(data)], "format": "alpaca"} for name in sources},
+        shard_size=shard_size,
     )
     config["store"] = store
     config["engine"]["journal_flush_rows"] = 1
@@ -176,8 +180,8 @@ def test_two_workdirs_at_once_on_one_store_share_the_work_and_keep_each_others_e
     tmp_path: Path, tiny_model: Path
 ) -> None:
     """A and B share source s; B sits deeper (relative store paths differ). Each row is generated once."""
-    a_config = _config(tmp_path, tiny_model, ("s", "a_only"), store="../store")
-    b_config = _config(tmp_path, tiny_model, ("s", "b_only"), store="../../store")
+    a_config = _config(tmp_path, tiny_model, ("s", "a_only"), store="../store", shard_size=8)
+    b_config = _config(tmp_path, tiny_model, ("s", "b_only"), store="../../store", shard_size=8)
     # other seeds: no row of one source is a valid row of another (nothing reused across them)
     a_config["sources"]["a_only"]["sampling"] = {"seed": 11}
     b_config["sources"]["b_only"]["sampling"] = {"seed": 7}
@@ -206,7 +210,7 @@ def test_two_workdirs_at_once_on_one_store_share_the_work_and_keep_each_others_e
         for key, n in generated_in_logs(wf.workdir).items():
             counts.setdefault(key, []).append(n)
     shared = {shard: n for (key, shard), n in counts.items() if key == s_key}
-    assert len(shared) == 6 and all(sum(n) == 4 for n in shared.values()), shared
+    assert len(shared) == 3 and all(sum(n) == 8 for n in shared.values()), shared
 
     # gc from either side keeps what the other references
     for wf in (a, b):
