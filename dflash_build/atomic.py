@@ -99,20 +99,11 @@ def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
 def link(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
     """Make ``dest`` a second name of ``src`` (a hard link), atomically; a copy where links fail.
 
-    Two names of one file: deleting either (Snakemake deletes outputs it reruns) keeps the other.
+    Two names of one file: deleting either keeps the other, and neither costs space twice.
     """
-    src, dest = Path(src), Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
+    with atomic_path(dest) as tmp:
+        tmp.unlink()
         try:
             os.link(src, tmp)
         except OSError:  # a file system without hard links (or another device): a real copy
             shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
-    finally:
-        tmp.unlink(missing_ok=True)

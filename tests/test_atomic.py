@@ -29,3 +29,17 @@ def test_parquet_and_folder_swaps(tmp_path: Path) -> None:
             atomic.write_text(tmp / "v.txt", version)
     assert (target / "v.txt").read_text() == "two"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dist", "t.parquet"]
+
+
+def test_link_gives_a_second_name_that_outlives_the_first(tmp_path: Path) -> None:
+    src = tmp_path / "journal" / "published.parquet"
+    src.parent.mkdir()
+    src.write_bytes(b"shard")
+    dest = tmp_path / "out" / "00000.parquet"
+    dest.parent.mkdir()
+    dest.write_bytes(b"stale")  # replaced whole
+    atomic.link(src, dest)
+    assert dest.read_bytes() == b"shard" and dest.stat().st_ino == src.stat().st_ino
+    dest.unlink()
+    assert src.read_bytes() == b"shard"
+    assert not list(dest.parent.glob(".*.tmp")), "no temporary left behind"
