@@ -604,7 +604,7 @@ def _link_outputs(journal: Journal, paths: ShardPaths) -> None:
 
 def _index_shard(plan: Plan, source: str, data: Path, rows: list[dict[str, Any]]) -> None:
     sp = plan.sources[source]
-    with RowIndex.open(plan.config.store) as index:
+    with RowIndex.open(plan.config.store, sync=False) as index:  # the next lookup syncs the rest
         index.add_shard(reuse_key(sp.gen_components), sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens)
 
 

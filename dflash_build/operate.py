@@ -334,12 +334,15 @@ def all_references(plan: Plan) -> tuple[set[Path], dict[Path, list[str]]]:
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
     """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
     now = time.time()
-    found = [p for p in plan.config.store.rglob(".*.tmp")]
-    found += [p for p in plan.config.store.rglob(".*.old")]
     dist = plan.config.dataset_dir
-    found += list(dist.parent.glob(f".{dist.name}.*.tmp")) + list(dist.parent.glob(f".{dist.name}.*.old"))
+    found = {
+        *plan.config.store.rglob(".*.tmp"),
+        *plan.config.store.rglob(".*.old"),
+        *dist.parent.glob(f".{dist.name}.*.tmp"),
+        *dist.parent.glob(f".{dist.name}.*.old"),
+    }
     out = []
-    for path in sorted(set(found)):
+    for path in sorted(found):
         if any(parent in found for parent in path.parents):
             continue  # inside a stray folder: goes with it
         try:

@@ -112,11 +112,15 @@ class RowIndex:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, store: Path) -> Iterator[RowIndex]:
-        """The store's index, healed first: rebuilt when damaged or old, completed when shards are missing."""
+    def open(cls, store: Path, sync: bool = True) -> Iterator[RowIndex]:
+        """The store's index, healed first: rebuilt when damaged or old, completed when shards are missing.
+
+        ``sync=False`` skips the completion (a scan of every sidecar): for a job that only adds its own shard.
+        """
         index = cls._healthy(store)
         try:
-            index.sync()
+            if sync:
+                index.sync()
             yield index
         except sqlite3.DatabaseError as e:
             raise IndexCorrupt(
