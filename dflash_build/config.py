@@ -365,6 +365,9 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         checks=checks,
     )
     _check_dataset_dir(config)
+    from dflash_build import engines  # engines import config's types
+
+    engines.check_options(config.engine.backend, config.engine.options)
     return config
 
 

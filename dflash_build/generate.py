@@ -6,6 +6,7 @@ every row and publishes the shard and its stats sidecar atomically into the jour
 links them to the outputs (see journal). A rerun after a crash or kill skips every journaled row, and a
 job whose outputs were deleted after they were published (``--rerun-incomplete`` after a killed
 Snakemake) restores them without the engine. One job at a time holds a shard (a lock in the store).
+SIGTERM and SIGINT stop a job cleanly (:class:`SignalStop`): only the rows in flight are lost.
 
 Rows that cannot be generated are recorded with their reason instead of failing the shard: a
 conversation the template refuses (``error``), a prompt longer than the context minus max_new_tokens
@@ -25,7 +26,9 @@ import dataclasses
 import json
 import logging
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,12 +50,71 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_SECONDS = 30.0
 
 
+# Row seeds are 31-bit, so every engine takes them as they are: SGLang 0.5.5 built its seed tensor as
+# int32 (a larger seed overflowed and killed the engine), llama.cpp's server keeps a uint32 and vLLM,
+# SGLang 0.5.23 and the transformers backend take anything up to int64.
+SEED_BITS = 31
+
+
 def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0) -> int:
-    """The seed of one (prompt, sample, turn): independent of batch, shard and order; fits in int64."""
+    """The seed of one (prompt, sample, turn): independent of batch, shard and order; in [0, 2**31)."""
     parts: dict[str, Any] = {"seed": base_seed, "prompt_id": prompt_id, "sample_idx": sample_idx}
     if turn:
         parts["turn"] = turn
-    return int(hashing.digest(parts)[:15], 16)
+    return int(hashing.digest(parts)[:16], 16) >> (64 - SEED_BITS)
+
+
+def fits_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -> bool:
+    """Whether a prompt leaves room for ``max_new_tokens`` in the context: SGLang's own rule (it refuses
+    ``prompt + max_new_tokens > context``), applied before any engine call so no backend sees a refusal."""
+    return context is None or prompt_tokens + max_new_tokens <= context
+
+
+class Interrupted(RuntimeError):
+    """A signal stopped the job: what finished is journaled, the rest is generated on the next run."""
+
+
+class SignalStop:
+    """The driver owns SIGTERM and SIGINT while it generates (Snakemake's shutdown, SLURM preemption).
+
+    On the first signal it stops sending requests and lets the engine abort what is in flight; the
+    driver then syncs the journal and fails the job, so only the in-flight rows are lost. A second
+    signal stops at once (the journal is synced on every flush and tolerates a torn last line).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.engine: engines.Engine | None = None
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalStop:
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self._saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise Interrupted(f"stopped at once by a second {signal.Signals(signum).name}")
+        self.signum = signum
+        log.warning("%s: finishing what is journaled, then stopping", signal.Signals(signum).name)
+        if self.engine is not None:
+            self.engine.interrupt()
+
+    def check(self, label: str, journaled: int, journal: Journal) -> None:
+        """Fail the job if a signal came, once the journal holds what finished."""
+        if self.signum is None:
+            return
+        journal.sync()
+        raise Interrupted(
+            f"{label}: stopped by {signal.Signals(self.signum).name}; the {journaled} rows finished in this run "
+            f"are kept in {journal.path}, the rest is generated when the job runs again"
+        )
 
 
 class Progress:
@@ -403,7 +465,7 @@ def reuse(work: ShardWork, journal: Journal) -> int:
                 ids = work.renderer.next_context(conv)
                 if ids != old["prompt_ids"]:
                     continue  # rendered differently (should not happen under one reuse_key): generate it
-                if work.context is not None and len(ids) + limit > work.context:
+                if not fits_context(len(ids), limit, work.context):
                     continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
                 output = list(old["output_ids"])
                 use = cand.use_for(limit)
@@ -440,7 +502,7 @@ def next_requests(work: ShardWork, progress: Progress) -> tuple[list[Request], d
             progress.update(Result(conv.prompt_id, conv.sample_idx, [], R.FINISH_ERROR), True)
             continue
         prompt_ids = conv.all_ids + ids
-        if work.context is not None and len(prompt_ids) + sampling.max_new_tokens > work.context:
+        if not fits_context(len(prompt_ids), sampling.max_new_tokens, work.context):
             reason = (
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
                 f"exceeds the context of {work.context}"
@@ -491,29 +553,31 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
     progress = Progress(len(work.convs), done, work.label)
     engine = None
     try:
-        while True:
-            requests, contexts = next_requests(work, progress)
-            if not requests:
-                break
-            if engine is None:
-                stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
-                engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
-                counts.served = getattr(engine, "identity", None)
-                if kill_kind == "rows" and kill_rows == 0:
-                    killpoints.die()
-            for generated in engine.generate(requests):
-                counts.engine_tokens += len(generated.output_ids)
-                turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
-                conv = work.convs[(generated.prompt_id, generated.sample_idx)]
-                journal.append(_journal_row(conv, turn))
-                counts.journaled += 1
-                progress.update(generated, conv.finish_reason is not None)
-                if kill_kind == "rows" and counts.journaled >= kill_rows:
-                    journal.sync()
-                    killpoints.die()
-            if contexts:
-                missing = list(contexts)[:3]
-                raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")
+        with SignalStop() as stop:
+            while stop.signum is None:
+                requests, contexts = next_requests(work, progress)
+                if not requests:
+                    break
+                if engine is None:
+                    stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
+                    engine = stop.engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
+                    counts.served = getattr(engine, "identity", None)
+                    if kill_kind == "rows" and kill_rows == 0:
+                        killpoints.die()
+                    if stop.signum is not None:  # it came while the engine loaded
+                        break
+                for generated in engine.generate(requests):
+                    counts.engine_tokens += len(generated.output_ids)
+                    turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
+                    conv = work.convs[(generated.prompt_id, generated.sample_idx)]
+                    journal.append(_journal_row(conv, turn))
+                    counts.journaled += 1
+                    progress.update(generated, conv.finish_reason is not None)
+                    killpoints.after_rows(counts.journaled, journal.sync)
+                if contexts and stop.signum is None:
+                    missing = list(contexts)[:3]
+                    raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")
+            stop.check(work.label, counts.journaled, journal)
         journal.sync()
     finally:
         progress.close()

@@ -2,7 +2,9 @@
 
 Set ``DFLASH_BUILD_KILL_AT`` to ``rows:N`` (a generate job, after N rows are journaled and synced;
 ``rows:0`` once the engine is loaded), ``publish`` (after the last row, before the shard is written) or
-``mix`` (the mix, after its files are written, before its folder is swapped in). Unset, nothing happens.
+``mix`` (the mix, after its files are written, before its folder is swapped in). ``sigterm:N`` sends
+SIGTERM instead, after N rows are journaled, as Snakemake's shutdown or a SLURM preemption would.
+Unset, nothing happens.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 KILL_AT_ENV = "DFLASH_BUILD_KILL_AT"
 
@@ -28,3 +31,13 @@ def die_at(kind: str) -> None:
 def die() -> None:
     logging.shutdown()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_rows(journaled: int, sync: Callable[[], None]) -> None:
+    """The generate job's point after each journaled row (``rows:N`` and ``sigterm:N``)."""
+    kind, n = kill_point()
+    if kind == "rows" and journaled >= n:
+        sync()
+        die()
+    if kind == "sigterm" and journaled == n:
+        os.kill(os.getpid(), signal.SIGTERM)

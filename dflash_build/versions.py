@@ -10,7 +10,9 @@ alone and rerun nothing.
 PREP_VERSION = 2
 # 2: the transformers backend seeds every position from (row seed, position), so a continued answer
 # equals a fresh one; reused rows pass the context check; keyed engine options in gen_key.
-GEN_VERSION = 2
+# 3: row seeds are 31-bit (every engine takes them as they are); the sglang backend sends every penalty
+# explicitly and reads SGLang 0.5.23's results (stop token, NaN faults, refusals).
+GEN_VERSION = 3
 TOK_VERSION = 1
 # 2: data file names carry a digest of their content.
 MIX_VERSION = 2

@@ -175,6 +175,64 @@ def test_kill_minus_nine_of_snakemake_then_recovery_generates_no_finished_row_ag
         assert stats["generated"] == expected, f"{key}: {rows_before} rows were finished (published: {published})"
 
 
+# -- signals: Snakemake's shutdown, SLURM preemption ----------------------------------------------
+def test_sigterm_keeps_every_finished_row_and_the_next_run_generates_only_the_rest(
+    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float]
+) -> None:
+    """The driver's own handler: it stops sending, syncs the journal and fails the job (non-zero)."""
+    baseline, _ = uninterrupted
+    wf = _workflow(tmp_path / "work", _config(tmp_path, tiny_model))
+    stopped = wf.run("--until", "generate", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "sigterm:2"})
+    assert stopped.returncode != 0
+    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    stops = re.findall(r"stopped by SIGTERM; the (\d+) rows finished in this run are kept in", logs)
+    assert stops and all(int(n) >= 2 for n in stops), logs[-2000:]
+    store = wf.workdir / "store"
+    before = finished_rows(store)
+    assert before and all(rows >= 2 and not published for rows, published in before.values())
+    wf.run()
+    assert dataset(wf) == baseline
+    for key, stats in sidecars(store).items():
+        rows_before = before.get(key, (0, False))[0]
+        assert stats["generated"] == stats["input_rows"] - rows_before, key
+
+
+def test_a_signal_to_the_whole_process_group_loses_no_finished_row(tmp_path: Path, tiny_model: Path) -> None:
+    """What Ctrl-C in a terminal (SIGINT) or a SLURM preemption (SIGTERM) does: every process gets it.
+
+    Snakemake waits for its jobs; each job's driver stops between decoding steps, keeps what finished
+    and fails. The recovery then generates exactly the rows that were not finished, and the dataset is
+    the one an uninterrupted build makes.
+    """
+    config = _config(tmp_path, tiny_model)
+    config["sampling"]["max_new_tokens"] = 160  # long enough that the signal lands mid-generation
+    fresh = _workflow(tmp_path / "fresh", config)
+    fresh.build()
+    wf = _workflow(tmp_path / "work", config)
+    store = wf.workdir / "store"
+    cmd, env = wf.command()
+    with open(tmp_path / "stopped.log", "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=wf.workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + 600
+        while "Loading weights" not in (tmp_path / "stopped.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        jobs = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=300) != 0
+        wait_gone(jobs, timeout=120)
+    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    assert "stopped by SIGTERM" in logs, (tmp_path / "stopped.log").read_text()[-3000:]
+    before = finished_rows(store)
+    recover(wf)
+    assert dataset(wf) == dataset(fresh)
+    for key, stats in sidecars(store).items():
+        rows_before, published = before.get(key, (0, False))
+        assert stats["generated"] == (0 if published else stats["input_rows"] - rows_before), key
+
+
 # -- two working directories on one store ---------------------------------------------------------
 def test_two_workdirs_at_once_on_one_store_share_the_work_and_keep_each_others_entries(
     tmp_path: Path, tiny_model: Path

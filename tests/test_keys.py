@@ -19,7 +19,7 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import keys
 from dflash_build import plan as plan_mod
-from dflash_build.engines import openai_backend, sglang_backend, transformers_backend
+from dflash_build.engines import openai_backend, sglang_backend, sglang_fields, transformers_backend
 from tests.conftest import REPO, write_jsonl
 
 SCHEMA = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
@@ -48,15 +48,21 @@ def test_every_schema_field_has_a_decision_and_every_decision_a_field() -> None:
 
 @pytest.mark.parametrize(
     ("backend", "accepted"),
-    [
-        ("transformers", transformers_backend.KNOWN_OPTIONS),
-        ("openai", openai_backend.KNOWN_OPTIONS),
-        ("sglang", sglang_backend.PASSTHROUGH_OPTIONS | sglang_backend.OWN_OPTIONS),
-    ],
+    [("transformers", transformers_backend.KNOWN_OPTIONS), ("openai", openai_backend.KNOWN_OPTIONS)],
 )
 def test_every_engine_option_has_a_decision(backend: str, accepted: frozenset[str]) -> None:
     assert set(keys.ENGINE_OPTIONS[backend]) == set(accepted)
     assert all(d.why and d.key in (None, keys.GEN) for d in keys.ENGINE_OPTIONS[backend].values())
+
+
+def test_every_sglang_server_arg_has_a_decision_and_undecided_ones_are_keyed() -> None:
+    """Any ServerArgs field passes through: decided here, or keyed (it might change the answers)."""
+    table = keys.ENGINE_OPTIONS["sglang"]
+    assert set(table) - sglang_backend.OWN_OPTIONS <= sglang_fields.SERVER_ARGS
+    assert all(d.why and d.key in (None, keys.GEN) for d in table.values())
+    for field in sglang_fields.SERVER_ARGS - set(sglang_backend.DRIVER_FIELDS):
+        decision = keys.engine_option_decision("sglang", field)
+        assert decision is not None and (field in table or decision.key == keys.GEN)
 
 
 # -- the decisions hold for the keys the plan computes ---------------------------------------------------
@@ -258,8 +264,12 @@ def test_category_and_source_name_enter_the_prompt_key(tmp_path: Path) -> None:
         ("sglang", "kv_cache_dtype", "fp8_e5m2", True),
         ("sglang", "enable_deterministic_inference", True, True),
         ("sglang", "mem_fraction_static", 0.5, False),
-        ("sglang", "cuda_graph_max_bs", 64, False),
+        ("sglang", "cuda_graph_max_bs_decode", 64, False),
+        ("sglang", "mamba_ssm_dtype", "float32", True),
+        ("sglang", "page_size", 64, False),
+        ("sglang", "enable_watermark", True, True),  # undecided: keyed
         ("sglang", "max_inflight", 8, False),
+        ("sglang", "retries", 1, False),
         ("openai", "prompt", "text", True),
         ("openai", "concurrency", 64, False),
         ("transformers", "device", "cuda", True),  # the default dtype follows the device
@@ -282,6 +292,9 @@ def test_spelling_out_a_default_changes_no_key(tmp_path: Path) -> None:
     base = random_config(ws, random.Random(2))
     explicit = copy.deepcopy(base)
     explicit["engine"]["options"]["dtype"] = "float32"  # the CPU default
+    assert ws.keys(base) == ws.keys(explicit)
+    base["engine"] = {"backend": "sglang", "options": {}}
+    explicit["engine"] = {"backend": "sglang", "options": {"dtype": "auto", "enable_deterministic_inference": False}}
     assert ws.keys(base) == ws.keys(explicit)
 
 

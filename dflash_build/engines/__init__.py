@@ -8,8 +8,9 @@ inside their own module, so an optional engine is never needed to parse the work
 
 from __future__ import annotations
 
+import difflib
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,11 +51,24 @@ class Result:
     engine_output_tokens: int | None = None
 
 
+class EngineFailed(RuntimeError):
+    """The engine itself failed (not one request): the job fails, its journal stays."""
+
+
 class Engine(Protocol):
     """What a backend implements."""
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        """Yield one result per request, in any order, as each finishes."""
+        """Yield one result per request, in any order, as each finishes.
+
+        After :meth:`interrupt`, stop taking requests and return soon; the requests cut short are not
+        yielded (the next run generates them).
+        """
+        ...
+
+    def interrupt(self) -> None:
+        """Make a running :meth:`generate` return soon. Called from a signal handler in the main
+        thread: sets flags and schedules work, never blocks."""
         ...
 
     def close(self) -> None:
@@ -73,6 +87,31 @@ def position_seed(row_seed: int, position: int) -> int:
     """
     digest = hashlib.blake2b(f"{row_seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def check_options(backend: str, options: Mapping[str, Any]) -> None:
+    """Refuse an engine option the backend does not know, naming the closest known one (at parse time:
+    no engine library is imported, so a typo stops the run before any job)."""
+    if backend == "sglang":
+        from dflash_build.engines.sglang_backend import check_options as check_sglang
+
+        check_sglang(options)
+        return
+    from dflash_build.config import ConfigError
+    from dflash_build.keys import ENGINE_OPTIONS
+
+    known = sorted(ENGINE_OPTIONS.get(backend, {}))
+    for name in sorted(options):
+        if name not in known:
+            raise ConfigError(
+                f"engine.options.{name}", f"the {backend} backend has no such option{closest(name, known)}"
+            )
+
+
+def closest(name: str, known: Iterable[str]) -> str:
+    """ "; did you mean 'x'?" for the nearest known names, or nothing."""
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def uses_gpu(engine: EngineSpec) -> bool:

@@ -402,12 +402,21 @@ class OpenAIEngine:
         results: queue.Queue[Any] = queue.Queue()
         done = object()
         running = asyncio.run_coroutine_threadsafe(self._generate(iter(requests), results, done), self._loop)
+        self._running = running
         try:
             while (item := results.get()) is not done:
                 yield item
-            running.result()  # a ServerDown propagates: the job fails, the journal stays
+            if not running.cancelled():
+                running.result()  # a ServerDown propagates: the job fails, the journal stays
         finally:
             running.cancel()
+            self._running = None
+
+    def interrupt(self) -> None:
+        """Cancel the requests in flight (their connections close, so the servers stop them)."""
+        running = getattr(self, "_running", None)
+        if running is not None:
+            running.cancel()  # thread-safe: the task is cancelled in the backend's loop
 
     async def _generate(self, todo: Iterator[Request], results: queue.Queue[Any], done: object) -> None:
         in_flight = dict.fromkeys(self.opts["urls"], 0)

@@ -78,6 +78,10 @@ class TransformersEngine:
         self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else stop_token_ids[0]
+        self.stopping = False
+
+    def interrupt(self) -> None:
+        self.stopping = True  # checked between decoding steps
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         groups: dict[Any, list[Request]] = {}
@@ -86,6 +90,8 @@ class TransformersEngine:
         for group in groups.values():
             ordered = sorted(group, key=lambda r: (-len(r.prompt_ids), r.prompt_id, r.sample_idx))
             for start in range(0, len(ordered), self.batch_size):
+                if self.stopping:
+                    return
                 yield from self._batch(ordered[start : start + self.batch_size])
 
     def close(self) -> None:
@@ -113,7 +119,7 @@ class TransformersEngine:
         )
         cache = getattr(out, self.cache_arg)
         logits = out.logits[:, -1, :]
-        while active:
+        while active and not self.stopping:
             # the draw for each row depends only on its seed and the position being sampled
             seeds = [position_seed(batch[i].seed, len(batch[i].prompt_ids) + len(outputs[i])) for i in active]
             tokens = self._sample(logits, params, seeds)

@@ -1,0 +1,80 @@
+"""Run our SGLang arguments through the installed SGLang's own classes, in a process of its own.
+
+Importing SGLang patches transformers process-wide, so the contract tests ask this script (a fresh
+interpreter) instead of importing it themselves. Reads JSON on stdin:
+``{"server_args": [kwargs, ...], "sampling": [params, ...], "vocab_size": N}``; writes JSON on stdout:
+the version, the ServerArgs fields, and for each input ``null`` (accepted) or the error SGLang raised.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def check_server_args(kwargs: dict[str, Any]) -> str | None:
+    """Construct ServerArgs as sglang.Engine does, then check each value against its field's type
+    and choices (what SGLang's CLI parser and resolution would refuse)."""
+    import msgspec
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.server_args import ServerArgs
+
+    try:
+        ServerArgs(**kwargs)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    fields = {f.name: f for f in record_fields(ServerArgs)}
+    for name, value in kwargs.items():
+        annotated = fields[name].type
+        inner = getattr(annotated, "__origin__", annotated)
+        try:
+            msgspec.convert(value, inner)
+        except (msgspec.ValidationError, TypeError) as e:
+            return f"{name}={value!r}: {e}"
+        for meta in getattr(annotated, "__metadata__", ()):
+            choices = getattr(meta, "choices", None)
+            if isinstance(choices, (list, tuple)) and value is not None and value not in choices:
+                return f"{name}={value!r} is not one of {list(choices)}"
+    return None
+
+
+def check_sampling(params: dict[str, Any], vocab_size: int) -> str | None:
+    """Build SamplingParams as the tokenizer manager does, then its own normalize() and verify()."""
+    import msgspec
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    types = {f.name: f.type for f in msgspec.structs.fields(SamplingParams)}
+    try:
+        for name, value in params.items():
+            msgspec.convert(value, types[name]) if name in types else None
+        sp = SamplingParams(**params)
+        sp.normalize(None)
+        sp.verify(vocab_size)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def main() -> None:
+    import importlib.metadata
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    request = json.load(sys.stdin)
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.server_args import ServerArgs
+
+    answer = {
+        "version": importlib.metadata.version("sglang"),
+        "fields": sorted(f.name for f in record_fields(ServerArgs)),
+        "server_args": [check_server_args(k) for k in request.get("server_args", [])],
+        "sampling": [check_sampling(p, request.get("vocab_size", 151936)) for p in request.get("sampling", [])],
+    }
+    json.dump(answer, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

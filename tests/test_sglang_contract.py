@@ -1,0 +1,203 @@
+"""Our SGLang calls against the installed, pinned SGLang package (on CPU: no engine runs here).
+
+`make setup` installs the pinned wheel without its GPU dependencies (envs/sglang-contract.txt). What
+we build (ServerArgs from config/config.yaml's engine options, SamplingParams from every source's
+sampling) goes through SGLang's own classes and checks in tests/sglang_probe.py, a process of its own
+(importing SGLang patches transformers). What SGLang does with results and signals is read from its
+source (the Engine needs a GPU): each check below names the finding of issue 10 it guards.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dflash_build import keys
+from dflash_build.config import ModelSpec
+from dflash_build.engines import Request, SamplingParams, sglang_fields
+from dflash_build.engines.sglang_backend import (
+    DRIVER_FIELDS,
+    OWN_OPTIONS,
+    SGLANG_VERSION,
+    sampling_params,
+    server_args,
+)
+from dflash_build.generate import SEED_BITS, row_seed
+from dflash_build.gpus import GpuLease
+from tests.conftest import REPO
+
+PRODUCTION = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+QWEN_STOPS = [151645, 151643]  # end-of-turn ids of a Qwen tokenizer
+QWEN_VOCAB = 248320
+
+
+def sglang_source(relative: str) -> str:
+    """A file of the installed SGLang, found without importing the package."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations, "make setup installs the pinned sglang wheel"
+    return (Path(next(iter(spec.submodule_search_locations))) / relative).read_text()
+
+
+def method(source: str, cls: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == name:
+                    return item
+    raise AssertionError(f"SGLang {SGLANG_VERSION} has no {cls}.{name}")
+
+
+def production_model() -> ModelSpec:
+    m = PRODUCTION["model"]
+    return ModelSpec(m["path"], m.get("revision"), m.get("tokenizer"), None, {}, m.get("context_length"))
+
+
+def production_server_args() -> list[dict[str, Any]]:
+    options = PRODUCTION["engine"]["options"]
+    lease = GpuLease("7", 7, PRODUCTION["engine"]["base_port"] + 70, "lock", 0.0)
+    return [server_args(production_model(), options, None), server_args(production_model(), options, lease)]
+
+
+def production_sampling() -> list[dict[str, Any]]:
+    """Every source's sampling as sent, with the extreme row seeds and greedy decoding too."""
+    base = PRODUCTION["sampling"]
+    out = []
+    for name, source in PRODUCTION["sources"].items():
+        s = {**base, **source.get("sampling", {})}
+        params = SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_new_tokens"])
+        for seed in (row_seed(s["seed"], f"{name}-0", 0), 0, 2**SEED_BITS - 1):
+            out.append(sampling_params(Request("p", 0, [1, 2], params, seed), QWEN_STOPS))
+    greedy = SamplingParams(0.0, 1.0, 0, 0.0, 1)
+    out.append(sampling_params(Request("p", 0, [1], greedy, 0), QWEN_STOPS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict[str, Any]:
+    request = {"server_args": production_server_args(), "sampling": production_sampling(), "vocab_size": QWEN_VOCAB}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "sglang_probe.py")],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def test_one_pinned_version_everywhere(probe: dict[str, Any]) -> None:
+    extra = re.search(r'sglang = \["sglang==([^"]+)"\]', (REPO / "pyproject.toml").read_text())
+    env = re.search(r"- sglang==(\S+)", (REPO / "envs" / "sglang.yaml").read_text())
+    assert extra and env
+    assert probe["version"] == SGLANG_VERSION == extra.group(1) == env.group(1) == sglang_fields.VERSION
+
+
+def test_recorded_fields_are_the_installed_servers_args(probe: dict[str, Any]) -> None:
+    installed = {f for f in probe["fields"] if not f.startswith("_")}
+    assert installed == set(sglang_fields.SERVER_ARGS), (
+        "regenerate dflash_build/engines/sglang_fields.py (its docstring says how)"
+    )
+
+
+def test_production_engine_options_build_a_valid_server_args(probe: dict[str, Any]) -> None:
+    """Finding 1 (cuda_graph_max_bs was split) and 10 (any field passes): SGLang's own ServerArgs
+    accepts what the backend builds from config/config.yaml, each value of its field's type and choices."""
+    assert probe["server_args"] == [None, None]
+
+
+def test_every_decided_and_every_driver_option_is_a_real_field() -> None:
+    decided = set(keys.ENGINE_OPTIONS["sglang"]) - OWN_OPTIONS
+    assert decided <= sglang_fields.SERVER_ARGS, sorted(decided - sglang_fields.SERVER_ARGS)
+    assert set(DRIVER_FIELDS) <= sglang_fields.SERVER_ARGS
+    assert not decided & set(DRIVER_FIELDS)
+
+
+def test_sampling_params_of_every_source_pass_sglangs_own_checks(probe: dict[str, Any]) -> None:
+    """Finding 3: row seeds, at their extremes too, are in the range the pinned version verifies."""
+    assert probe["sampling"] == [None] * len(probe["sampling"])
+
+
+def test_seed_tensor_is_int64() -> None:
+    """Finding 3: the pinned version builds its per-row seed tensor as int64 (0.5.5: int32)."""
+    source = sglang_source("srt/sampling/sampling_batch_info.py")
+    at = source.index("sampling_seed = (")
+    assert "dtype=torch.int64" in source[at : at + 600]
+
+
+def test_engine_calls_we_make_exist() -> None:
+    engine = sglang_source("srt/entrypoints/engine.py")
+    generate = method(engine, "Engine", "async_generate")
+    names = {a.arg for a in generate.args.args + generate.args.kwonlyargs}
+    assert {"input_ids", "sampling_params", "rid"} <= names
+    manager = sglang_source("srt/managers/tokenizer_manager.py")
+    method(manager, "TokenizerManager", "auto_create_handle_loop")
+    abort = method(manager, "TokenizerManager", "abort_request")
+    assert abort.args.args[1].arg == "rid"
+    assert "self._subprocess_watchdog" in manager or "_subprocess_watchdog" in engine
+    assert "self.loop = self._ensure_event_loop()" in engine
+
+
+def finish_json(cls: str) -> dict[str, Any]:
+    to_json = method(sglang_source("srt/managers/schedule_batch.py"), cls, "to_json")
+    returned = next(n for n in ast.walk(to_json) if isinstance(n, ast.Return))
+    assert isinstance(returned.value, ast.Dict)
+    pairs = zip(returned.value.keys, returned.value.values, strict=True)
+    return {ast.literal_eval(k): ast.unparse(v) for k, v in pairs}  # type: ignore[arg-type]
+
+
+def test_finish_reason_shapes_are_the_ones_parse_output_reads() -> None:
+    """Findings 4, 6, 8: the shapes tests/test_sglang_backend.py feeds parse_output."""
+    assert finish_json("FINISH_MATCHED_TOKEN") == {"type": "'stop'", "matched": "self.matched"}
+    assert finish_json("FINISH_MATCHED_STR") == {"type": "'stop'", "matched": "self.matched"}
+    assert finish_json("FINISH_LENGTH") == {"type": "'length'", "length": "self.length"}
+    assert set(finish_json("FINISH_ABORT")) == {"type", "message", "status_code", "err_type"}
+    batch = sglang_source("srt/managers/schedule_batch.py")
+    assert 'FINISH_MATCHED_STR(matched="NaN happened")' in batch
+    through = ast.unparse(method(batch, "Req", "output_ids_through_stop"))
+    assert "self.output_ids[:self.finished_len]" in through, "the stop token is returned inside output_ids"
+
+
+def test_stop_tokens_are_checked_before_the_length_limit() -> None:
+    """Finding 5: the pinned version checks stop tokens first (0.5.5 checked the length first)."""
+    update = ast.unparse(method(sglang_source("srt/managers/schedule_batch.py"), "Req", "update_finish_state"))
+    assert update.index("_check_token_based_finish") < update.index("FINISH_LENGTH")
+
+
+def test_context_rule_is_the_drivers() -> None:
+    """Finding 7: SGLang refuses prompt + max_new_tokens > context; fits_context allows exactly the rest."""
+    validate = ast.unparse(
+        method(sglang_source("srt/managers/tokenizer_manager.py"), "TokenizerManager", "_validate_one_request")
+    )
+    assert "max_new_tokens + input_token_num > _max_req_len" in validate
+    assert "input_token_num >= self.context_len" in validate
+
+
+def test_aborts_with_a_status_are_raised() -> None:
+    """Finding 8: a non-streamed abort with a status code is raised (ValueError for 400), not returned."""
+    handle = ast.unparse(
+        method(sglang_source("srt/managers/tokenizer_manager.py"), "TokenizerManager", "_handle_abort_finish_reason")
+    )
+    assert "raise ValueError(finish_reason['message'])" in handle
+    assert "raise fastapi.HTTPException(status_code=status_code" in handle
+
+
+def test_sglang_takes_sigterm_and_sigquit_and_shutdown_kills_every_child() -> None:
+    """Finding 9: the handlers the backend removes, and why it does not call Engine.shutdown."""
+    loop_setup = ast.unparse(
+        method(sglang_source("srt/managers/tokenizer_manager.py"), "TokenizerManager", "auto_create_handle_loop")
+    )
+    assert "loop.add_signal_handler(signal.SIGTERM" in loop_setup
+    assert "loop.add_signal_handler(signal.SIGQUIT" in loop_setup
+    shutdown = ast.unparse(method(sglang_source("srt/entrypoints/engine.py"), "Engine", "shutdown"))
+    assert "kill_process_tree(os.getpid(), include_parent=False" in shutdown
