@@ -292,7 +292,8 @@ class SGLangEngine:
             finally:
                 if task is not None:
                     self._rids.pop(task, None)
-            if self._stopping and (out.get("meta_info") or {}).get("finish_reason", {}).get("type") == "abort":
+            finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+            if self._stopping and isinstance(finish, Mapping) and finish.get("type") == "abort":
                 return None  # aborted by interrupt(): generated again on the next run
             return parse_output(request, out, self.stop_token_ids)
         raise AssertionError("unreachable")
