@@ -31,7 +31,7 @@ from dflash_build.engines.sglang_backend import (
     sampling_params,
     server_args,
 )
-from dflash_build.generate import SEED_BITS, row_seed
+from dflash_build.generate import SEED_BITS, fits_context, row_seed
 from dflash_build.gpus import GpuLease
 from tests.conftest import REPO
 
@@ -201,3 +201,20 @@ def test_sglang_takes_sigterm_and_sigquit_and_shutdown_kills_every_child() -> No
     assert "loop.add_signal_handler(signal.SIGQUIT" in loop_setup
     shutdown = ast.unparse(method(sglang_source("srt/entrypoints/engine.py"), "Engine", "shutdown"))
     assert "kill_process_tree(os.getpid(), include_parent=False" in shutdown
+
+
+def test_the_pinned_version_has_the_target_models_architecture() -> None:
+    """Finding 2: Qwen3.5/Qwen3.6 (hybrid GDN + attention) is in the pinned model registry."""
+    registry = sglang_source("srt/models/qwen3_5.py")
+    entry = next(
+        n
+        for n in ast.walk(ast.parse(registry))
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "EntryClass"
+    )
+    assert "Qwen3_5ForConditionalGeneration" in ast.unparse(entry.value)
+
+
+@pytest.mark.parametrize(("prompt", "fits"), [(4095, True), (4096, True), (4097, False)])
+def test_fits_context_is_sglangs_boundary(prompt: int, fits: bool) -> None:
+    """Finding 7: prompt + max_new_tokens == context is accepted by the pinned version, one more is not."""
+    assert fits_context(prompt, 4096, 8192) is fits
