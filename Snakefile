@@ -16,6 +16,11 @@ include: "rules/tokenize.smk"
 include: "rules/mix.smk"
 
 
+if CONFIG.pack:
+
+    include: "rules/pack.smk"
+
+
 rule all:
     default_target: True
     input:

@@ -139,6 +139,18 @@ class Checks:
 
 
 @dataclass(frozen=True)
+class PackSpec:
+    """The optional pack stage (dflash_build.pack); config key `pack`."""
+
+    seq_len: int
+    split_long: bool = False
+    pad: bool = True
+    pad_token_id: int = 0
+    seed: int = 0
+    window: int = 100_000
+
+
+@dataclass(frozen=True)
 class Config:
     store: Path
     logs: Path
@@ -154,10 +166,18 @@ class Config:
     mix_seed: int
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
     checks: Checks = field(default_factory=Checks)
+    pack: PackSpec | None = None
 
     @property
     def dataset_dir(self) -> Path:
         return self.dataset_out / self.dataset_name
+
+    @property
+    def packed_dir(self) -> Path | None:
+        """Beside the dataset, named by seq_len: another seq_len is another folder."""
+        if self.pack is None:
+            return None
+        return self.dataset_out / f"{self.dataset_name}-packed-{self.pack.seq_len}"
 
     @property
     def backend(self) -> str:
@@ -363,6 +383,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_seed=mix.get("seed", 0),
         sources=sources,
         checks=checks,
+        pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
     )
     _check_dataset_dir(config)
     from dflash_build import engines  # engines import config's types

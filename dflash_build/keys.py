@@ -35,6 +35,7 @@ def _d(key: str | None, why: str) -> Decision:
 
 _MIX = "the dataset folder is not content-addressed: Snakemake's params trigger reruns the mix"
 _CHECK = "decides whether a build passes, never what it writes"
+_PACK = "only the packed folder: its name carries seq_len, the params trigger reruns it, pack_key names it"
 _WHERE = "where files go or how jobs are scheduled, not what they hold"
 _SAMPLING = "changes the distribution of answers"
 
@@ -71,6 +72,12 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "mix.categories": _d(None, _MIX),
     "mix.budget_tokens": _d(None, _MIX),
     "mix.seed": _d(None, _MIX),
+    "pack.seq_len": _d(None, _PACK),
+    "pack.split_long": _d(None, _PACK),
+    "pack.pad": _d(None, _PACK),
+    "pack.pad_token_id": _d(None, _PACK),
+    "pack.seed": _d(None, _PACK),
+    "pack.window": _d(None, _PACK),
     "checks.max_drop_fraction": _d(None, _CHECK),
     "checks.max_failed_fraction": _d(None, _CHECK),
     "checks.share_tolerance": _d(None, _CHECK),

@@ -113,7 +113,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     lengths: list[int] = []
     loss_tokens = 0
     with atomic.atomic_dir(out_dir) as tmp:
-        writer = _RollingWriter(tmp / "data", cfg.rows_per_file)
+        writer = RollingWriter(tmp / "data", cfg.rows_per_file)
         for index, (_, path) in enumerate(inputs):
             if not chosen_rows.get(index):
                 continue
@@ -254,11 +254,11 @@ def _shortfalls(
     return notes
 
 
-class _RollingWriter:
+class RollingWriter:
     """Writes tables into data/train-XXXXX.parquet files of at most ``rows_per_file`` rows."""
 
-    def __init__(self, folder: Path, rows_per_file: int) -> None:
-        self.folder, self.rows_per_file = folder, rows_per_file
+    def __init__(self, folder: Path, rows_per_file: int, schema: pa.Schema = R.SAMPLE_SCHEMA) -> None:
+        self.folder, self.rows_per_file, self.schema = folder, rows_per_file, schema
         self.pending: list[pa.Table] = []
         self.pending_rows = 0
         self.files: list[tuple[Path, dict[str, Any]]] = []
@@ -274,7 +274,7 @@ class _RollingWriter:
 
     def _flush(self) -> None:
         path = self.folder / f"part-{len(self.files):05d}.parquet"
-        data = pa.concat_tables(self.pending) if self.pending else R.SAMPLE_SCHEMA.empty_table()
+        data = pa.concat_tables(self.pending) if self.pending else self.schema.empty_table()
         self.files.append((path, atomic.write_parquet(path, data)))
         self.pending, self.pending_rows = [], 0
 
@@ -308,14 +308,12 @@ def summary(manifest: dict[str, Any], where: Path) -> str:
     return "\n".join(lines)
 
 
-def dataset_card(manifest: dict[str, Any]) -> str:
-    sources = "\n".join(
-        f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
-        for name, s in manifest["sources"].items()
-    )
-    shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
-    # The exact file names, not a glob: `datasets` keys its cache of a local folder by the card's
-    # data_files, so a glob would serve the previous build's rows after a rebuild.
+def card_header(manifest: dict[str, Any]) -> str:
+    """A dataset card's YAML header (so the folder loads with `datasets`) and its title.
+
+    The exact file names, not a glob: `datasets` keys its cache of a local folder by the card's
+    data_files, so a glob would serve the previous build's rows after a rebuild.
+    """
     data_files = "\n".join(f"    - {f['path']}" for f in manifest["files"])
     return f"""---
 configs:
@@ -326,7 +324,16 @@ configs:
 {data_files}
 ---
 # {manifest["dataset"]}
+"""
 
+
+def dataset_card(manifest: dict[str, Any]) -> str:
+    sources = "\n".join(
+        f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
+        for name, s in manifest["sources"].items()
+    )
+    shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
+    return f"""{card_header(manifest)}
 Built by dflash-build. Each row is one training sample: `input_ids` are the prompt as the target model's
 chat template rendered it, followed by the model's own answer; `loss_mask` is 1 on the generated tokens
 only. Content keys of every input shard are in `manifest.json`.

@@ -334,13 +334,10 @@ def all_references(plan: Plan) -> tuple[set[Path], dict[Path, list[str]]]:
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
     """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
     now = time.time()
-    dist = plan.config.dataset_dir
-    found = {
-        *plan.config.store.rglob(".*.tmp"),
-        *plan.config.store.rglob(".*.old"),
-        *dist.parent.glob(f".{dist.name}.*.tmp"),
-        *dist.parent.glob(f".{dist.name}.*.old"),
-    }
+    dists = [plan.config.dataset_dir] + ([plan.config.packed_dir] if plan.config.packed_dir else [])
+    found = {*plan.config.store.rglob(".*.tmp"), *plan.config.store.rglob(".*.old")}
+    for dist in dists:
+        found |= {*dist.parent.glob(f".{dist.name}.*.tmp"), *dist.parent.glob(f".{dist.name}.*.old")}
     out = []
     for path in sorted(found):
         if any(parent in found for parent in path.parents):
@@ -431,6 +428,8 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
     a job needs it.
     """
     dist = plan.config.dataset_dir
+    packed = plan.config.packed_dir
+    dists = (dist,) if packed is None else (dist, packed)  # the packed folder derives from the dataset
 
     def with_sidecar(path: Path) -> tuple[Path, Path]:
         return path, path.with_name(path.name.replace(".parquet", ".stats.json"))
@@ -450,13 +449,15 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
             published = plan.journal_dir(name, shard)
             copy = (published / PUBLISHED_DATA, published / PUBLISHED_STATS)
             if completion.exists():
-                yield completion, expected(completion), (*with_sidecar(completion), *copy, *with_sidecar(tokens), dist)
+                derived = (*with_sidecar(completion), *copy, *with_sidecar(tokens), *dists)
+                yield completion, expected(completion), derived
             if tokens.exists():
-                yield tokens, expected(tokens), (*with_sidecar(tokens), dist)
-    manifest_file = dist / "manifest.json"
-    if manifest_file.exists():
-        for info in json.loads(manifest_file.read_text())["files"]:
-            yield dist / info["path"], info, (dist,)
+                yield tokens, expected(tokens), (*with_sidecar(tokens), *dists)
+    for folder in dists:
+        manifest_file = folder / "manifest.json"
+        if manifest_file.exists():
+            for info in json.loads(manifest_file.read_text())["files"]:
+                yield folder / info["path"], info, dists[dists.index(folder) :]
 
 
 def _journal_problems(store: Path) -> Iterator[Problem]:

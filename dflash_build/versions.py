@@ -16,3 +16,4 @@ GEN_VERSION = 3
 TOK_VERSION = 1
 # 2: data file names carry a digest of their content.
 MIX_VERSION = 2
+PACK_VERSION = 1

@@ -112,5 +112,10 @@ def run_rule(smk: Any, stage: str) -> None:
             tokenize.run(plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data))
         elif stage == "mix":
             mix.run(plan, smk.output[0])
+        elif stage == "pack":
+            from dflash_build import pack
+
+            assert plan.config.pack is not None
+            pack.run(smk.input[0], smk.output[0], plan.config.pack, plan.config.rows_per_file)
         else:
             raise ValueError(f"unknown stage {stage}")

@@ -16,6 +16,7 @@ PLAN = dflash_build.plan.build(CONFIG)
 STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
+PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
 GPUS_PER_JOB = int(dflash_build.engines.uses_gpu(CONFIG.engine))
 GENERATE_ENV = f"../envs/{'sglang' if CONFIG.backend == 'sglang' else 'generate'}.yaml"
 
@@ -27,7 +28,7 @@ wildcard_constraints:
 
 
 def get_final_targets():
-    return [DATASET_DIR]
+    return [DATASET_DIR] + ([PACKED_DIR] if PACKED_DIR else [])
 
 
 def get_prompt_shard(wildcards):
@@ -81,6 +82,15 @@ def get_mix_params():
     )
 
 
+def get_pack_params():
+    # the packed rows depend on these and on the dataset (the input folder); canonical, as above
+    import dataclasses
+
+    return canonical_json(
+        {**dataclasses.asdict(CONFIG.pack), "rows_per_file": CONFIG.rows_per_file}
+    )
+
+
 def register_config():
     # gc from any config sharing this store keeps what this one references
     import dflash_build.operate
@@ -95,3 +105,10 @@ def print_summary():
     manifest = Path(DATASET_DIR) / "manifest.json"
     if manifest.exists():
         print(summary(json.loads(manifest.read_text()), Path(DATASET_DIR)))
+    packed = Path(PACKED_DIR or "") / "manifest.json"
+    if PACKED_DIR and packed.exists():
+        import dflash_build.pack
+
+        print(
+            dflash_build.pack.summary(json.loads(packed.read_text()), Path(PACKED_DIR))
+        )

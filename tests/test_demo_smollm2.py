@@ -77,3 +77,7 @@ def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) 
         assert len(tok.decode(answer).strip()) > 0
     manifest = json.loads((tmp_path / "dist" / "demo" / "manifest.json").read_text())
     assert manifest["rows"] == len(rows)
+    # the demo packs too (pack: {seq_len: 1024}): every sample, in rows of 1024 tokens
+    packed = json.loads((tmp_path / "dist" / "demo-packed-1024" / "manifest.json").read_text())
+    assert packed["samples"] + packed["dropped_long"] == len(rows) and packed["rows"] > 0
+    assert "packed: dist/demo-packed-1024" in proc.stdout + proc.stderr
