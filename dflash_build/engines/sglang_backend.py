@@ -226,7 +226,6 @@ class SGLangEngine:
         self.retries = int(options.get("retries", DEFAULT_RETRIES))
         self.failure: str | None = None
         self._stopping = False
-        self._tasks: set[asyncio.Task[Result | None]] = set()
         self._rids: dict[asyncio.Task[Result | None], str] = {}
         args = server_args(model, options, lease)
         driver = psutil.Process()
