@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from dflash_build.engines import Request, Result
+from dflash_build.engines import Request, Result, check_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,11 +85,7 @@ class Aborted(Exception):
 
 
 def _options(options: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = set(options) - KNOWN_OPTIONS
-    if unknown:
-        raise ValueError(
-            f"config key 'engine.options': unknown openai options {sorted(unknown)} (known: {sorted(KNOWN_OPTIONS)})"
-        )
+    check_options("openai", options)
     urls = options.get("urls")
     if isinstance(urls, str):
         urls = [urls]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_build.engines import Request, Result, position_seed
+from dflash_build.engines import Request, Result, check_options, position_seed
 from dflash_build.keys import transformers_dtype
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,7 @@ class TransformersEngine:
     def __init__(
         self, model_path: str, options: Mapping[str, Any], stop_token_ids: list[int], revision: str | None = None
     ) -> None:
-        unknown = set(options) - KNOWN_OPTIONS
-        if unknown:
-            raise ValueError(f"config key 'engine.options': unknown transformers options {sorted(unknown)}")
+        check_options("transformers", options)
         self.device = str(options.get("device", "cpu"))
         dtype_name = transformers_dtype(options)
         if dtype_name not in _DTYPES:
