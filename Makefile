@@ -53,6 +53,7 @@ $(DEMO_MODEL): $(VENV)/.demo
 
 demo: setup-demo
 	$(SNAKEMAKE) --configfile config/demo.yaml
+	$(SNAKEMAKE) --configfile config/demo.yaml --report dist/demo-report.html
 
 test: setup
 	$(BIN)/python -m pytest -q

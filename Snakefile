@@ -32,4 +32,9 @@ onstart:
 
 
 onsuccess:
+    stop_engines()
     print_summary()
+
+
+onerror:
+    stop_engines()

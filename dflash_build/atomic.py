@@ -18,6 +18,13 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+# mkstemp/mkdtemp create 0600/0700 temporaries; a published file gets the modes a plain open() would
+# give it (0666/0777 less the umask), so others on the machine can read the store and the dataset.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK
+DIR_MODE = 0o777 & ~_UMASK
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -33,6 +40,7 @@ def atomic_path(dest: str | os.PathLike[str]) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.fchmod(fd, FILE_MODE)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -81,6 +89,7 @@ def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    tmp.chmod(DIR_MODE)
     try:
         yield tmp
         old = None

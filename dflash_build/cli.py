@@ -11,6 +11,8 @@ verify    re-read every referenced store and dist file against its manifest, eve
           row index and the fingerprint cache (--repair removes the bad files, so the next build
           rebuilds exactly those, and heals the derived state)
 reindex   rebuild the per-row reuse index from the store
+engines   the running shared engines (engine.shared): GPU, URL, identity, uptime, log; --stop
+          stops those no job is using
 summary   the dataset summary of a built dist folder
 """
 
@@ -133,6 +135,20 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engines(args: argparse.Namespace) -> int:
+    from dflash_build import engine_host
+
+    cfg = config_mod.load(args.configfile)
+    lock_dir = cfg.engine.lock_dir
+    print(engine_host.describe(engine_host.running(lock_dir)))
+    if args.stop:
+        stopped = engine_host.stop_idle(lock_dir)
+        busy = [s["slot"] for s in engine_host.running(lock_dir)]
+        left = f"; in use, left running: {', '.join(busy)}" if busy else ""
+        print(f"stopped: {', '.join(stopped) or 'none'}{left}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash-build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("reindex", parents=[after], help="rebuild the row reuse index")
     p.set_defaults(func=cmd_reindex)
+    p = sub.add_parser("engines", parents=[after], help="the running shared engines (engine.shared)")
+    p.add_argument("--stop", action="store_true", help="stop those no job is using")
+    p.set_defaults(func=cmd_engines)
     p = sub.add_parser("summary", parents=[after], help="summary of a built dataset")
     p.add_argument("dataset", help="dist/NAME")
     p.set_defaults(func=cmd_summary)

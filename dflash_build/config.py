@@ -126,6 +126,11 @@ class EngineSpec:
     base_port: int
     journal_flush_rows: int
     journal_flush_seconds: float
+    # Long-lived engines shared by the generate jobs (dflash_build.engine_host).
+    shared: bool = False
+    jobs_per_engine: int = 2
+    idle_timeout: float = 600.0
+    start_timeout: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -375,6 +380,10 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
             base_port=int(engine.get("base_port", 31000)),
             journal_flush_rows=int(engine.get("journal_flush_rows", 64)),
             journal_flush_seconds=float(engine.get("journal_flush_seconds", 30)),
+            shared=bool(engine.get("shared", False)),
+            jobs_per_engine=int(engine.get("jobs_per_engine", 2)),
+            idle_timeout=float(engine.get("idle_timeout", 600)),
+            start_timeout=float(engine.get("start_timeout", 1800)),
         ),
         shard_size=raw["shard_size"],
         truncated=raw["truncated"],
@@ -389,6 +398,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     from dflash_build import engines  # engines import config's types
 
     engines.check_options(config.engine.backend, config.engine.options)
+    if config.engine.shared and config.engine.backend == "openai":
+        raise ConfigError("engine.shared", "the openai backend talks to servers it does not run; remove it")
     return config
 
 

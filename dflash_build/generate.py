@@ -38,7 +38,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, chat, engines, gpus, hashing, killpoints
+from dflash_build import atomic, chat, engine_host, engines, gpus, hashing, killpoints
 from dflash_build import records as R
 from dflash_build.config import SourceSpec
 from dflash_build.engines import Request, Result, SamplingParams
@@ -541,12 +541,22 @@ def take_result(work: ShardWork, generated: Result, context_ids: list[int]) -> T
     return turn
 
 
+def start_engine(work: ShardWork, lease: gpus.GpuLease | None) -> engines.Engine:
+    """The job's own engine, or (``engine.shared``, or a server backend) a client of the long-lived
+    engine servers this config's jobs share (see engine_host)."""
+    cfg = work.plan.config
+    stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
+    if engine_host.served(cfg.engine):
+        fingerprint = work.plan.model_fingerprint
+        return engine_host.open_engine(cfg, stop_ids, lease, work.tokenizer, fingerprint, work.context)
+    return engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
+
+
 def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None) -> EngineRun:
     """Round after round (one turn each), send what is left to the engine and journal every answer.
 
     The engine starts only when a round has requests, so a shard that is all reused never loads it.
     """
-    cfg = work.plan.config
     kill_kind, kill_rows = killpoints.kill_point()
     counts = EngineRun()
     done = sum(c.finish_reason is not None for c in work.convs.values())
@@ -559,8 +569,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                 if not requests:
                     break
                 if engine is None:
-                    stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
-                    engine = stop.engine = engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
+                    engine = stop.engine = start_engine(work, lease)
                     counts.served = getattr(engine, "identity", None)
                     if kill_kind == "rows" and kill_rows == 0:
                         killpoints.die()

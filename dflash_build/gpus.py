@@ -84,28 +84,41 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
+def job_locks(engine: EngineSpec, gpus: list[str]) -> list[tuple[int, Path]]:
+    """(GPU slot, lock file) a job may take. Its own engine: the GPU's lock. Shared engines: one of
+    ``jobs_per_engine`` job locks per GPU (the engine's host holds the GPU's lock, see engine_host)."""
+    if not engine.shared:
+        return [(slot, engine.lock_dir / f"gpu-{g}.lock") for slot, g in enumerate(gpus)]
+    return [
+        (slot, engine.lock_dir / f"gpu-{g}.job-{k}.lock")
+        for k in range(engine.jobs_per_engine)
+        for slot, g in enumerate(gpus)
+    ]
+
+
 @contextmanager
 def pinned(engine: EngineSpec) -> Iterator[GpuLease]:
-    """Hold one GPU for the duration of the block; sets CUDA_VISIBLE_DEVICES."""
+    """Hold one GPU (with shared engines: one of its job places) for the block; sets CUDA_VISIBLE_DEVICES."""
     assigned = scheduler_assigned()
     if assigned is not None:
         log.info("GPU %s assigned by the scheduler", assigned)
         yield GpuLease(assigned, 0, engine.base_port, "scheduler", time.time())
         return
     gpus = gpu_list(engine)
+    places = job_locks(engine, gpus)
     engine.lock_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + engine.gpu_wait_seconds
-    # Start at a pid-dependent slot so jobs that start together do not all try GPU 0 first.
+    # Start at a pid-dependent place so jobs that start together do not all try GPU 0 first.
     start = os.getpid() % len(gpus)
     while True:
-        for offset in range(len(gpus)):
-            slot = (start + offset) % len(gpus)
-            fd = _try_lock(engine.lock_dir / f"gpu-{gpus[slot]}.lock")
+        for offset in range(len(places)):
+            slot, path = places[(start + offset) % len(places)]
+            fd = _try_lock(path)
             if fd is None:
                 continue
             os.environ["CUDA_VISIBLE_DEVICES"] = gpus[slot]
             lease = GpuLease(gpus[slot], slot, engine.base_port + PORTS_PER_SLOT * slot, "lock", time.time())
-            log.info("took GPU %s (slot %d, ports %d-%d)", lease.gpu, slot, lease.port, lease.ports[-1])
+            log.info("took GPU %s (slot %d, ports %d-%d, %s)", lease.gpu, slot, lease.port, lease.ports[-1], path.name)
             try:
                 yield lease
             finally:

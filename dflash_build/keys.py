@@ -60,6 +60,10 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "engine.base_port": _d(None, _WHERE),
     "engine.journal_flush_rows": _d(None, "how often finished rows are synced, not which"),
     "engine.journal_flush_seconds": _d(None, "how often finished rows are synced, not which"),
+    "engine.shared": _d(None, "the same engine, started once instead of per job (answers are the same)"),
+    "engine.jobs_per_engine": _d(None, "how many jobs feed one engine: scheduling only"),
+    "engine.idle_timeout": _d(None, "when an unused shared engine stops"),
+    "engine.start_timeout": _d(None, "how long a job waits for an engine to start"),
     "sampling.temperature": _d(GEN, _SAMPLING),
     "sampling.top_p": _d(GEN, _SAMPLING),
     "sampling.top_k": _d(GEN, _SAMPLING),
@@ -163,6 +167,9 @@ ENGINE_OPTIONS: dict[str, dict[str, Decision]] = {
         "retries": _d(None, "fault handling only"),
         "backoff": _d(None, "fault handling only"),
         "max_backoff": _d(None, "fault handling only"),
+    },
+    "llamacpp": {
+        "threads": _d(None, _SPEED),
     },
 }
 

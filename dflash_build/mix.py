@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, killpoints
+from dflash_build import atomic, hashing, killpoints, report
 from dflash_build import records as R
 from dflash_build.plan import Plan
+from dflash_build.report import length_stats
 from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
@@ -65,22 +65,6 @@ def select(candidates: list[Candidate], target: float) -> list[Candidate]:
     return chosen
 
 
-def _percentile(sorted_values: list[int], q: float) -> int:
-    if not sorted_values:
-        return 0
-    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
-
-
-def length_stats(lengths: list[int]) -> dict[str, float | int]:
-    values = sorted(lengths)
-    return {
-        "mean": round(sum(values) / len(values), 2) if values else 0,
-        "p50": _percentile(values, 0.5),
-        "p90": _percentile(values, 0.9),
-        "max": values[-1] if values else 0,
-    }
-
-
 def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     cfg = plan.config
     # by source name and shard: the dataset's row order does not depend on the config's source order
@@ -112,6 +96,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     finish: Counter[str] = Counter()
     lengths: list[int] = []
     loss_tokens = 0
+    tally = report.Tally()
     with atomic.atomic_dir(out_dir) as tmp:
         writer = RollingWriter(tmp / "data", cfg.rows_per_file)
         for index, (_, path) in enumerate(inputs):
@@ -125,6 +110,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
                 finish[row["finish_reason"]] += 1
                 lengths.append(row["n_tokens"])
                 loss_tokens += row["n_loss_tokens"]
+                tally.add(row)
             writer.write(table)
         files = writer.close()
         killpoints.die_at("mix")
@@ -166,11 +152,16 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
                 }
                 for name, sp in plan.sources.items()
             },
+            "model": {"path": cfg.model.path, "revision": cfg.model.revision},
             "model_fingerprint": plan.model_fingerprint,
             "template_fingerprint": plan.template_fingerprint,
             "finish_reasons": dict(sorted(finish.items())),
             "length": length_stats(lengths),
+            "report": report.tables(plan, tally),
         }
+        report.write_tables(tmp, manifest["report"])
+        manifest["tables"] = list(report.TABLES)
+        manifest["plots"] = report.write_plots(tmp, manifest, tally)
         atomic.write_json(tmp / "manifest.json", manifest)
         atomic.write_text(tmp / "README.md", dataset_card(manifest))
     log.info("%s", summary(manifest, Path(out_dir)))
@@ -294,7 +285,8 @@ class RollingWriter:
         return files
 
 
-def summary(manifest: dict[str, Any], where: Path) -> str:
+def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str:
+    """The mix achieved against its targets; with ``sources``, the report's per-source table too."""
     counts = f"{manifest['rows']} rows, {manifest['tokens']} tokens, {manifest['loss_tokens']} loss tokens"
     lines = [f"dataset: {where} ({counts})"]
     lines.append(f"{'category':<16}{'target':>8}{'achieved':>10}{'tokens':>12}{'rows':>8}")
@@ -305,6 +297,8 @@ def summary(manifest: dict[str, Any], where: Path) -> str:
     length = manifest["length"]
     lines.append(f"length: mean {length['mean']}, p50 {length['p50']}, p90 {length['p90']}, max {length['max']}")
     lines.extend(f"note: {s}" for s in manifest["shortfalls"])
+    if sources and "report" in manifest:
+        lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]
     return "\n".join(lines)
 
 
@@ -350,4 +344,6 @@ Shortfalls:
 {shortfalls}
 
 Finish reasons: {json.dumps(manifest["finish_reasons"])}
-"""
+
+{report.recipe(manifest)}
+{report.card_body(manifest)}"""

@@ -33,7 +33,8 @@ import pyarrow.parquet as pq
 
 from dflash_build import atomic, hashing
 from dflash_build.config import PackSpec
-from dflash_build.mix import RollingWriter, card_header, length_stats
+from dflash_build.mix import RollingWriter, card_header
+from dflash_build.report import length_stats
 from dflash_build.versions import PACK_VERSION
 
 log = logging.getLogger(__name__)

@@ -119,3 +119,20 @@ def run_rule(smk: Any, stage: str) -> None:
             pack.run(smk.input[0], smk.output[0], plan.config.pack, plan.config.rows_per_file)
         else:
             raise ValueError(f"unknown stage {stage}")
+
+
+def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
+    """(gpu, gpu_jobs) one generate job asks for, and the gpu_jobs total to register (None: none).
+
+    A job with its own engine holds a GPU: gpu=1. With shared engines a job feeds an engine instead, and
+    ``engine.jobs_per_engine`` jobs feed each GPU's engine, so the user's ``--resources gpu=N`` becomes
+    ``gpu_jobs = N x jobs_per_engine``.
+    """
+    from dflash_build import engines
+
+    if not engines.uses_gpu(engine):
+        return 0, 0, None
+    if not engine.shared:
+        return 1, 0, None
+    gpus = getattr(given_gpus, "value", given_gpus)
+    return 0, 1, None if gpus is None else int(gpus) * engine.jobs_per_engine

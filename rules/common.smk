@@ -17,7 +17,13 @@ STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
 PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
-GPUS_PER_JOB = int(dflash_build.engines.uses_gpu(CONFIG.engine))
+# A job on its own engine asks for gpu=1. With shared engines it asks for gpu_jobs=1 instead, and
+# gpu_jobs = --resources gpu x engine.jobs_per_engine, so two jobs feed each GPU's engine.
+GPUS_PER_JOB, GPU_JOBS_PER_JOB, GPU_JOBS = dflash_build.workflow.generate_resources(
+    CONFIG.engine, workflow.global_resources.get("gpu")
+)
+if GPU_JOBS is not None:
+    workflow.register_resource("gpu_jobs", GPU_JOBS)
 GENERATE_ENV = f"../envs/{'sglang' if CONFIG.backend == 'sglang' else 'generate'}.yaml"
 
 
@@ -98,13 +104,23 @@ def register_config():
     dflash_build.operate.register(PLAN)
 
 
+def stop_engines():
+    # Shared engines stop when the workflow ends (those another build still uses wait for their idle
+    # timeout); a killed Snakemake leaves them to the idle timeout too.
+    import dflash_build.engine_host
+
+    dflash_build.engine_host.stop_workflow_engines(CONFIG)
+
+
 def print_summary():
     import json
     from pathlib import Path
 
     manifest = Path(DATASET_DIR) / "manifest.json"
     if manifest.exists():
-        print(summary(json.loads(manifest.read_text()), Path(DATASET_DIR)))
+        print(
+            summary(json.loads(manifest.read_text()), Path(DATASET_DIR), sources=True)
+        )
     packed = Path(PACKED_DIR or "") / "manifest.json"
     if PACKED_DIR and packed.exists():
         import dflash_build.pack

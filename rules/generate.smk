@@ -11,6 +11,7 @@ rule generate:
     threads: get_generate_threads()
     resources:
         gpu=GPUS_PER_JOB,
+        gpu_jobs=GPU_JOBS_PER_JOB,
     params:
         components=get_gen_components,
     script:

@@ -2,7 +2,13 @@ rule mix:
     input:
         get_token_shards(),
     output:
-        directory(DATASET_DIR),
+        # the card's plots and tables go into `snakemake --report report.html` too
+        report(
+            directory(DATASET_DIR),
+            patterns=["plots/{name}.png", "tables/{name}.csv"],
+            caption="report/dataset.rst",
+            category="Dataset",
+        ),
     log:
         f"{LOGS}/dist/{CONFIG.dataset_name}.log",
     conda:

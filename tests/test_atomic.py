@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pyarrow as pa
@@ -43,3 +45,19 @@ def test_link_gives_a_second_name_that_outlives_the_first(tmp_path: Path) -> Non
     dest.unlink()
     assert src.read_bytes() == b"shard"
     assert not list(dest.parent.glob(".*.tmp")), "no temporary left behind"
+
+
+def test_published_files_and_folders_get_the_modes_a_plain_write_gives(tmp_path: Path) -> None:
+    """Temporaries are private (mkstemp: 0600); what they become must be readable as usual."""
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    os.mkdir(tmp_path / "plain-dir")
+    atomic.write_text(tmp_path / "a.txt", "x")
+    atomic.write_parquet(tmp_path / "a.parquet", pa.table({"x": [1]}))
+    with atomic.atomic_dir(tmp_path / "d") as d:
+        atomic.write_json(d / "m.json", {})
+    mode = stat.S_IMODE
+    assert mode((tmp_path / "a.txt").stat().st_mode) == mode(plain.stat().st_mode)
+    assert mode((tmp_path / "a.parquet").stat().st_mode) == mode(plain.stat().st_mode)
+    assert mode((tmp_path / "d").stat().st_mode) == mode((tmp_path / "plain-dir").stat().st_mode)
+    assert mode((tmp_path / "d" / "m.json").stat().st_mode) == mode(plain.stat().st_mode)

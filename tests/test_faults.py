@@ -176,12 +176,17 @@ def test_kill_minus_nine_of_snakemake_then_recovery_generates_no_finished_row_ag
 
 
 # -- signals: Snakemake's shutdown, SLURM preemption ----------------------------------------------
+@pytest.mark.parametrize("shared", [False, True], ids=["own-engine", "shared-engine"])
 def test_sigterm_keeps_every_finished_row_and_the_next_run_generates_only_the_rest(
-    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float]
+    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float], shared: bool
 ) -> None:
-    """The driver's own handler: it stops sending, syncs the journal and fails the job (non-zero)."""
+    """The driver's own handler: it stops sending, syncs the journal and fails the job (non-zero); with
+    a shared engine too (the job cancels its requests to the server; the engine stays for the rerun)."""
     baseline, _ = uninterrupted
-    wf = _workflow(tmp_path / "work", _config(tmp_path, tiny_model))
+    config = _config(tmp_path, tiny_model)
+    if shared:
+        config["engine"].update(shared=True, lock_dir=str(tmp_path / "locks"), idle_timeout=60)
+    wf = _workflow(tmp_path / "work", config)
     stopped = wf.run("--until", "generate", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "sigterm:2"})
     assert stopped.returncode != 0
     logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))

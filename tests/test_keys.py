@@ -48,7 +48,12 @@ def test_every_schema_field_has_a_decision_and_every_decision_a_field() -> None:
 
 @pytest.mark.parametrize(
     ("backend", "accepted"),
-    [("transformers", transformers_backend.KNOWN_OPTIONS), ("openai", openai_backend.KNOWN_OPTIONS)],
+    [
+        ("transformers", transformers_backend.KNOWN_OPTIONS),
+        ("openai", openai_backend.KNOWN_OPTIONS),
+        # llama-cpp-python's server: what engine_host passes it from the options
+        ("llamacpp", frozenset({"threads"})),
+    ],
 )
 def test_every_engine_option_has_a_decision(backend: str, accepted: frozenset[str]) -> None:
     assert set(keys.ENGINE_OPTIONS[backend]) == set(accepted)

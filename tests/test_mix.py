@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import mix
+from dflash_build import mix, report
 from dflash_build import plan as plan_mod
 
 
@@ -57,8 +57,8 @@ def test_shortfalls_are_stated() -> None:
 
 
 def test_length_stats() -> None:
-    assert mix.length_stats([5, 1, 3, 2, 4]) == {"mean": 3.0, "p50": 3, "p90": 5, "max": 5}
-    assert mix.length_stats([]) == {"mean": 0, "p50": 0, "p90": 0, "max": 0}
+    assert report.length_stats([5, 1, 3, 2, 4]) == {"mean": 3.0, "p50": 3, "p90": 5, "max": 5}
+    assert report.length_stats([]) == {"mean": 0, "p50": 0, "p90": 0, "max": 0}
 
 
 # -- loud failure: the checks run on the real plan of a small config -----------------------------------

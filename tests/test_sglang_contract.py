@@ -30,6 +30,7 @@ from dflash_build.engines.sglang_backend import (
     SGLANG_VERSION,
     sampling_params,
     server_args,
+    server_kwargs,
 )
 from dflash_build.generate import SEED_BITS, fits_context, row_seed
 from dflash_build.gpus import GpuLease
@@ -64,7 +65,8 @@ def production_model() -> ModelSpec:
 def production_server_args() -> list[dict[str, Any]]:
     options = PRODUCTION["engine"]["options"]
     lease = GpuLease("7", 7, PRODUCTION["engine"]["base_port"] + 70, "lock", 0.0)
-    return [server_args(production_model(), options, None), server_args(production_model(), options, lease)]
+    shared = server_kwargs(production_model(), options, lease, lease.port)  # engine.shared's HTTP server
+    return [server_args(production_model(), options, None), server_args(production_model(), options, lease), shared]
 
 
 def production_sampling() -> list[dict[str, Any]]:
@@ -113,7 +115,21 @@ def test_recorded_fields_are_the_installed_servers_args(probe: dict[str, Any]) -
 def test_production_engine_options_build_a_valid_server_args(probe: dict[str, Any]) -> None:
     """Finding 1 (cuda_graph_max_bs was split) and 10 (any field passes): SGLang's own ServerArgs
     accepts what the backend builds from config/config.yaml, each value of its field's type and choices."""
-    assert probe["server_args"] == [None, None]
+    assert probe["server_args"] == [None, None, None]
+
+
+def test_the_shared_engine_server_starts_as_sglangs_launch_server_does() -> None:
+    """engine.shared runs ``sglang_backend.serve``: load_plugins, run_server(ServerArgs), then
+    kill_process_tree of its own children, as ``python -m sglang.launch_server`` does."""
+    launch = ast.parse(sglang_source("launch_server.py"))
+    run_server = next(n for n in launch.body if isinstance(n, ast.FunctionDef) and n.name == "run_server")
+    assert [a.arg for a in run_server.args.args] == ["server_args"]
+    main = ast.unparse(launch)
+    assert "load_plugins()" in main and "kill_process_tree(os.getpid(), include_parent=False)" in main
+    plugins = ast.parse(sglang_source("srt/plugins/__init__.py"))
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "load_plugins" and not n.args.args for n in plugins.body)
+    http = sglang_source("srt/entrypoints/http_server.py")
+    assert '@app.get("/health")' in http and re.search(r'@app\.api_route\(\s*"/generate",\s*methods=\["POST"', http)
 
 
 def test_every_decided_and_every_driver_option_is_a_real_field() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import json
 import os
 from pathlib import Path
@@ -135,6 +136,70 @@ def test_manifests_account_for_every_row(built: tuple[Workflow, dict[str, Any]])
     for name, src in dist_manifest["sources"].items():
         for shard in src["shards"]:
             assert f"/tokens/{name}/{src['tok_key']}/" in shard
+
+
+def test_the_report_numbers_are_the_datas_and_the_sidecars(built: tuple[Workflow, dict[str, Any]]) -> None:
+    """Every number of the card's tables, recomputed from the dataset's rows and the generate sidecars."""
+    from dflash_build.report import length_stats
+
+    wf, _ = built
+    dist = wf.workdir / "dist" / "test-mix"
+    manifest = json.loads((dist / "manifest.json").read_text())
+    rows = [r for f in sorted((dist / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    sidecars: dict[str, list[dict[str, Any]]] = {}
+    for path in (wf.workdir / "store" / "completions").rglob("*.stats.json"):
+        stats = json.loads(path.read_text())
+        sidecars.setdefault(stats["source"], []).append(stats)
+    by = manifest["report"]["by_source"]
+    assert set(by) == {"alpha", "beta", "gamma"}
+    for name, entry in by.items():
+        mine = [r for r in rows if r["source"] == name]
+        completion = [r["n_loss_tokens"] for r in mine]
+        assert entry["rows"] == len(mine)
+        assert entry["completion_tokens"] == sum(completion)
+        assert entry["prompt_tokens"] == sum(r["n_tokens"] - r["n_loss_tokens"] for r in mine)
+        assert entry["completion_length"] == length_stats(completion)
+        gen = entry["generation"]
+        for key in ("input_rows", "ok", "truncated", "error", "skipped"):
+            assert gen[key] == sum(s[key] for s in sidecars[name]), (name, key)
+        assert gen["truncation_rate"] == round(gen["truncated"] / gen["input_rows"], 6)
+        assert gen["gpu_hours"] == 0 and gen["job_hours"] > 0  # a CPU engine holds no GPU
+    for category, entry in manifest["report"]["by_category"].items():
+        mine = [r["n_loss_tokens"] for r in rows if r["category"] == category]
+        assert entry["rows"] == len(mine) == manifest["mix"]["categories"][category]["rows"]
+        assert entry["completion_tokens"] == sum(mine)
+    card = (dist / "README.md").read_text()
+    table = card[card.index("### By source") : card.index("### By category")]
+    for name, entry in by.items():  # the card's table says the same
+        line = next(line for line in table.splitlines() if line.startswith(f"| {name} | {entry['category']} | "))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2:5] == [str(entry["rows"]), str(entry["prompt_tokens"]), str(entry["completion_tokens"])]
+    assert "## Recipe" in card and manifest["sources"]["alpha"]["gen_key"] in card
+    with open(dist / "tables" / "by_source.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert {r["source"]: int(r["rows"]) for r in csv_rows} == {n: e["rows"] for n, e in by.items()}
+
+
+def test_every_plot_is_a_valid_png_and_in_the_card_and_the_snakemake_report(
+    built: tuple[Workflow, dict[str, Any]],
+) -> None:
+    import matplotlib.image
+
+    wf, _ = built
+    dist = wf.workdir / "dist" / "test-mix"
+    manifest = json.loads((dist / "manifest.json").read_text())
+    card = (dist / "README.md").read_text()
+    assert len(manifest["plots"]) == 4
+    for plot in manifest["plots"]:
+        data = (dist / plot).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        image = matplotlib.image.imread(dist / plot)  # decodes the whole file
+        assert image.shape[0] > 200 and image.shape[1] > 300
+        assert f"]({plot})" in card
+    wf.run("--report", str(wf.workdir / "report.html"))
+    html = (wf.workdir / "report.html").read_text(errors="replace")
+    for plot in manifest["plots"]:
+        assert Path(plot).name in html
 
 
 def test_nothing_to_do_after_build_and_after_touching_everything(built: tuple[Workflow, dict[str, Any]]) -> None:

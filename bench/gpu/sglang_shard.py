@@ -7,7 +7,10 @@ engine options, the backend's generate/abort calls and its signal take-over. Thi
    sampling; the prompts are the upstream-shaped fixtures of tests/data/upstream (every source, a few
    dozen rows each, so nothing is downloaded); the store goes under --out;
 2. runs the generate stage through Snakemake on one GPU and checks every shard's accounting
-   (ok + truncated + error + skipped == input rows, no error rows);
+   (ok + truncated + error + skipped == input rows, no error rows). With the production setting
+   ``engine.shared: true`` that is SGLang's HTTP server kept by dflash_build.engine_host, fed by two
+   jobs, which must have stopped when the workflow ended; ``--in-process`` runs one
+   ``sglang.Engine`` per job instead;
 3. runs ``python -m sglang.benchmark.offline_throughput`` on the same rendered prompts with the same
    answer lengths (ignore_eos) and the same engine options;
 4. prints both output throughputs and writes them to --out/result.json.
@@ -101,10 +104,12 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the local snapshot (model.path)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu-check")
     parser.add_argument("--dry-run", action="store_true", help="only preview the jobs (works without a GPU)")
+    parser.add_argument("--in-process", action="store_true", help="engine.shared: false (an engine per job)")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     config = workflow_config(args.model, out)
+    config["engine"]["shared"] = not args.in_process
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     if args.dry_run:
@@ -115,6 +120,14 @@ def main() -> None:
     wall = time.monotonic() - started
     found = shards(out)
     check_accounting(found)
+    if config["engine"]["shared"]:
+        from dflash_build import engine_host
+
+        history = out / "logs" / "engines" / "engines.jsonl"
+        assert history.exists(), "engine.shared: no engine host ran"
+        assert not engine_host.running(config["engine"].get("lock_dir", "/tmp/dflash-build-gpu-locks")), (
+            "the shared engine outlived the workflow"
+        )
     ours_tokens = sum(s["output_tokens"] for _, s in found if "output_tokens" in s)
     rows = benchmark_input(found, args.model, out / "bench.jsonl")
     result_file = out / "sglang_offline.jsonl"

@@ -76,7 +76,7 @@ class Engine(Protocol):
         ...
 
 
-BACKENDS = ("transformers", "sglang", "openai")
+BACKENDS = ("transformers", "sglang", "openai", "llamacpp")
 
 
 def position_seed(row_seed: int, position: int) -> int:
@@ -116,8 +116,8 @@ def closest(name: str, known: Iterable[str]) -> str:
 
 def uses_gpu(engine: EngineSpec) -> bool:
     """Whether a generation job holds a GPU (so the rule asks for ``gpu=1`` and pins one)."""
-    if engine.backend == "openai":
-        return False  # the servers own their GPUs
+    if engine.backend in ("openai", "llamacpp"):
+        return False  # the servers own their GPUs; llama.cpp runs on the CPU here
     if engine.backend == "sglang":
         return True
     return engine.gpus is not None or str(engine.options.get("device", "cpu")).startswith("cuda")
@@ -142,4 +142,6 @@ def load(
         from dflash_build.engines.openai_backend import OpenAIEngine
 
         return OpenAIEngine(engine.options, stop_token_ids, tokenizer, model.path)
+    if engine.backend == "llamacpp":
+        raise ValueError("the llamacpp backend runs as a server: dflash_build.engine_host starts it")
     raise ValueError(f"config key 'engine.backend': unknown backend '{engine.backend}' (known: {', '.join(BACKENDS)})")

@@ -362,3 +362,38 @@ def write_fields_module() -> None:
         raise RuntimeError("SGLang is not installed (make setup installs the pinned wheel)")
     path = Path(__file__).with_name("sglang_fields.py")
     path.write_text(render_fields_module(version, installed_server_fields()))
+
+
+# -- a long-lived server (engine.shared) -----------------------------------------------------------
+def server_kwargs(model: ModelSpec, options: Mapping[str, Any], lease: GpuLease | None, port: int) -> dict[str, Any]:
+    """``ServerArgs`` of the HTTP server that engine_host keeps on one GPU: the in-process engine's, on
+    localhost at the GPU slot's port (the options the driver keeps for itself are not SGLang's)."""
+    own = {k: v for k, v in options.items() if k not in OWN_OPTIONS}
+    return {**server_args(model, own, lease), "host": "127.0.0.1", "port": port}
+
+
+def serve(kwargs: Mapping[str, Any]) -> None:
+    """SGLang's HTTP server for ``ServerArgs(**kwargs)`` (the in-process engine's arguments plus host and
+    port), started as ``python -m sglang.launch_server`` starts it; dflash_build.engine_host runs this in
+    the server process it keeps per GPU, and jobs talk to it with token ids through ``/generate``."""
+    import os
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    try:
+        run_server(ServerArgs(**kwargs))
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m dflash_build.engines.sglang_backend serve SERVER_ARGS_JSON")
+    serve(json.loads(sys.argv[2]))

@@ -1,0 +1,615 @@
+"""Engines that outlive a job: one long-lived server per GPU, shared by the generate jobs (``engine.shared``).
+
+Starting a large model's engine takes minutes, and a job that owns its engine also idles the GPU while
+its shard's last long answers drain at a shrinking batch. With shared engines:
+
+- **Start.** The first job that needs GPU g's engine starts it: a *host* process (``python -m
+  dflash_build.engine_host serve``, in its own session, so Snakemake's end does not take it down) takes
+  GPU g's lock (the same lock an in-process engine takes: never two engines on one GPU) and runs the
+  server on g's port with ``CUDA_VISIBLE_DEVICES=g``: SGLang's HTTP server (``sglang_backend.serve``),
+  llama.cpp's, or our own around the transformers backend (``engines.server``). Its output goes to
+  ``logs/engines/<slot>.log``; once the server answers, the host writes ``<lock_dir>/engine-<slot>.json``.
+- **Identity.** An engine serves only jobs that want exactly what it was started with (``identity``: the
+  backend, the model and its fingerprint, every launch option, the stop ids). A job that wants another
+  waits until the engine's users are done, stops it and starts its own.
+- **Use.** A job holds a shared lock on ``engine-<slot>.use.lock`` while it sends requests, and sends
+  them to its own GPU's engine and to every other running engine of the same identity, least loaded
+  first. Two jobs per GPU (``engine.jobs_per_engine``) keep each engine's batch full while one of them
+  waits for its last answers, and the last shards of the build spread over every GPU.
+- **Stop.** A host stops its server when nobody has used it for ``engine.idle_timeout`` seconds, when the
+  workflow ends (``stop_idle``, from the Snakefile's onsuccess/onerror), or on ``dflash-build engines
+  --stop``; the server dies with its host even on SIGKILL (PDEATHSIG). So after a crash or a kill -9 of
+  everything, nothing holds a GPU longer than the idle timeout. Each engine's life is appended to
+  ``logs/engines/engines.jsonl`` (start, ready, stop, reason, time in use).
+
+``dflash-build engines`` lists the running ones. With ``engine.shared: false`` a server backend
+(``llamacpp``) still runs through a host, started and stopped by its job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_build import atomic, hashing
+from dflash_build.config import Config, EngineSpec
+from dflash_build.engines import EngineFailed
+from dflash_build.gpus import GpuLease
+
+log = logging.getLogger(__name__)
+SERVED_BACKENDS = ("sglang", "transformers", "llamacpp")  # what a host can run as a server
+POLL_SECONDS = 0.2
+STOP_GRACE_SECONDS = 30.0
+# Driver-side options: how a job talks to the engine, not what the engine is.
+_CLIENT_OPTIONS = frozenset({"max_inflight", "retries"})
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a host needs to run one engine; ``identity`` says which jobs it may serve."""
+
+    slot: str  # "gpu-3", or "cpu"
+    backend: str
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    identity: dict[str, Any]
+    lock_dir: str
+    log_dir: str
+    gpu_lock: str | None
+    idle_timeout: float
+    start_timeout: float
+    health_path: str = "/health"  # answers 200 once the server serves
+
+    @property
+    def identity_key(self) -> str:
+        return hashing.digest(self.identity)[:16]
+
+
+# -- files of one slot -----------------------------------------------------------------------------
+def state_path(lock_dir: Path | str, slot: str) -> Path:
+    return Path(lock_dir) / f"engine-{slot}.json"
+
+
+def _lock_path(lock_dir: Path | str, slot: str, what: str) -> Path:
+    return Path(lock_dir) / f"engine-{slot}.{what}.lock"
+
+
+def read_state(lock_dir: Path | str, slot: str) -> dict[str, Any] | None:
+    """The running engine of a slot, or None (no file, a torn file, or a host that is gone)."""
+    try:
+        state = json.loads(state_path(lock_dir, slot).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if _alive(int(state.get("pid", 0))) else None
+
+
+def running(lock_dir: Path | str) -> list[dict[str, Any]]:
+    """Every running engine whose state is in ``lock_dir``."""
+    found = []
+    for path in sorted(Path(lock_dir).glob("engine-*.json")):
+        state = read_state(lock_dir, path.stem.removeprefix("engine-"))
+        if state is not None:
+            found.append(state)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (our own child that exited and was not reaped yet) is not alive
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True
+
+
+def _open_lock(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def _flock(fd: int, how: int, timeout: float | None = None) -> bool:
+    """flock with a deadline (None: wait for ever); False when it ran out."""
+    if timeout is None:
+        fcntl.flock(fd, how)
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+# -- what to launch --------------------------------------------------------------------------------
+def launch_spec(
+    cfg: Config, stop_ids: list[int], lease: GpuLease | None, model_fingerprint: Any, context: int | None
+) -> LaunchSpec:
+    """The server for this config on the lease's GPU (or the CPU slot), and the identity it serves."""
+    engine, model = cfg.engine, cfg.model
+    slot = f"gpu-{lease.gpu}" if lease is not None else "cpu"
+    port = lease.port if lease is not None else engine.base_port
+    options = {k: v for k, v in engine.options.items() if k not in _CLIENT_OPTIONS}
+    env = {"CUDA_VISIBLE_DEVICES": lease.gpu} if lease is not None else {}
+    if engine.backend == "sglang":
+        from dflash_build.engines.sglang_backend import server_kwargs
+
+        kwargs = server_kwargs(model, options, lease, port)
+        argv = [sys.executable, "-m", "dflash_build.engines.sglang_backend", "serve", hashing.canonical_json(kwargs)]
+    elif engine.backend == "transformers":
+        argv = [
+            *(sys.executable, "-m", "dflash_build.engines.server", "--model", model.path),
+            *("--options", hashing.canonical_json(options), "--stop-ids", ",".join(map(str, stop_ids))),
+            *("--port", str(port), *(("--revision", model.revision) if model.revision else ())),
+        ]
+    elif engine.backend == "llamacpp":
+        argv = [
+            *(sys.executable, "-m", "llama_cpp.server", "--model", model.path, "--host", "127.0.0.1"),
+            *("--port", str(port), "--n_ctx", str(context or 4096)),
+            *("--n_threads", str(int(options.get("threads", 1)))),
+        ]
+    else:
+        raise ValueError(f"config key 'engine.backend': {engine.backend} engines run in the job, not as servers")
+    # the lock an in-process engine takes; a scheduler's assignment needs none (see gpus)
+    gpu_lock = None
+    if lease is not None and lease.source == "lock":
+        gpu_lock = str(engine.lock_dir / f"gpu-{lease.gpu}.lock")
+    identity = {
+        "backend": engine.backend,
+        "model": model.path,
+        "revision": model.revision,
+        "model_fingerprint": model_fingerprint,
+        "context": context,
+        "options": options,
+        "stop_ids": list(stop_ids),
+    }
+    return LaunchSpec(
+        slot=slot,
+        backend=engine.backend,
+        argv=argv,
+        env=env,
+        url=f"http://127.0.0.1:{port}",
+        identity=identity,
+        lock_dir=str(engine.lock_dir),
+        log_dir=str(cfg.logs / "engines"),
+        # the lock an in-process engine takes; a scheduler's assignment needs none (see gpus)
+        gpu_lock=gpu_lock,
+        idle_timeout=engine.idle_timeout,
+        start_timeout=engine.start_timeout,
+        health_path="/v1/models" if engine.backend == "llamacpp" else "/health",  # llama-cpp-python has no /health
+    )
+
+
+# -- the job's side --------------------------------------------------------------------------------
+@dataclass
+class Attached:
+    """Engines one job uses: its own slot's first, then the others of the same identity."""
+
+    urls: list[str]
+    engines: list[dict[str, Any]]
+    _fds: list[int]
+    started: bool  # this job started its own slot's engine
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # drops the shared use lock
+        self._fds.clear()
+
+
+def attach(spec: LaunchSpec, pool: bool = True) -> Attached:
+    """Make sure the slot's engine runs with ``spec``'s identity and hold it; with ``pool``, join every
+    other running engine of that identity too. Blocks while another job starts or replaces the engine."""
+    start_fd = _open_lock(_lock_path(spec.lock_dir, spec.slot, "start"))
+    use_fd = _open_lock(_lock_path(spec.lock_dir, spec.slot, "use"))
+    try:
+        _flock(start_fd, fcntl.LOCK_EX)  # one job at a time decides about this slot
+        state, started = _ensure(spec, use_fd), False
+        if state is None:
+            state, started = _start(spec, use_fd), True
+    except BaseException:
+        os.close(use_fd)
+        raise
+    finally:
+        os.close(start_fd)
+    attached = Attached([state["url"]], [state], [use_fd], started)
+    if pool:
+        for other in running(spec.lock_dir):
+            if other["slot"] == spec.slot or other["identity_key"] != spec.identity_key:
+                continue
+            joined = _join(spec.lock_dir, other)
+            if joined is not None:
+                attached._fds.append(joined)
+                attached.urls.append(other["url"])
+                attached.engines.append(other)
+    return attached
+
+
+def _ensure(spec: LaunchSpec, use_fd: int) -> dict[str, Any] | None:
+    """The slot's running engine if it serves ``spec`` (now held); else stop whatever runs there."""
+    state = read_state(spec.lock_dir, spec.slot)
+    if state is not None and state["identity_key"] == spec.identity_key:
+        _flock(use_fd, fcntl.LOCK_SH)
+        if read_state(spec.lock_dir, spec.slot) == state:  # not stopped while we waited
+            return state
+        fcntl.flock(use_fd, fcntl.LOCK_UN)
+        state = read_state(spec.lock_dir, spec.slot)
+    _flock(use_fd, fcntl.LOCK_EX)  # its users (other identity) finish first
+    if state is not None:
+        log.warning(
+            "engine on %s serves another identity (%s, not %s): stopping it",
+            spec.slot,
+            state["identity_key"],
+            spec.identity_key,
+        )
+        _stop_host(state, "replaced")
+    return None
+
+
+def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
+    """Start a host for ``spec`` (the use lock is held exclusively) and wait until it serves."""
+    fcntl.flock(use_fd, fcntl.LOCK_SH)  # we are its first user; held before the host can see it idle
+    log_dir = Path(spec.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec_file = Path(spec.lock_dir) / f"engine-{spec.slot}.spec.json"
+    atomic.write_json(spec_file, asdict(spec))
+    with open(log_dir / f"{spec.slot}.log", "ab") as out:
+        host = subprocess.Popen(
+            [sys.executable, "-m", "dflash_build.engine_host", "serve", str(spec_file)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # outlives this job and Snakemake's process group
+            env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+    log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host.pid, out.name)
+    deadline = time.monotonic() + spec.start_timeout + 60
+    while True:
+        state = read_state(spec.lock_dir, spec.slot)
+        if state is not None and state["pid"] == host.pid:
+            log.info("engine on %s ready after %.0fs", spec.slot, state["ready_at"] - state["spawned_at"])
+            return state
+        if host.poll() is not None or time.monotonic() > deadline:
+            if host.poll() is None:
+                host.kill()
+            raise EngineFailed(
+                f"the {spec.backend} engine on {spec.slot} did not start (host exit {host.poll()}); "
+                f"its log {out.name} ends:\n{_tail(Path(out.name))}"
+            )
+        time.sleep(POLL_SECONDS)
+
+
+def _join(lock_dir: str, state: dict[str, Any]) -> int | None:
+    """Hold another slot's engine for this job, unless it is stopping."""
+    fd = _open_lock(_lock_path(lock_dir, state["slot"], "use"))
+    if _flock(fd, fcntl.LOCK_SH, timeout=5.0) and read_state(lock_dir, state["slot"]) == state:
+        return fd
+    os.close(fd)
+    return None
+
+
+def _stop_host(state: dict[str, Any], reason: str, wait: float = STOP_GRACE_SECONDS + 30) -> None:
+    """SIGTERM a host (its users are gone: the caller holds the use lock) and wait until it exits."""
+    pid = int(state["pid"])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGUSR1 if reason == "replaced" else signal.SIGTERM)
+    deadline = time.monotonic() + wait
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # its server dies with it (PDEATHSIG)
+
+
+def stop_idle(lock_dir: Path | str, slots: list[str] | None = None) -> list[str]:
+    """Stop every engine (of ``slots``) nobody uses now; returns the slots stopped. An engine another
+    job or build still uses is left to its idle timeout."""
+    stopped = []
+    for state in running(lock_dir):
+        if slots is not None and state["slot"] not in slots:
+            continue
+        fd = _open_lock(_lock_path(lock_dir, state["slot"], "use"))
+        try:
+            if not _flock(fd, fcntl.LOCK_EX, timeout=1.0):
+                continue
+            if read_state(lock_dir, state["slot"]) == state:
+                _stop_host(state, "workflow ended")
+                stopped.append(state["slot"])
+        finally:
+            os.close(fd)
+    return stopped
+
+
+def stop_workflow_engines(cfg: Config) -> list[str]:
+    """At the end of a workflow: stop the unused engines this config's builds started (their logs are
+    under its logs folder); prints what it stopped."""
+    if not served(cfg.engine):
+        return []
+    mine = str(cfg.logs / "engines")
+    slots = [s["slot"] for s in running(cfg.engine.lock_dir) if Path(s["log"]).parent == Path(mine)]
+    stopped = stop_idle(cfg.engine.lock_dir, slots) if slots else []
+    if stopped:
+        print(f"dflash-build: stopped the shared engines on {', '.join(stopped)} (history: {mine}/engines.jsonl)")
+    return stopped
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def _package_root() -> str:
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+# -- the engine a job talks to ---------------------------------------------------------------------
+SHARED_REQUEST_TIMEOUT = 6 * 3600.0  # a request may wait behind other jobs' requests in the engine's queue
+
+
+def concurrency(engine: EngineSpec) -> int:
+    """Requests one job keeps in flight per engine: enough to fill its batch on its own."""
+    if engine.backend == "sglang":
+        from dflash_build.engines.sglang_backend import DEFAULT_MAX_INFLIGHT
+
+        return int(engine.options.get("max_inflight", DEFAULT_MAX_INFLIGHT))
+    if engine.backend == "transformers":
+        return int(engine.options.get("batch_size", 8))
+    return 2  # llama-cpp-python's server answers one request at a time: one waits while one runs
+
+
+class ServedEngine:
+    """The Engine interface over the servers a job is attached to (the openai backend does the HTTP)."""
+
+    def __init__(self, spec: LaunchSpec, attached: Attached, client: Any, stop_on_close: bool) -> None:
+        self.spec, self.attached, self.client, self.stop_on_close = spec, attached, client, stop_on_close
+        self.identity = {
+            "identity_key": spec.identity_key,
+            "started_here": attached.started,
+            "engines": [{k: e[k] for k in ("slot", "url", "pid", "spawned_at", "ready_at")} for e in attached.engines],
+        }
+
+    def generate(self, requests: Any) -> Any:
+        return self.client.generate(requests)
+
+    def interrupt(self) -> None:
+        self.client.interrupt()
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            self.attached.release()
+            if self.stop_on_close:
+                stop_idle(self.spec.lock_dir, [self.spec.slot])
+
+
+def open_engine(
+    cfg: Config,
+    stop_ids: list[int],
+    lease: GpuLease | None,
+    tokenizer: Any,
+    model_fingerprint: Any,
+    context: int | None,
+) -> ServedEngine:
+    """Attach to (starting if needed) the engine servers for this config and return a client of them."""
+    from dflash_build.engines.openai_backend import OpenAIEngine
+
+    spec = launch_spec(cfg, stop_ids, lease, model_fingerprint, context)
+    attached = attach(spec, pool=cfg.engine.shared)
+    try:
+        options = {
+            "urls": attached.urls,
+            "api": "completions" if spec.backend == "llamacpp" else "generate",
+            "concurrency": concurrency(cfg.engine),
+            "timeout": SHARED_REQUEST_TIMEOUT,
+            "retries": int(cfg.engine.options.get("retries", 3)),
+        }
+        client = OpenAIEngine(options, stop_ids, tokenizer, cfg.model.path)
+    except BaseException:
+        attached.release()
+        raise
+    return ServedEngine(spec, attached, client, stop_on_close=not cfg.engine.shared)
+
+
+# -- the host process ------------------------------------------------------------------------------
+class _Host:
+    """Runs one server: GPU lock, child process, readiness, idle timeout, stop, history."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.stop_reason: str | None = None
+        self.spawned_at = time.time()
+        self.busy_seconds = 0.0
+        self.child: subprocess.Popen[bytes] | None = None
+        signal.signal(signal.SIGTERM, lambda *_: self._request_stop("stopped"))
+        signal.signal(signal.SIGUSR1, lambda *_: self._request_stop("replaced"))
+        signal.signal(signal.SIGINT, lambda *_: self._request_stop("interrupted"))
+
+    def _request_stop(self, reason: str) -> None:
+        self.stop_reason = self.stop_reason or reason
+
+    def run(self) -> int:
+        spec = self.spec
+        # One host per slot (a stopping one may still hold its port) and one engine per GPU.
+        locks = [_lock_path(spec.lock_dir, spec.slot, "host")] + ([Path(spec.gpu_lock)] if spec.gpu_lock else [])
+        for path in locks:
+            if not _flock(_open_lock(path), fcntl.LOCK_EX, timeout=spec.start_timeout):
+                log.error("%s is held by another engine for %gs; not starting", path, spec.start_timeout)
+                return 3
+        self.child = subprocess.Popen(
+            spec.argv,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **spec.env},
+            process_group=0,  # its own group: stopping it stops its workers, not this host
+            preexec_fn=_die_with_parent,
+        )
+        log.info("host %d: started %s (pid %d) on %s", os.getpid(), spec.backend, self.child.pid, spec.slot)
+        ready_at = self._wait_ready()
+        if ready_at is None:
+            return self._finish(1, None)
+        state = {
+            "slot": spec.slot,
+            "backend": spec.backend,
+            "url": spec.url,
+            "identity": spec.identity,
+            "identity_key": spec.identity_key,
+            "pid": os.getpid(),
+            "server_pid": self.child.pid,
+            "spawned_at": round(self.spawned_at, 3),
+            "ready_at": round(ready_at, 3),
+            "idle_timeout": spec.idle_timeout,
+            "log": str(Path(spec.log_dir) / f"{spec.slot}.log"),
+        }
+        atomic.write_json(state_path(spec.lock_dir, spec.slot), state)
+        log.info("host %d: %s serves %s (identity %s)", os.getpid(), spec.slot, spec.url, spec.identity_key)
+        # The GPU and host locks stay held until this process exits, after its server is gone.
+        return self._finish(self._serve(), ready_at)
+
+    def _wait_ready(self) -> float | None:
+        assert self.child is not None
+        deadline = time.monotonic() + self.spec.start_timeout
+        while self.stop_reason is None:
+            if self.child.poll() is not None:
+                log.error("the server exited with %s before it answered", self.child.returncode)
+                self.stop_reason = "failed to start"
+                return None
+            try:
+                with urllib.request.urlopen(self.spec.url + self.spec.health_path, timeout=5) as r:
+                    if r.status == 200:
+                        return time.time()
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                log.error("the server did not answer within %gs", self.spec.start_timeout)
+                self.stop_reason = "start timeout"
+                return None
+            time.sleep(POLL_SECONDS)
+        return None
+
+    def _serve(self) -> int:
+        """Until the server dies, a stop is asked for, or nobody used it for the idle timeout."""
+        assert self.child is not None
+        use_fd = _open_lock(_lock_path(self.spec.lock_dir, self.spec.slot, "use"))
+        idle_since = time.monotonic()
+        last = time.monotonic()
+        while self.stop_reason is None:
+            time.sleep(POLL_SECONDS)
+            now = time.monotonic()
+            if self.child.poll() is not None:
+                log.error("the server exited with %s", self.child.returncode)
+                self.stop_reason = f"server exited ({self.child.returncode})"
+                break
+            try:
+                fcntl.flock(use_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a job holds it
+                self.busy_seconds += now - last
+                idle_since = now
+            else:
+                if now - idle_since >= self.spec.idle_timeout:
+                    self.stop_reason = f"idle for {self.spec.idle_timeout:g}s"
+                    state_path(self.spec.lock_dir, self.spec.slot).unlink(missing_ok=True)  # before anyone joins
+                    break
+                fcntl.flock(use_fd, fcntl.LOCK_UN)
+            last = now
+        state_path(self.spec.lock_dir, self.spec.slot).unlink(missing_ok=True)
+        os.close(use_fd)
+        return 0 if self.child.poll() is None else 1
+
+    def _finish(self, code: int, ready_at: float | None) -> int:
+        child = self.child
+        if child is not None and child.poll() is None:
+            _terminate_group(child)
+        stopped_at = time.time()
+        life = stopped_at - self.spawned_at
+        record = {
+            "slot": self.spec.slot,
+            "backend": self.spec.backend,
+            "identity_key": self.spec.identity_key,
+            "host_pid": os.getpid(),
+            "spawned_at": round(self.spawned_at, 3),
+            "ready_at": None if ready_at is None else round(ready_at, 3),
+            "stopped_at": round(stopped_at, 3),
+            "reason": self.stop_reason,
+            "in_use_seconds": round(self.busy_seconds, 3),
+            "life_seconds": round(life, 3),
+        }
+        with open(Path(self.spec.log_dir) / "engines.jsonl", "a") as history:
+            history.write(json.dumps(record) + "\n")
+        log.info(
+            "host %d: stopped (%s) after %.0fs, in use %.0fs", os.getpid(), self.stop_reason, life, self.busy_seconds
+        )
+        return code
+
+
+def _terminate_group(child: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=STOP_GRACE_SECONDS)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)  # its workers too
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=10)
+
+
+def _die_with_parent() -> None:
+    """In the server's process: SIGKILL when the host dies, however it dies (Linux PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), errno.errorcode.get(ctypes.get_errno(), "prctl"))
+
+
+def serve(spec_file: str) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-host: %(message)s")
+    spec = LaunchSpec(**json.loads(Path(spec_file).read_text()))
+    return _Host(spec).run()
+
+
+def describe(states: list[dict[str, Any]]) -> str:
+    """A line per running engine (``dflash-build engines``)."""
+    if not states:
+        return "no engine running"
+    lines = []
+    now = time.time()
+    for s in states:
+        lines.append(
+            f"{s['slot']:<8} {s['backend']:<12} {s['url']:<24} identity {s['identity_key']} "
+            f"up {now - s['ready_at']:.0f}s, host pid {s['pid']}, log {s['log']}"
+        )
+    return "\n".join(lines)
+
+
+def served(engine: EngineSpec) -> bool:
+    """Whether jobs talk to a host's server instead of an engine of their own."""
+    return engine.shared or engine.backend == "llamacpp"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m dflash_build.engine_host serve SPEC_FILE")
+    sys.exit(serve(sys.argv[2]))

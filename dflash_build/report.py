@@ -1,0 +1,324 @@
+"""What a built dataset is and what it cost: tables, plots and the dataset card of ``dist/NAME``.
+
+The mix stage tallies every row it writes (:class:`Tally`) and reads each source's generation sidecars
+(:func:`generation_stats`); :func:`tables` turns both into per-source and per-category numbers kept in
+the manifest (``report``), :func:`write_plots` draws them (matplotlib, PNG, into ``plots/``) and
+:func:`card_body` lays out the card's tables and plots. The end of a build prints :func:`summary`.
+Snakemake's ``--report`` picks up the plots and the CSV tables of the dataset folder (rules/mix.smk).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from dflash_build import records as R
+from dflash_build.plan import Plan
+
+PLOTS = {
+    "category_mix.png": "Tokens per category: achieved share against the target share.",
+    "completion_length_by_category.png": "Completion length (generated tokens per sample) per category, mean and P90.",
+    "finish_reasons_by_source.png": "How each source's generated rows ended (from the generation sidecars).",
+    "prompt_vs_completion_by_source.png": "Mean prompt and completion tokens per sample, per source.",
+}
+TABLES = ("tables/by_source.csv", "tables/by_category.csv")
+
+
+def percentile(values: list[int], q: float) -> int:
+    if not values:
+        return 0
+    return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
+
+
+def length_stats(lengths: list[int]) -> dict[str, float | int]:
+    values = sorted(lengths)
+    return {
+        "mean": round(sum(values) / len(values), 2) if values else 0,
+        "p50": percentile(values, 0.5),
+        "p90": percentile(values, 0.9),
+        "max": values[-1] if values else 0,
+    }
+
+
+class Tally:
+    """Per-row numbers of the rows the mix writes, by source and by category."""
+
+    def __init__(self) -> None:
+        self.completion: dict[str, dict[str, list[int]]] = {"source": defaultdict(list), "category": defaultdict(list)}
+        self.prompt_tokens: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
+        self.finish: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def add(self, row: dict[str, Any]) -> None:
+        generated = row["n_loss_tokens"]
+        for by in ("source", "category"):
+            self.completion[by][row[by]].append(generated)
+            self.prompt_tokens[by][row[by]] += row["n_tokens"] - generated
+        self.finish[row["source"]][row["finish_reason"]] += 1
+
+
+def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
+    """A source's generate sidecars summed: row outcomes, reuse, job hours and engine throughput."""
+    engine = plan.config.engine
+    from dflash_build.engines import uses_gpu
+
+    gpus_per_job = (1 / engine.jobs_per_engine if engine.shared else 1.0) if uses_gpu(engine) else 0.0
+    total: Counter[str] = Counter()
+    wall = engine_tokens = 0.0
+    shards = 0
+    for path in sorted(plan.completion_dir(source).glob("*.stats.json")):
+        stats = json.loads(path.read_text())
+        shards += 1
+        for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED, R.STAT_REUSED,
+                    R.STAT_CONTINUED, R.STAT_GENERATED):  # fmt: skip
+            total[key] += int(stats.get(key) or 0)
+        seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
+        if stats.get("restored_from") is None:  # a restore repeats the numbers of the run that generated it
+            wall += seconds
+            engine_tokens += float(stats.get(R.STAT_OUTPUT_TOK_PER_S) or 0) * seconds
+    rows = total[R.STAT_INPUT_ROWS]
+    return {
+        "shards": shards,
+        **{k: total[k] for k in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED)},
+        "truncation_rate": round(total[R.STAT_TRUNCATED] / rows, 6) if rows else 0.0,
+        "error_rate": round((total[R.STAT_ERROR] + total[R.STAT_SKIPPED]) / rows, 6) if rows else 0.0,
+        "reuse_rate": round((total[R.STAT_REUSED] + total[R.STAT_CONTINUED]) / rows, 6) if rows else 0.0,
+        "job_hours": round(wall / 3600, 4),
+        "gpu_hours": round(wall / 3600 * gpus_per_job, 4),
+        "engine_tok_per_s": round(engine_tokens / wall, 2) if wall else None,
+    }
+
+
+def tables(plan: Plan, tally: Tally) -> dict[str, dict[str, dict[str, Any]]]:
+    """The report's per-source and per-category numbers (kept in the manifest under ``report``)."""
+    by_source: dict[str, dict[str, Any]] = {}
+    for name, sp in plan.sources.items():
+        lengths = tally.completion["source"].get(name, [])
+        by_source[name] = {
+            "category": sp.spec.category,
+            "rows": len(lengths),
+            "prompt_tokens": tally.prompt_tokens["source"][name],
+            "completion_tokens": sum(lengths),
+            "completion_length": length_stats(lengths),
+            "finish_reasons": dict(sorted(tally.finish[name].items())),
+            "generation": generation_stats(plan, name),
+        }
+    by_category: dict[str, dict[str, Any]] = {}
+    for category in plan.config.mix_categories:
+        lengths = tally.completion["category"].get(category, [])
+        gens = [s["generation"] for s in by_source.values() if s["category"] == category]
+        rows = sum(g[R.STAT_INPUT_ROWS] for g in gens)
+        by_category[category] = {
+            "rows": len(lengths),
+            "prompt_tokens": tally.prompt_tokens["category"][category],
+            "completion_tokens": sum(lengths),
+            "completion_length": length_stats(lengths),
+            "truncation_rate": round(sum(g[R.STAT_TRUNCATED] for g in gens) / rows, 6) if rows else 0.0,
+            "error_rate": round(sum(g[R.STAT_ERROR] + g[R.STAT_SKIPPED] for g in gens) / rows, 6) if rows else 0.0,
+            "gpu_hours": round(sum(g["gpu_hours"] for g in gens), 4),
+        }
+    return {"by_source": by_source, "by_category": by_category}
+
+
+# -- tables as text ----------------------------------------------------------------------------------
+# rows, tokens and completion length: the same columns in both tables
+_SIZE_COLUMNS = (
+    ("rows", lambda n, s: s["rows"]),
+    ("prompt tok", lambda n, s: s["prompt_tokens"]),
+    ("completion tok", lambda n, s: s["completion_tokens"]),
+    *((k, lambda n, s, k=k: s["completion_length"][k]) for k in ("mean", "p50", "p90", "max")),
+)
+_SOURCE_COLUMNS = (
+    ("source", lambda n, s: n),
+    ("category", lambda n, s: s["category"]),
+    *_SIZE_COLUMNS,
+    ("truncated", lambda n, s: f"{s['generation']['truncation_rate']:.1%}"),
+    ("failed", lambda n, s: f"{s['generation']['error_rate']:.1%}"),
+    ("reused", lambda n, s: f"{s['generation']['reuse_rate']:.1%}"),
+    ("GPU-h", lambda n, s: f"{s['generation']['gpu_hours']:.2f}"),
+    ("tok/s", lambda n, s: s["generation"]["engine_tok_per_s"] or "-"),
+)
+_CATEGORY_COLUMNS = (
+    ("category", lambda n, s: n),
+    *_SIZE_COLUMNS,
+    ("truncated", lambda n, s: f"{s['truncation_rate']:.1%}"),
+    ("failed", lambda n, s: f"{s['error_rate']:.1%}"),
+    ("GPU-h", lambda n, s: f"{s['gpu_hours']:.2f}"),
+)
+
+
+def _rows(table: dict[str, dict[str, Any]], columns: Any) -> list[list[str]]:
+    return [[str(get(name, entry)) for _, get in columns] for name, entry in table.items()]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    out = []
+    for title, key, columns in (("By source", "by_source", _SOURCE_COLUMNS), ("By category", "by_category",
+                                                                              _CATEGORY_COLUMNS)):  # fmt: skip
+        head = [c for c, _ in columns]
+        out += [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(r) + " |" for r in _rows(report[key], columns)]
+        out.append("")
+    return "\n".join(out)
+
+
+def plain(report: dict[str, Any]) -> str:
+    """The per-source table as aligned text (the end-of-build summary)."""
+    head = [c for c, _ in _SOURCE_COLUMNS]
+    rows = [head, *_rows(report["by_source"], _SOURCE_COLUMNS)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    )
+
+
+def write_tables(folder: Path, report: dict[str, Any]) -> None:
+    from dflash_build import atomic
+
+    for name, key, columns in (
+        (TABLES[0], "by_source", _SOURCE_COLUMNS),
+        (TABLES[1], "by_category", _CATEGORY_COLUMNS),
+    ):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        with atomic.atomic_open(folder / name) as f:
+            writer = csv.writer(f)
+            writer.writerow([c for c, _ in columns])
+            writer.writerows(_rows(report[key], columns))
+
+
+# -- plots -------------------------------------------------------------------------------------------
+def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[str]:
+    """The four PNGs of the card into ``folder/plots``; returns their paths relative to ``folder``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a build node
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out = folder / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    categories = manifest["mix"]["categories"]
+    report = manifest["report"]
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(f"plots/{name}")
+
+    # achieved vs target share
+    names = list(categories)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(names)), 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [100 * categories[c]["target_share"] for c in names], 0.4, label="target")
+    ax.bar([i + 0.2 for i in x], [100 * categories[c]["achieved_share"] for c in names], 0.4, label="achieved")
+    ax.set_xticks(list(x), names, rotation=20, ha="right")
+    ax.set_ylabel("share of tokens (%)")
+    ax.set_title(f"{manifest['dataset']}: category mix ({manifest['tokens']:,} tokens)")
+    ax.legend()
+    save(fig, "category_mix.png")
+
+    # completion length histograms, one panel per category
+    cols = min(3, max(1, len(names)))
+    panels = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(panels, cols, figsize=(4.2 * cols, 3.0 * panels), squeeze=False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        lengths = tally.completion["category"].get(name, [])
+        stats = report["by_category"][name]["completion_length"]
+        ax.hist(lengths or [0], bins=min(40, max(5, len(lengths))), color="tab:blue", alpha=0.8)
+        ax.axvline(stats["mean"], color="tab:orange", label=f"mean {stats['mean']:.0f}")
+        ax.axvline(stats["p90"], color="tab:red", linestyle="--", label=f"P90 {stats['p90']}")
+        ax.set_title(f"{name} ({len(lengths)} sample{'' if len(lengths) == 1 else 's'})")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("generated tokens per sample")
+        ax.set_ylabel("samples")
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    save(fig, "completion_length_by_category.png")
+
+    # finish reasons per source (generation outcomes, as fractions of the source's rows)
+    sources = list(report["by_source"])
+    kinds = (("ok", R.STAT_OK), ("truncated", R.STAT_TRUNCATED), ("error/abort", R.STAT_ERROR),
+             ("skipped", R.STAT_SKIPPED))  # fmt: skip
+    height = max(2.5, 0.35 * len(sources) + 1.2)
+    fig, ax = plt.subplots(figsize=(8, height))
+    left = [0.0] * len(sources)
+    for label, key in kinds:
+        values = []
+        for s in sources:
+            gen = report["by_source"][s]["generation"]
+            values.append(100 * gen[key] / gen[R.STAT_INPUT_ROWS] if gen[R.STAT_INPUT_ROWS] else 0.0)
+        ax.barh(sources, values, left=left, label=label)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_xlabel("share of generated rows (%)")
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()
+    ax.set_title("finish reasons per source")
+    ax.legend(ncols=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
+    save(fig, "finish_reasons_by_source.png")
+
+    # mean prompt vs completion tokens per source
+    fig, ax = plt.subplots(figsize=(8, height))
+    ys = range(len(sources))
+    prompt = [_mean(report["by_source"][s]["prompt_tokens"], report["by_source"][s]["rows"]) for s in sources]
+    completion = [_mean(report["by_source"][s]["completion_tokens"], report["by_source"][s]["rows"]) for s in sources]
+    ax.barh([y - 0.2 for y in ys], prompt, 0.4, label="prompt")
+    ax.barh([y + 0.2 for y in ys], completion, 0.4, label="completion")
+    ax.set_yticks(list(ys), sources)
+    ax.invert_yaxis()
+    ax.set_xlabel("mean tokens per sample")
+    ax.set_title("prompt vs completion length per source")
+    ax.legend(ncols=2, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
+    save(fig, "prompt_vs_completion_by_source.png")
+    return written
+
+
+def _mean(total: int, rows: int) -> float:
+    return total / rows if rows else 0.0
+
+
+def recipe(manifest: dict[str, Any]) -> str:
+    """How the data was made: model, template, and per source its input, sampling and content keys."""
+    model = manifest.get("model") or {}
+    lines = [
+        "## Recipe",
+        "",
+        f"- model: `{model.get('path')}`" + (f" at `{model['revision']}`" if model.get("revision") else ""),
+        f"- model fingerprint (weights, config, tokenizer): `{_digest(manifest.get('model_fingerprint'))}`",
+        f"- chat template fingerprint: `{_digest(manifest.get('template_fingerprint'))}`",
+        "",
+        "| source | category | input | sampling | prompt_key | gen_key | tok_key |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in manifest["sources"].items():
+        gen = s["components"]["gen"]
+        sampling = ", ".join(f"{k} {v}" for k, v in gen["sampling"].items())
+        source_input = json.dumps(s["components"]["prompt"]["input"], sort_keys=True)
+        if len(source_input) > 120:
+            source_input = source_input[:117] + "..."
+        lines.append(
+            f"| {name} | {s['category']} | `{source_input}` | {sampling} | `{s['prompt_key']}` | `{s['gen_key']}` "
+            f"| `{s['tok_key']}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _digest(fingerprint: Any) -> str:
+    value = fingerprint.get("digest") if isinstance(fingerprint, dict) else fingerprint
+    return str(value or "")[:16]
+
+
+def card_body(manifest: dict[str, Any]) -> str:
+    """The card's report: tables, then each plot with its caption."""
+    plots = "\n\n".join(f"![{caption}]({path})\n\n*{caption}*" for path, caption in _plot_captions(manifest))
+    return f"## Report\n\n{markdown(manifest['report'])}\n{plots}\n"
+
+
+def _plot_captions(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(p, PLOTS[Path(p).name]) for p in manifest.get("plots", [])]

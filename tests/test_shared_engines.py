@@ -1,0 +1,307 @@
+"""Long-lived engines shared by consecutive jobs (dflash_build.engine_host), on real servers: our own
+server around the transformers backend on a tiny model (fake GPU ids on the CPU, as the pinning tests
+do) and llama.cpp's server on the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_build import config as config_mod
+from dflash_build import engine_host, workflow
+from dflash_build.engines import Request, SamplingParams
+from dflash_build.gpus import GpuLease, job_locks
+from tests.conftest import Workflow, base_config, write_jsonl
+
+
+def _source(data: Path, n: int) -> dict[str, Any]:
+    write_jsonl(data / "p.jsonl", [{"instruction": f"Write line number {i} of a poem."} for i in range(n)])
+    return {"poems": {"category": "general", "files": [str(data / "p.jsonl")], "format": "alpaca"}}
+
+
+def _alive(pid: int) -> bool:
+    return engine_host._alive(pid)
+
+
+def _wait(predicate: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds}s: {what}")
+        time.sleep(0.1)
+
+
+def _history(logs: Path) -> list[dict[str, Any]]:
+    path = logs / "engines" / "engines.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _rows(store: Path) -> dict[tuple[str, int], tuple[Any, ...]]:
+    out = {}
+    for path in sorted((store / "completions").rglob("*.parquet")):
+        for r in pq.read_table(path).to_pylist():
+            out[(r["prompt_id"], r["sample_idx"])] = (r["seed"], r["prompt_ids"], r["output_ids"], r["finish_reason"])
+    return out
+
+
+# -- through Snakemake -------------------------------------------------------------------------------
+def _workflow(root: Path, model: Path, shared: bool, n: int = 12, **engine: Any) -> Workflow:
+    config = base_config(model, _source(root / "data", n), shard_size=2)
+    config["engine"].update(gpus=["0", "1"], lock_dir=str(root / "locks"), shared=shared, **engine)
+    config["sampling"]["max_new_tokens"] = 8
+    wf = Workflow(root / "work")
+    wf.workdir.mkdir(parents=True, exist_ok=True)
+    wf.write_config(config)
+    return wf
+
+
+@pytest.fixture(scope="module")
+def per_job_rows(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[tuple[str, int], Any]:
+    wf = _workflow(tmp_path_factory.mktemp("per-job"), tiny_model, shared=False)
+    wf.run("--resources", "gpu=2", "--until", "generate", cores=4)
+    assert not _history(wf.workdir / "logs"), "jobs on their own engines start no engine host"
+    return _rows(wf.workdir / "store")
+
+
+def test_shared_engines_write_exactly_what_per_job_engines_write(
+    tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
+) -> None:
+    wf = _workflow(tmp_path, tiny_model, shared=True)
+    proc = wf.run("--resources", "gpu=2", "--until", "generate", cores=6)
+    assert "gpu_jobs=" in proc.stdout + proc.stderr, "the rule asks for gpu_jobs, registered as gpu x jobs_per_engine"
+    assert _rows(wf.workdir / "store") == per_job_rows, "a shared engine must not change a single row"
+
+    history = _history(wf.workdir / "logs")
+    assert sorted(h["slot"] for h in history) == ["gpu-0", "gpu-1"], f"one engine per GPU for all 6 jobs: {history}"
+    assert all(h["reason"] == "stopped" for h in history), "the workflow's end stops its engines"
+    assert not engine_host.running(tmp_path / "locks")
+    stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").rglob("*.stats.json")]
+    assert len(stats) == 6
+    keys = {s["engine"]["served"]["identity_key"] for s in stats}
+    assert len(keys) == 1, "every job wanted the same engine"
+    started = sum(s["engine"]["served"]["started_here"] for s in stats)
+    assert started == 2, "the first job on each GPU started its engine; the others reused it"
+    # jobs feed every running engine of their identity, not only their own GPU's
+    assert any(len(s["engine"]["served"]["engines"]) == 2 for s in stats)
+    # at most jobs_per_engine jobs per GPU at once (gpu_jobs = 2 x 2), each holding its own place
+    spans = [(s["started_at"], s["finished_at"]) for s in stats]
+    for t in itertools.chain.from_iterable(spans):
+        assert sum(a <= t < b for a, b in spans) <= 4
+
+
+def test_kill_9_of_everything_leaves_no_engine_behind_and_a_rerun_finishes(
+    tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
+) -> None:
+    wf = _workflow(tmp_path, tiny_model, shared=True, idle_timeout=3)
+    cmd, env = wf.command("--resources", "gpu=2", "--until", "generate", cores=6)
+    proc = subprocess.Popen(
+        cmd, cwd=wf.workdir, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    locks = tmp_path / "locks"
+    _wait(lambda: engine_host.running(locks), 120, "a shared engine started")
+    states = engine_host.running(locks)
+    os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and every job, as a lost node would
+    proc.wait()
+    for s in states:
+        assert _alive(s["pid"]), "the engine outlives the jobs (its own session)"
+    _wait(lambda: not any(_alive(s["pid"]) or _alive(s["server_pid"]) for s in states), 30, "idle engines stopped")
+    assert all(h["reason"] == "idle for 3s" for h in _history(wf.workdir / "logs"))
+    for s in states:  # nothing holds the GPU
+        fd = os.open(locks / f"{s['slot']}.lock", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+
+    wf.run("--unlock")
+    wf.run("--resources", "gpu=2", "--until", "generate", "--rerun-incomplete", cores=6)
+    assert _rows(wf.workdir / "store") == per_job_rows
+
+
+# -- the host itself ---------------------------------------------------------------------------------
+def _config(root: Path, raw: dict[str, Any]) -> config_mod.Config:
+    path = root / "config.yaml"
+    path.write_text(json.dumps(raw))
+    return config_mod.load(path)
+
+
+def _spec(root: Path, model: Path, gpu: str = "0", idle_timeout: float = 600, **options: Any) -> engine_host.LaunchSpec:
+    cfg = _config(
+        root,
+        {
+            **base_config(model, _source(root / "data", 1)),
+            "logs": str(root / "logs"),
+            "engine": {
+                "backend": "transformers",
+                "options": {"device": "cpu", "batch_size": 4, "threads": 1, **options},
+                "lock_dir": str(root / "locks"),
+                "shared": True,
+                "idle_timeout": idle_timeout,
+                "start_timeout": 120,
+                "base_port": 32000 + os.getpid() % 1000 * 10,
+            },
+        },
+    )
+    lease = GpuLease(gpu, int(gpu), cfg.engine.base_port + 10 * int(gpu), "lock", time.time())
+    return engine_host.launch_spec(cfg, [2], lease, {"weights": str(model)}, 2048)
+
+
+def test_a_job_reuses_a_matching_engine_and_replaces_another_once_its_users_are_done(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    spec_a = _spec(tmp_path, tiny_model)
+    first = engine_host.attach(spec_a)
+    assert first.started
+    pid_a = first.engines[0]["pid"]
+    second = engine_host.attach(spec_a)
+    assert not second.started and second.engines[0]["pid"] == pid_a, "same identity: the running engine serves"
+    first.release()
+
+    spec_b = _spec(tmp_path, tiny_model, dtype="bfloat16")  # a keyed option: another identity
+    assert spec_b.identity_key != spec_a.identity_key and spec_b.slot == spec_a.slot
+    got: list[engine_host.Attached] = []
+    waiter = threading.Thread(target=lambda: got.append(engine_host.attach(spec_b)))
+    waiter.start()
+    time.sleep(2)
+    assert not got and _alive(pid_a), "the engine is not replaced under a job that still uses it"
+    second.release()
+    waiter.join(timeout=120)
+    assert got and got[0].started
+    assert not _alive(pid_a)
+    assert engine_host.read_state(spec_b.lock_dir, spec_b.slot)["identity_key"] == spec_b.identity_key
+    assert [h["reason"] for h in _history(tmp_path / "logs")] == ["replaced"]
+    got[0].release()
+    assert engine_host.stop_idle(spec_b.lock_dir) == [spec_b.slot]
+
+
+def test_an_unused_engine_stops_after_its_idle_timeout_and_frees_its_gpu(tmp_path: Path, tiny_model: Path) -> None:
+    spec = _spec(tmp_path, tiny_model, idle_timeout=1)
+    attached = engine_host.attach(spec)
+    state = attached.engines[0]
+    time.sleep(2.5)
+    assert _alive(state["pid"]), "in use: no idle timeout"
+    attached.release()
+    _wait(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the idle engine stopped")
+    assert engine_host.read_state(spec.lock_dir, spec.slot) is None
+    assert [h["reason"] for h in _history(tmp_path / "logs")] == ["idle for 1s"]
+    fd = os.open(spec.gpu_lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the GPU is free again
+    os.close(fd)
+
+
+def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_model: Path) -> None:
+    spec = _spec(tmp_path, tiny_model)
+    attached = engine_host.attach(spec)
+    state = attached.engines[0]
+    os.kill(state["pid"], signal.SIGKILL)
+    _wait(lambda: not _alive(state["server_pid"]), 10, "the server followed its host (PDEATHSIG)")
+    assert engine_host.read_state(spec.lock_dir, spec.slot) is None, "a dead host's state does not count"
+    attached.release()
+
+
+def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tiny_model: Path) -> None:
+    """The same requests through the server (as two jobs at once) and through the backend in-process."""
+    from dflash_build import chat
+    from dflash_build.config import ModelSpec
+    from dflash_build.engines.openai_backend import OpenAIEngine
+    from dflash_build.engines.transformers_backend import TransformersEngine
+
+    spec = _spec(tmp_path, tiny_model)
+    stop = spec.identity["stop_ids"]
+    params = SamplingParams(0.8, 0.95, 50, 0.0, 12)
+    requests = [Request(f"p{i}", 0, list(range(10, 14 + i % 5)), params, 1000 + i) for i in range(16)]
+    own = TransformersEngine(str(tiny_model), {"device": "cpu", "batch_size": 3}, stop)
+    expected = {r.prompt_id: r for r in own.generate(requests)}
+    tokenizer = chat.load_tokenizer(ModelSpec(str(tiny_model), None, None, None, {}))
+    attached = [engine_host.attach(spec), engine_host.attach(spec)]
+    clients = [
+        OpenAIEngine({"urls": a.urls, "api": "generate", "concurrency": 5}, stop, tokenizer, str(tiny_model))
+        for a in attached
+    ]
+    answers: dict[str, Any] = {}
+
+    def feed(client: OpenAIEngine, part: list[Request]) -> None:
+        answers.update({r.prompt_id: r for r in client.generate(part)})
+
+    threads = [threading.Thread(target=feed, args=(c, requests[i::2])) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c, a in zip(clients, attached, strict=True):
+        c.close()
+        a.release()
+    engine_host.stop_idle(spec.lock_dir)
+    assert {k: (r.output_ids, r.finish_reason, r.stop_token_id) for k, r in answers.items()} == {
+        k: (r.output_ids, r.finish_reason, r.stop_token_id) for k, r in expected.items()
+    }
+
+
+# -- llama.cpp's server, per job and shared ----------------------------------------------------------
+@pytest.mark.parametrize("shared", [False, True])
+def test_llamacpp_engines_start_per_job_or_once(tmp_path: Path, gguf_path: Path, shared: bool) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by make setup")
+    config = base_config(gguf_path, _source(tmp_path / "data", 6), shard_size=2)
+    config["engine"] = {
+        "backend": "llamacpp",
+        "options": {"threads": 2},
+        "lock_dir": str(tmp_path / "locks"),
+        "shared": shared,
+        "base_port": 33000 + os.getpid() % 1000 * 10,
+    }
+    config["sampling"]["max_new_tokens"] = 4
+    wf = Workflow(tmp_path / "work")
+    wf.workdir.mkdir()
+    wf.write_config(config)
+    wf.run("--until", "generate", cores=1)
+    history = _history(wf.workdir / "logs")
+    assert len(history) == (1 if shared else 3), history
+    assert not engine_host.running(tmp_path / "locks")
+    rows = _rows(wf.workdir / "store")
+    assert len(rows) == 6 and all(r[3] in ("stop", "length") for r in rows.values())
+
+
+# -- units -------------------------------------------------------------------------------------------
+def test_generate_resources_turn_gpus_into_job_places() -> None:
+    def engine(**kw: Any) -> config_mod.EngineSpec:
+        base = dict(
+            backend="sglang",
+            options={},
+            gpus=None,
+            lock_dir=Path("/l"),
+            gpu_wait_seconds=1,
+            base_port=1,
+            journal_flush_rows=1,
+            journal_flush_seconds=1,
+        )
+        return config_mod.EngineSpec(**{**base, **kw})
+
+    assert workflow.generate_resources(engine(), 8) == (1, 0, None)
+    assert workflow.generate_resources(engine(shared=True), 8) == (0, 1, 16)
+    assert workflow.generate_resources(engine(shared=True, jobs_per_engine=3), 8) == (0, 1, 24)
+    assert workflow.generate_resources(engine(shared=True), None) == (0, 1, None)
+    assert workflow.generate_resources(engine(backend="llamacpp"), 8) == (0, 0, None)
+    places = job_locks(engine(shared=True), ["0", "1"])
+    assert [(s, p.name) for s, p in places] == [
+        (0, "gpu-0.job-0.lock"),
+        (1, "gpu-1.job-0.lock"),
+        (0, "gpu-0.job-1.lock"),
+        (1, "gpu-1.job-1.lock"),
+    ]
+    assert [p.name for _, p in job_locks(engine(), ["0", "1"])] == ["gpu-0.lock", "gpu-1.lock"]
+
+
+def test_the_openai_backend_cannot_be_shared(tmp_path: Path, tiny_model: Path) -> None:
+    config = base_config(tiny_model, _source(tmp_path, 1))
+    config["engine"] = {"backend": "openai", "options": {"urls": ["http://x"]}, "shared": True}
+    with pytest.raises(config_mod.ConfigError, match=r"engine\.shared"):
+        _config(tmp_path, config)
