@@ -52,6 +52,7 @@ from dflash_build.gpus import GpuLease
 log = logging.getLogger(__name__)
 SERVED_BACKENDS = ("sglang", "transformers", "llamacpp")  # what a host can run as a server
 POLL_SECONDS = 0.2
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never via a proxy
 STOP_GRACE_SECONDS = 30.0
 # Driver-side options: how a job talks to the engine, not what the engine is.
 _CLIENT_OPTIONS = frozenset({"max_inflight", "retries"})
@@ -194,7 +195,7 @@ def launch_spec(
         url=f"http://127.0.0.1:{port}",
         identity=identity,
         lock_dir=str(engine.lock_dir),
-        log_dir=str(cfg.logs / "engines"),
+        log_dir=str((cfg.logs / "engines").resolve()),  # absolute: the host and other workdirs read it
         # the lock an in-process engine takes; a scheduler's assignment needs none (see gpus)
         gpu_lock=gpu_lock,
         idle_timeout=engine.idle_timeout,
@@ -347,8 +348,8 @@ def stop_workflow_engines(cfg: Config) -> list[str]:
     under its logs folder); prints what it stopped."""
     if not served(cfg.engine):
         return []
-    mine = str(cfg.logs / "engines")
-    slots = [s["slot"] for s in running(cfg.engine.lock_dir) if Path(s["log"]).parent == Path(mine)]
+    mine = (cfg.logs / "engines").resolve()
+    slots = [s["slot"] for s in running(cfg.engine.lock_dir) if Path(s["log"]).parent == mine]
     stopped = stop_idle(cfg.engine.lock_dir, slots) if slots else []
     if stopped:
         print(f"dflash-build: stopped the shared engines on {', '.join(stopped)} (history: {mine}/engines.jsonl)")
@@ -499,7 +500,7 @@ class _Host:
                 self.stop_reason = "failed to start"
                 return None
             try:
-                with urllib.request.urlopen(self.spec.url + self.spec.health_path, timeout=5) as r:
+                with _DIRECT.open(self.spec.url + self.spec.health_path, timeout=5) as r:
                     if r.status == 200:
                         return time.time()
             except OSError:

@@ -31,7 +31,7 @@ TABLES = ("tables/by_source.csv", "tables/by_category.csv")
 def percentile(values: list[int], q: float) -> int:
     if not values:
         return 0
-    return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 def length_stats(lengths: list[int]) -> dict[str, float | int]:

@@ -15,5 +15,7 @@ PREP_VERSION = 2
 GEN_VERSION = 3
 TOK_VERSION = 1
 # 2: data file names carry a digest of their content.
-MIX_VERSION = 2
+# 3: the folder also holds the report (card recipe and tables, plots/, tables/); in the mix's params, so
+# a dataset built before gets it on the next run.
+MIX_VERSION = 3
 PACK_VERSION = 1

@@ -3,6 +3,7 @@ from snakemake.utils import validate
 import dflash_build.config
 import dflash_build.engines
 import dflash_build.plan
+import dflash_build.versions
 import dflash_build.workflow
 from dflash_build.hashing import canonical_json
 from dflash_build.mix import summary
@@ -84,6 +85,7 @@ def get_mix_params():
             "budget_tokens": CONFIG.mix_budget_tokens,
             "seed": CONFIG.mix_seed,
             "rows_per_file": CONFIG.rows_per_file,
+            "scheme": dflash_build.versions.MIX_VERSION,
         }
     )
 

@@ -115,7 +115,8 @@ def closest(name: str, known: Iterable[str]) -> str:
 
 
 def uses_gpu(engine: EngineSpec) -> bool:
-    """Whether a generation job holds a GPU (so the rule asks for ``gpu=1`` and pins one)."""
+    """Whether a generation job is pinned to a GPU (the rule asks for ``gpu=1``, or ``gpu_jobs=1`` with
+    shared engines, and the job takes a free GPU or a free place on one)."""
     if engine.backend in ("openai", "llamacpp"):
         return False  # the servers own their GPUs; llama.cpp runs on the CPU here
     if engine.backend == "sglang":
