@@ -47,6 +47,7 @@ from typing import Any
 from dflash_build import atomic, hashing
 from dflash_build.config import Config, EngineSpec
 from dflash_build.engines import EngineFailed
+from dflash_build.engines.sglang_backend import OWN_OPTIONS
 from dflash_build.gpus import GpuLease
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ SERVED_BACKENDS = ("sglang", "transformers", "llamacpp")  # what a host can run 
 POLL_SECONDS = 0.2
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never via a proxy
 STOP_GRACE_SECONDS = 30.0
-# Driver-side options: how a job talks to the engine, not what the engine is.
-_CLIENT_OPTIONS = frozenset({"max_inflight", "retries"})
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,8 @@ def launch_spec(
     engine, model = cfg.engine, cfg.model
     slot = f"gpu-{lease.gpu}" if lease is not None else "cpu"
     port = lease.port if lease is not None else engine.base_port
-    options = {k: v for k, v in engine.options.items() if k not in _CLIENT_OPTIONS}
+    # the driver's own options (how a job talks to the engine) are not what the engine is
+    options = {k: v for k, v in engine.options.items() if k not in OWN_OPTIONS}
     env = {"CUDA_VISIBLE_DEVICES": lease.gpu} if lease is not None else {}
     if engine.backend == "sglang":
         from dflash_build.engines.sglang_backend import server_kwargs

@@ -367,9 +367,8 @@ def write_fields_module() -> None:
 # -- a long-lived server (engine.shared) -----------------------------------------------------------
 def server_kwargs(model: ModelSpec, options: Mapping[str, Any], lease: GpuLease | None, port: int) -> dict[str, Any]:
     """``ServerArgs`` of the HTTP server that engine_host keeps on one GPU: the in-process engine's, on
-    localhost at the GPU slot's port (the options the driver keeps for itself are not SGLang's)."""
-    own = {k: v for k, v in options.items() if k not in OWN_OPTIONS}
-    return {**server_args(model, own, lease), "host": "127.0.0.1", "port": port}
+    localhost at the GPU slot's port (server_args leaves out the options the driver keeps for itself)."""
+    return {**server_args(model, options, lease), "host": "127.0.0.1", "port": port}
 
 
 def serve(kwargs: Mapping[str, Any]) -> None:
