@@ -116,9 +116,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # a zombie (our own child that exited and was not reaped yet) is not alive
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+    # A zombie (exited, not reaped yet) is gone, but only once its last thread is: a multi-threaded
+    # process's leader shows Z while its other threads still exit, and they still hold its locks.
+    with contextlib.suppress(OSError, ValueError):
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
+        if status["State"].split()[0] == "Z" and int(status["Threads"]) <= 1:
             return False
     return True
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,17 @@ def _source(data: Path, n: int) -> dict[str, Any]:
 
 def _alive(pid: int) -> bool:
     return engine_host._alive(pid)
+
+
+def _lock_free(path: Path) -> bool:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _wait(predicate: Any, seconds: float, what: str) -> None:
@@ -118,9 +130,7 @@ def test_kill_9_of_everything_leaves_no_engine_behind_and_a_rerun_finishes(
     _wait(lambda: not any(_alive(s["pid"]) or _alive(s["server_pid"]) for s in states), 30, "idle engines stopped")
     assert all(h["reason"] == "idle for 3s" for h in _history(wf.workdir / "logs"))
     for s in states:  # nothing holds the GPU
-        fd = os.open(locks / f"{s['slot']}.lock", os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.close(fd)
+        assert _lock_free(locks / f"{s['slot']}.lock"), f"{s['slot']}'s lock is held after its host is gone"
 
     wf.run("--unlock")
     wf.run("--resources", "gpu=2", "--until", "generate", "--rerun-incomplete", cores=6)
@@ -193,9 +203,7 @@ def test_an_unused_engine_stops_after_its_idle_timeout_and_frees_its_gpu(tmp_pat
     _wait(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the idle engine stopped")
     assert engine_host.read_state(spec.lock_dir, spec.slot) is None
     assert [h["reason"] for h in _history(tmp_path / "logs")] == ["idle for 1s"]
-    fd = os.open(spec.gpu_lock, os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the GPU is free again
-    os.close(fd)
+    assert _lock_free(Path(spec.gpu_lock)), "the GPU is free again"
 
 
 def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_model: Path) -> None:
@@ -271,6 +279,34 @@ def test_llamacpp_engines_start_per_job_or_once(tmp_path: Path, gguf_path: Path,
 
 
 # -- units -------------------------------------------------------------------------------------------
+_LEADER_EXITS_FIRST = """
+import ctypes, fcntl, os, sys, threading, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+threading.Thread(target=time.sleep, args=(float(sys.argv[2]),)).start()
+print("locked", flush=True)
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit on x86-64: only this (the leader) thread exits
+"""
+
+
+def test_a_process_is_alive_until_its_last_thread_exits(tmp_path: Path) -> None:
+    """A leader thread shows Z while the process's other threads run and hold its locks (the host
+    imports numpy, whose thread pool outlives the leader by a moment when it exits)."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the test calls SYS_exit by its x86-64 number")
+    lock = tmp_path / "held.lock"
+    proc = subprocess.Popen([sys.executable, "-c", _LEADER_EXITS_FIRST, str(lock), "2"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
+    _wait(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] == "Z", 5, "leader exits")
+    assert not _lock_free(lock) and _alive(proc.pid), "a thread still runs and holds the lock"
+    proc.wait(10)  # reaped: gone for good
+    assert _lock_free(lock) and not _alive(proc.pid)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    _wait(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().split(")")[-1].split()[0] == "Z", 5, "child exits")
+    assert not _alive(zombie.pid), "an exited child that is not reaped yet is gone"
+    zombie.wait()
+
+
 def test_generate_resources_turn_gpus_into_job_places() -> None:
     def engine(**kw: Any) -> config_mod.EngineSpec:
         base = dict(
