@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SNAKEMAKE := $(BIN)/snakemake
 
-.PHONY: demo test lint setup setup-demo clean-demo
+.PHONY: demo test lint setup setup-demo clean-demo slurm-packages
 
 # The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
 # modules on top (a new user's `make demo` does not wait for a llama.cpp build).
@@ -55,8 +55,17 @@ demo: setup-demo
 	$(SNAKEMAKE) --configfile config/demo.yaml
 	$(SNAKEMAKE) --configfile config/demo.yaml --report dist/demo-report.html
 
-test: setup
+test: setup slurm-packages
 	$(BIN)/python -m pytest -q
+
+# tests/test_slurm.py starts a real single-node SLURM cluster from Debian's packages (as root). Where
+# they cannot be installed the test is skipped, except under CI, where it fails.
+slurm-packages:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null || \
+		    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; }; } || \
+		  echo "slurm-wlm and munge are not installed: tests/test_slurm.py will be skipped"; }
 
 lint: setup
 	$(BIN)/ruff check .

@@ -21,6 +21,10 @@ its shard's last long answers drain at a shrinking batch. With shared engines:
   --stop``; the server dies with its host even on SIGKILL (PDEATHSIG). So after a crash or a kill -9 of
   everything, nothing holds a GPU longer than the idle timeout. Each engine's life is appended to
   ``logs/engines/engines.jsonl`` (start, ready, stop, reason, time in use).
+- **Under a scheduler** (SLURM): an engine serves the jobs of its own allocation only (its slot and
+  identity name the scheduler's job id), so the generate jobs that Snakemake groups into one allocation
+  share it, and it stops when the allocation's task ends, whatever the cluster does with leftover
+  processes. GPU locks and ports follow the node's GPU index, so two allocations on a node never collide.
 
 ``dflash-build engines`` lists the running ones. With ``engine.shared: false`` a server backend
 (``llamacpp``) still runs through a host, started and stopped by its job.
@@ -48,7 +52,7 @@ from dflash_build import atomic, hashing
 from dflash_build.config import Config, EngineSpec
 from dflash_build.engines import EngineFailed
 from dflash_build.engines.sglang_backend import OWN_OPTIONS
-from dflash_build.gpus import GpuLease
+from dflash_build.gpus import GpuLease, gpu_lock
 
 log = logging.getLogger(__name__)
 SERVED_BACKENDS = ("sglang", "transformers", "llamacpp")  # what a host can run as a server
@@ -61,7 +65,7 @@ STOP_GRACE_SECONDS = 30.0
 class LaunchSpec:
     """Everything a host needs to run one engine; ``identity`` says which jobs it may serve."""
 
-    slot: str  # "gpu-3", or "cpu"
+    slot: str  # "gpu-3", "cpu", or under a scheduler "job-<id>.gpu-3"
     backend: str
     argv: list[str]
     env: dict[str, str]
@@ -73,6 +77,7 @@ class LaunchSpec:
     idle_timeout: float
     start_timeout: float
     health_path: str = "/health"  # answers 200 once the server serves
+    owner_pid: int | None = None  # under a scheduler: the allocation's task; the engine stops with it
 
     @property
     def identity_key(self) -> str:
@@ -154,7 +159,9 @@ def launch_spec(
 ) -> LaunchSpec:
     """The server for this config on the lease's GPU (or the CPU slot), and the identity it serves."""
     engine, model = cfg.engine, cfg.model
-    slot = f"gpu-{lease.gpu}" if lease is not None else "cpu"
+    slot = "cpu" if lease is None else f"gpu-{lease.node_id}"
+    if lease is not None and lease.allocation:  # engines serve their own allocation only
+        slot = f"job-{lease.allocation}.{slot}"
     port = lease.port if lease is not None else engine.base_port
     # the driver's own options (how a job talks to the engine) are not what the engine is
     options = {k: v for k, v in engine.options.items() if k not in OWN_OPTIONS}
@@ -178,10 +185,6 @@ def launch_spec(
         ]
     else:
         raise ValueError(f"config key 'engine.backend': {engine.backend} engines run in the job, not as servers")
-    # the lock an in-process engine takes; a scheduler's assignment needs none (see gpus)
-    gpu_lock = None
-    if lease is not None and lease.source == "lock":
-        gpu_lock = str(engine.lock_dir / f"gpu-{lease.gpu}.lock")
     identity = {
         "backend": engine.backend,
         "model": model.path,
@@ -190,6 +193,7 @@ def launch_spec(
         "context": context,
         "options": options,
         "stop_ids": list(stop_ids),
+        "allocation": lease.allocation or None if lease is not None else None,
     }
     return LaunchSpec(
         slot=slot,
@@ -200,12 +204,21 @@ def launch_spec(
         identity=identity,
         lock_dir=str(engine.lock_dir),
         log_dir=str((cfg.logs / "engines").resolve()),  # absolute: the host and other workdirs read it
-        # the lock an in-process engine takes; a scheduler's assignment needs none (see gpus)
-        gpu_lock=gpu_lock,
+        # the lock an in-process engine takes: one engine per GPU, also across allocations on a node
+        gpu_lock=None if lease is None else str(gpu_lock(engine, lease.node_id)),
         idle_timeout=engine.idle_timeout,
         start_timeout=engine.start_timeout,
         health_path="/v1/models" if engine.backend == "llamacpp" else "/health",  # llama-cpp-python has no /health
+        owner_pid=_allocation_task() if lease is not None and lease.allocation else None,
     )
+
+
+def _allocation_task() -> int | None:
+    """The process whose end ends the engine: the batch step's task (see the broker), else this job
+    step's. Where the cluster does not kill what a job leaves behind (proctrack/linuxproc), the host
+    watches it, so an engine never outlives its allocation and holds a GPU SLURM gave another job."""
+    pid = os.environ.get(OWNER_ENV) or os.environ.get("SLURM_TASK_PID", "")
+    return int(pid) if pid.isdigit() else None
 
 
 # -- the job's side --------------------------------------------------------------------------------
@@ -280,30 +293,127 @@ def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     spec_file = Path(spec.lock_dir) / f"engine-{spec.slot}.spec.json"
     atomic.write_json(spec_file, asdict(spec))
-    with open(log_dir / f"{spec.slot}.log", "ab") as out:
-        host = subprocess.Popen(
-            [sys.executable, "-m", "dflash_build.engine_host", "serve", str(spec_file)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # outlives this job and Snakemake's process group
-            env={**os.environ, "PYTHONPATH": _package_root()},
-        )
-    log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host.pid, out.name)
+    log_path = log_dir / f"{spec.slot}.log"
+    broker = os.environ.get(BROKER_ENV)
+    host_pid = _spawn_via_broker(Path(broker), spec, spec_file, log_path) if broker else _spawn(spec_file, log_path)
+    log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host_pid, log_path)
     deadline = time.monotonic() + spec.start_timeout + 60
     while True:
         state = read_state(spec.lock_dir, spec.slot)
-        if state is not None and state["pid"] == host.pid:
+        if state is not None and state["pid"] == host_pid:
             log.info("engine on %s ready after %.0fs", spec.slot, state["ready_at"] - state["spawned_at"])
             return state
-        if host.poll() is not None or time.monotonic() > deadline:
-            if host.poll() is None:
-                host.kill()
+        if not _alive(host_pid) or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(host_pid, signal.SIGKILL)
             raise EngineFailed(
-                f"the {spec.backend} engine on {spec.slot} did not start (host exit {host.poll()}); "
-                f"its log {out.name} ends:\n{_tail(Path(out.name))}"
+                f"the {spec.backend} engine on {spec.slot} did not start (host pid {host_pid}); "
+                f"its log {log_path} ends:\n{_tail(log_path)}"
             )
         time.sleep(POLL_SECONDS)
+
+
+def _host_argv(spec_file: Path) -> list[str]:
+    return [sys.executable, "-m", "dflash_build.engine_host", "serve", str(spec_file)]
+
+
+def _spawn(spec_file: Path, log_path: Path) -> int:
+    """Start a host from this job, in its own session: it outlives the job and Snakemake's process group."""
+    with open(log_path, "ab") as out:
+        host = subprocess.Popen(
+            _host_argv(spec_file),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+    return host.pid  # a host that exits early is a zombie until Popen's bookkeeping reaps it: _alive says gone
+
+
+# -- SLURM: engines that live as long as the allocation -------------------------------------------
+# Snakemake runs each job of a group in its own job step (srun), and a cluster with cgroup process
+# tracking kills what a step leaves behind when it ends: an engine started by a job would die with that
+# job. So the allocation's batch step (the Snakemake that runs the group) starts a *broker*, and jobs ask
+# it to start their hosts: the engine then lives in the batch step, as long as the allocation.
+BROKER_ENV = "DFLASH_BUILD_ENGINE_BROKER"  # the broker's spool folder, inherited by the job steps
+OWNER_ENV = "DFLASH_BUILD_ALLOCATION_PID"  # the batch step's task: engines stop when it is gone
+BROKER_ANSWER_SECONDS = 60.0
+
+
+def start_allocation_broker(cfg: Config, argv: list[str]) -> Path | None:
+    """In the batch step of a SLURM allocation whose jobs generate on shared engines, start the broker
+    (once: the job steps inherit its folder) and return its folder; elsewhere do nothing."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SLURM_STEP_ID") or os.environ.get(BROKER_ENV) or not cfg.engine.shared:
+        return None
+    if not any(arg.startswith("generate:") for arg in argv):  # Snakemake's --target-jobs of this allocation
+        return None
+    spool = Path(cfg.engine.lock_dir) / f"broker-{job}"
+    spool.mkdir(parents=True, exist_ok=True)
+    owner = os.environ.get("SLURM_TASK_PID") or str(os.getpid())
+    subprocess.Popen(
+        [sys.executable, "-m", "dflash_build.engine_host", "broker", str(spool), owner],
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": _package_root()},
+        preexec_fn=_die_with_parent,  # with the batch step's Snakemake
+    )
+    os.environ[BROKER_ENV] = str(spool)
+    os.environ[OWNER_ENV] = owner
+    log.info("allocation %s: engine broker in %s", job, spool)
+    return spool
+
+
+def _spawn_via_broker(spool: Path, spec: LaunchSpec, spec_file: Path, log_path: Path) -> int:
+    """Ask the allocation's broker to start the host; its pid once the broker has."""
+    request = {"slot": spec.slot, "spec": str(spec_file), "log": str(log_path), "id": f"{os.getpid()}-{time.time()}"}
+    atomic.write_json(spool / f"{spec.slot}.request.json", request)
+    deadline = time.monotonic() + BROKER_ANSWER_SECONDS
+    answer = spool / f"{spec.slot}.host.json"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            started = json.loads(answer.read_text())
+            if started["id"] == request["id"]:
+                return int(started["pid"])
+        time.sleep(POLL_SECONDS)
+    raise EngineFailed(
+        f"the allocation's engine broker ({spool}) did not start the engine for {spec.slot} within "
+        f"{BROKER_ANSWER_SECONDS:g}s; it runs in the job's batch step (see the SLURM log of this job)"
+    )
+
+
+def broker(spool: Path, owner: int) -> int:
+    """Start the hosts the allocation's jobs ask for, as children of the batch step, until it ends."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-broker: %(message)s")
+    from dflash_build.gpus import scheduler_assigned
+
+    # The job steps may number their GPU differently from this batch step: map by the node's index.
+    visible = {g.node_id: g.visible for g in scheduler_assigned() or []}
+    hosts: list[subprocess.Popen[bytes]] = []
+    while _alive(owner):
+        for path in sorted(spool.glob("*.request.json")):
+            request = json.loads(path.read_text())
+            spec_file = Path(request["spec"])
+            spec = json.loads(spec_file.read_text())
+            node_gpu = spec["slot"].rsplit("gpu-", 1)[-1]
+            if node_gpu in visible:
+                spec["env"] = {**spec["env"], "CUDA_VISIBLE_DEVICES": visible[node_gpu]}
+                atomic.write_json(spec_file, spec)
+            with open(request["log"], "ab") as out:
+                host = subprocess.Popen(
+                    _host_argv(spec_file), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+                )
+            hosts.append(host)
+            atomic.write_json(spool / f"{request['slot']}.host.json", {"pid": host.pid, "id": request["id"]})
+            path.unlink()
+            log.info("started the host of %s (pid %d) for %s", request["slot"], host.pid, request["id"])
+        hosts = [h for h in hosts if h.poll() is None]  # reaps the ones that stopped
+        time.sleep(POLL_SECONDS)
+    log.info("the allocation's task %d ended; its engines stop with it", owner)
+    for host in hosts:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            host.wait(timeout=STOP_GRACE_SECONDS + 30)
+    return 0
 
 
 def _join(lock_dir: str, state: dict[str, Any]) -> int | None:
@@ -529,6 +639,9 @@ class _Host:
                 log.error("the server exited with %s", self.child.returncode)
                 self.stop_reason = f"server exited ({self.child.returncode})"
                 break
+            if self.spec.owner_pid is not None and not _alive(self.spec.owner_pid):
+                self.stop_reason = "allocation ended"
+                break
             try:
                 fcntl.flock(use_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # a job holds it
@@ -615,6 +728,8 @@ def served(engine: EngineSpec) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m dflash_build.engine_host serve SPEC_FILE")
-    sys.exit(serve(sys.argv[2]))
+    if len(sys.argv) == 3 and sys.argv[1] == "serve":
+        sys.exit(serve(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "broker":
+        sys.exit(broker(Path(sys.argv[2]), int(sys.argv[3])))
+    sys.exit("usage: python -m dflash_build.engine_host serve SPEC_FILE | broker SPOOL OWNER_PID")

@@ -781,8 +781,9 @@ def _stats(
             "host": platform.node(),
             "gpu": None
             if lease is None
-            else {"id": lease.gpu, "slot": lease.slot, "port": lease.port, "via": lease.source},
+            else {"id": lease.gpu, "node_gpu": lease.node_id, "port": lease.port, "via": lease.source},
         },
+        "scheduler_job": gpus.scheduler_job(),  # e.g. SLURM_JOB_ID: which allocation wrote this shard
         R.STAT_INPUT_ROWS: len(rows),
         R.STAT_OK: count(R.FINISH_STOP),
         R.STAT_TRUNCATED: count(R.FINISH_LENGTH),

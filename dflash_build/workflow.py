@@ -121,18 +121,22 @@ def run_rule(smk: Any, stage: str) -> None:
             raise ValueError(f"unknown stage {stage}")
 
 
-def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
+def generate_resources(
+    engine: config_mod.EngineSpec, given_gpus: Any, cluster: bool = False
+) -> tuple[int, int, int | None]:
     """(gpu, gpu_jobs) one generate job asks for, and the gpu_jobs total to register (None: none).
 
     A job with its own engine holds a GPU: gpu=1. With shared engines a job feeds an engine instead, and
     ``engine.jobs_per_engine`` jobs feed each GPU's engine, so the user's ``--resources gpu=N`` becomes
-    ``gpu_jobs = N x jobs_per_engine``.
+    ``gpu_jobs = N x jobs_per_engine``. Submitted to a ``cluster`` (a Snakemake executor other than the
+    local one), every job asks for the GPU its allocation needs (the executor turns gpu into a GPU
+    request); the jobs grouped into one allocation then share its engine.
     """
     from dflash_build import engines
 
     if not engines.uses_gpu(engine):
         return 0, 0, None
-    if not engine.shared:
+    if not engine.shared or cluster:
         return 1, 0, None
     gpus = getattr(given_gpus, "value", given_gpus)
     return 0, 1, None if gpus is None else int(gpus) * engine.jobs_per_engine

@@ -1,6 +1,9 @@
+import sys
+
 from snakemake.utils import validate
 
 import dflash_build.config
+import dflash_build.engine_host
 import dflash_build.engines
 import dflash_build.plan
 import dflash_build.versions
@@ -18,13 +21,36 @@ STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
 PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
+# In the batch step of a SLURM allocation that generates: the broker that keeps its engines (engine_host).
+dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
 # A job on its own engine asks for gpu=1. With shared engines it asks for gpu_jobs=1 instead, and
-# gpu_jobs = --resources gpu x engine.jobs_per_engine, so two jobs feed each GPU's engine.
-GPUS_PER_JOB, GPU_JOBS_PER_JOB, GPU_JOBS = dflash_build.workflow.generate_resources(
+# gpu_jobs = --resources gpu x engine.jobs_per_engine, so two jobs feed each GPU's engine. Submitted to a
+# cluster, each job asks for its GPU (see profiles/slurm): decided per job, since the executor is only
+# known once the Snakefile is read.
+GPU_JOBS = dflash_build.workflow.generate_resources(
     CONFIG.engine, workflow.global_resources.get("gpu")
-)
+)[2]
 if GPU_JOBS is not None:
     workflow.register_resource("gpu_jobs", GPU_JOBS)
+
+
+def get_generate_resources(wildcards):
+    gpu, gpu_jobs, _ = dflash_build.workflow.generate_resources(
+        CONFIG.engine,
+        workflow.global_resources.get("gpu"),
+        cluster=not workflow.local_exec,
+    )
+    return {"gpu": gpu, "gpu_jobs": gpu_jobs}
+
+
+def get_generate_gpu(wildcards):
+    return get_generate_resources(wildcards)["gpu"]
+
+
+def get_generate_gpu_jobs(wildcards):
+    return get_generate_resources(wildcards)["gpu_jobs"]
+
+
 GENERATE_ENV = f"../envs/{'sglang' if CONFIG.backend == 'sglang' else 'generate'}.yaml"
 
 

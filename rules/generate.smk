@@ -10,8 +10,8 @@ rule generate:
         GENERATE_ENV
     threads: get_generate_threads()
     resources:
-        gpu=GPUS_PER_JOB,
-        gpu_jobs=GPU_JOBS_PER_JOB,
+        gpu=get_generate_gpu,
+        gpu_jobs=get_generate_gpu_jobs,
     params:
         components=get_gen_components,
     script:

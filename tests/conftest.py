@@ -201,3 +201,14 @@ def stoppy_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) 
     out = build_tiny_model(tmp_path_factory.mktemp("stoppy-model"), tokenizer_dir, seed=3)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
     return out
+
+
+def completion_rows(store: Path) -> dict[tuple[str, int], tuple[Any, ...]]:
+    """Every generated row of a store by (prompt, sample): its seed, prompt and output ids, finish reason."""
+    import pyarrow.parquet as pq
+
+    out = {}
+    for path in sorted((store / "completions").rglob("*.parquet")):
+        for r in pq.read_table(path).to_pylist():
+            out[(r["prompt_id"], r["sample_idx"])] = (r["seed"], r["prompt_ids"], r["output_ids"], r["finish_reason"])
+    return out

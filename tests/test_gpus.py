@@ -65,8 +65,41 @@ def test_a_scheduler_assignment_wins(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
     with gpus.pinned(spec(tmp_path, ["0", "1"])) as lease:
-        assert (lease.gpu, lease.source) == ("6", "scheduler")
-    assert not (tmp_path / "locks").exists()
+        assert (lease.gpu, lease.source, lease.allocation) == ("6", "scheduler", "42")
+        assert (tmp_path / "locks" / "gpu-6.lock").exists(), "the configured GPUs are not this job's"
+        with pytest.raises(RuntimeError, match="the GPUs the scheduler gave"), gpus.pinned(spec(tmp_path, ["0"])):
+            pass
+
+
+def test_an_allocation_of_several_gpus_runs_a_job_on_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # renumbered by the cluster
+    monkeypatch.setenv("SLURM_STEP_GPUS", "4,6")  # the node's own indices
+    engine = spec(tmp_path, [])
+    with gpus.pinned(engine) as a:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # as the next job's own process sees it
+        with gpus.pinned(engine) as b:
+            assert sorted([(a.gpu, a.node_id), (b.gpu, b.node_id)]) == [("0", "4"), ("1", "6")]
+            assert sorted([a.port, b.port]) == [40040, 40060], "ports follow the node's GPU index"
+            assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["gpu-4.lock", "gpu-6.lock"]
+
+
+def test_two_allocations_on_one_node_never_share_a_lock_or_a_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With cgroup-constrained devices every job sees its GPU as 0; the node's index tells them apart."""
+
+    def allocation(job: str, node_gpu: str) -> None:  # what each job's own process sees
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        monkeypatch.setenv("SLURM_JOB_GPUS", node_gpu)
+
+    allocation("7", "2")
+    with gpus.pinned(spec(tmp_path, [], wait=0.2)) as a:
+        allocation("8", "3")
+        with gpus.pinned(spec(tmp_path, [], wait=0.2)) as b:
+            assert a.gpu == b.gpu == "0" and (a.node_id, b.node_id) == ("2", "3")
+            assert set(a.ports).isdisjoint(b.ports)
 
 
 def test_gpu_list_defaults_to_visible_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

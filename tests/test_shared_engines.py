@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 
 from dflash_build import config as config_mod
 from dflash_build import engine_host, workflow
 from dflash_build.engines import Request, SamplingParams
-from dflash_build.gpus import GpuLease, job_locks
-from tests.conftest import Workflow, base_config, write_jsonl
+from dflash_build.gpus import Gpu, GpuLease, job_locks
+from tests.conftest import Workflow, base_config, completion_rows, write_jsonl
 
 
 def _source(data: Path, n: int) -> dict[str, Any]:
@@ -59,14 +58,6 @@ def _history(logs: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _rows(store: Path) -> dict[tuple[str, int], tuple[Any, ...]]:
-    out = {}
-    for path in sorted((store / "completions").rglob("*.parquet")):
-        for r in pq.read_table(path).to_pylist():
-            out[(r["prompt_id"], r["sample_idx"])] = (r["seed"], r["prompt_ids"], r["output_ids"], r["finish_reason"])
-    return out
-
-
 # -- through Snakemake -------------------------------------------------------------------------------
 def _workflow(root: Path, model: Path, shared: bool, n: int = 12, **engine: Any) -> Workflow:
     config = base_config(model, _source(root / "data", n), shard_size=2)
@@ -83,7 +74,7 @@ def per_job_rows(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     wf = _workflow(tmp_path_factory.mktemp("per-job"), tiny_model, shared=False)
     wf.run("--resources", "gpu=2", "--until", "generate", cores=4)
     assert not _history(wf.workdir / "logs"), "jobs on their own engines start no engine host"
-    return _rows(wf.workdir / "store")
+    return completion_rows(wf.workdir / "store")
 
 
 def test_shared_engines_write_exactly_what_per_job_engines_write(
@@ -92,7 +83,7 @@ def test_shared_engines_write_exactly_what_per_job_engines_write(
     wf = _workflow(tmp_path, tiny_model, shared=True)
     proc = wf.run("--resources", "gpu=2", "--until", "generate", cores=6)
     assert "gpu_jobs=" in proc.stdout + proc.stderr, "the rule asks for gpu_jobs, registered as gpu x jobs_per_engine"
-    assert _rows(wf.workdir / "store") == per_job_rows, "a shared engine must not change a single row"
+    assert completion_rows(wf.workdir / "store") == per_job_rows, "a shared engine must not change a single row"
 
     history = _history(wf.workdir / "logs")
     assert sorted(h["slot"] for h in history) == ["gpu-0", "gpu-1"], f"one engine per GPU for all 6 jobs: {history}"
@@ -134,7 +125,7 @@ def test_kill_9_of_everything_leaves_no_engine_behind_and_a_rerun_finishes(
 
     wf.run("--unlock")
     wf.run("--resources", "gpu=2", "--until", "generate", "--rerun-incomplete", cores=6)
-    assert _rows(wf.workdir / "store") == per_job_rows
+    assert completion_rows(wf.workdir / "store") == per_job_rows
 
 
 # -- the host itself ---------------------------------------------------------------------------------
@@ -145,7 +136,13 @@ def _config(root: Path, raw: dict[str, Any]) -> config_mod.Config:
 
 
 def _spec(root: Path, model: Path, gpu: str = "0", idle_timeout: float = 600, **options: Any) -> engine_host.LaunchSpec:
-    cfg = _config(
+    cfg = _host_config(root, model, idle_timeout, **options)
+    lease = GpuLease(gpu, int(gpu), cfg.engine.base_port + 10 * int(gpu), "lock", time.time())
+    return engine_host.launch_spec(cfg, [2], lease, {"weights": str(model)}, 2048)
+
+
+def _host_config(root: Path, model: Path, idle_timeout: float = 600, **options: Any) -> config_mod.Config:
+    return _config(
         root,
         {
             **base_config(model, _source(root / "data", 1)),
@@ -161,8 +158,6 @@ def _spec(root: Path, model: Path, gpu: str = "0", idle_timeout: float = 600, **
             },
         },
     )
-    lease = GpuLease(gpu, int(gpu), cfg.engine.base_port + 10 * int(gpu), "lock", time.time())
-    return engine_host.launch_spec(cfg, [2], lease, {"weights": str(model)}, 2048)
 
 
 def test_a_job_reuses_a_matching_engine_and_replaces_another_once_its_users_are_done(
@@ -214,6 +209,47 @@ def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_mode
     _wait(lambda: not _alive(state["server_pid"]), 10, "the server followed its host (PDEATHSIG)")
     assert engine_host.read_state(spec.lock_dir, spec.slot) is None, "a dead host's state does not count"
     attached.release()
+
+
+def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allocation_ends(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What SLURM does, without SLURM: each job runs in its own job step, so the engine is started by the
+    allocation's batch step (its broker), serves the allocation's later jobs, and ends with the batch step.
+    tests/test_slurm.py runs the same on a real cluster."""
+    batch_task = subprocess.Popen(["sleep", "600"])  # the allocation's batch step
+    for var in ("SLURM_STEP_ID", engine_host.BROKER_ENV, engine_host.OWNER_ENV):
+        monkeypatch.setenv(var, "")  # recorded, so the broker's own settings are undone after the test too
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_TASK_PID", str(batch_task.pid))
+    cfg = _host_config(tmp_path, tiny_model)
+    generate = ["--target-jobs", "generate:source=poems,key=0123456789abcdef,shard=00000"]
+    assert engine_host.start_allocation_broker(cfg, ["--target-jobs", "tokenize:source=poems"]) is None
+    spool = engine_host.start_allocation_broker(cfg, generate)
+    assert spool is not None and os.environ[engine_host.BROKER_ENV] == str(spool)
+
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # from here on: the job steps, which inherit the broker
+    monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))
+    assert engine_host.start_allocation_broker(cfg, generate) is None, "one broker per allocation"
+    lease = GpuLease("0", 0, cfg.engine.base_port, "scheduler", time.time(), "0", "77")
+    spec = engine_host.launch_spec(cfg, [2], lease, {"weights": str(tiny_model)}, 2048)
+    assert spec.slot == "job-77.gpu-0" and spec.owner_pid == batch_task.pid
+    assert spec.identity["allocation"] == "77", "another allocation's jobs never use this engine"
+    first = engine_host.attach(spec)
+    state = first.engines[0]
+    host_parent = int(Path(f"/proc/{state['pid']}/stat").read_text().split(")")[-1].split()[1])
+    assert "broker" in Path(f"/proc/{host_parent}/cmdline").read_text(), "the broker started the host"
+    first.release()
+    second = engine_host.attach(spec)  # the allocation's next job
+    assert not second.started and second.engines[0]["pid"] == state["pid"]
+    second.release()
+
+    batch_task.kill()  # the allocation ends
+    batch_task.wait()
+    _wait(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the engine ended with it")
+    assert [h["reason"] for h in _history(tmp_path / "logs")] == ["allocation ended"]
+    assert _lock_free(Path(spec.gpu_lock))
 
 
 def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tiny_model: Path) -> None:
@@ -274,7 +310,7 @@ def test_llamacpp_engines_start_per_job_or_once(tmp_path: Path, gguf_path: Path,
     history = _history(wf.workdir / "logs")
     assert len(history) == (1 if shared else 3), history
     assert not engine_host.running(tmp_path / "locks")
-    rows = _rows(wf.workdir / "store")
+    rows = completion_rows(wf.workdir / "store")
     assert len(rows) == 6 and all(r[3] in ("stop", "length") for r in rows.values())
 
 
@@ -326,14 +362,15 @@ def test_generate_resources_turn_gpus_into_job_places() -> None:
     assert workflow.generate_resources(engine(shared=True, jobs_per_engine=3), 8) == (0, 1, 24)
     assert workflow.generate_resources(engine(shared=True), None) == (0, 1, None)
     assert workflow.generate_resources(engine(backend="llamacpp"), 8) == (0, 0, None)
-    places = job_locks(engine(shared=True), ["0", "1"])
-    assert [(s, p.name) for s, p in places] == [
-        (0, "gpu-0.job-0.lock"),
-        (1, "gpu-1.job-0.lock"),
-        (0, "gpu-0.job-1.lock"),
-        (1, "gpu-1.job-1.lock"),
+    two = [Gpu("0", "0", 0), Gpu("1", "1", 1)]
+    places = job_locks(engine(shared=True), two)
+    assert [(g.visible, p.name) for g, p in places] == [
+        ("0", "gpu-0.job-0.lock"),
+        ("1", "gpu-1.job-0.lock"),
+        ("0", "gpu-0.job-1.lock"),
+        ("1", "gpu-1.job-1.lock"),
     ]
-    assert [p.name for _, p in job_locks(engine(), ["0", "1"])] == ["gpu-0.lock", "gpu-1.lock"]
+    assert [p.name for _, p in job_locks(engine(), two)] == ["gpu-0.lock", "gpu-1.lock"]
 
 
 def test_the_openai_backend_cannot_be_shared(tmp_path: Path, tiny_model: Path) -> None:

@@ -1,0 +1,116 @@
+"""The workflow on a real SLURM cluster through profiles/slurm (snakemake-executor-plugin-slurm).
+
+A single-node cluster with 4 fake GPUs runs the pipeline with the tiny model; the dataset must equal the
+one a local run builds, every job must have run as a SLURM job, and the generate jobs of one group must
+have shared one engine in one allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dflash_build import engine_host
+from tests import slurm_cluster
+from tests.conftest import REPO, Workflow, base_config, completion_rows, write_jsonl
+
+SHARDS = 8  # 5 + 3 generate jobs, in groups of 4: two allocations, at once, on two of the node's GPUs
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    why = slurm_cluster.missing()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the SLURM test: {why}")
+        pytest.skip(why)
+    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as root:
+        yield root
+
+
+def _workflow(root: Path, model: Path, base_port: int) -> Workflow:
+    data = root / "data"
+    write_jsonl(data / "p.jsonl", [{"instruction": f"Write line number {i} of a poem."} for i in range(10)])
+    write_jsonl(data / "q.jsonl", [{"instruction": f"Add {i} and {i + 1}."} for i in range(6)])
+    sources = {
+        "poems": {"category": "general", "files": [str(data / "p.jsonl")], "format": "alpaca"},
+        "sums": {"category": "math", "files": [str(data / "q.jsonl")], "format": "alpaca"},
+    }
+    config = base_config(model, sources, shard_size=2)
+    # fake GPU ids: the local run pins them by lock, the cluster run takes the ones SLURM assigns
+    config["engine"].update(gpus=["0", "1"], shared=True, lock_dir=str(root / "locks"), base_port=base_port)
+    config["sampling"]["max_new_tokens"] = 8
+    wf = Workflow(root / "work")
+    wf.workdir.mkdir(parents=True, exist_ok=True)
+    wf.write_config(config)
+    return wf
+
+
+def _dataset(wf: Workflow) -> list[tuple[str, str]]:
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    return [(f["path"], f["sha256"]) for f in manifest["files"]]
+
+
+def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
+    cluster: Path, tmp_path: Path, tiny_model: Path
+) -> None:
+    port = 33000 + os.getpid() % 500 * 50  # ports of its own: nothing else on this machine answers there
+    local = _workflow(tmp_path / "local", tiny_model, port)
+    local.run("--resources", "gpu=2", cores=2)
+
+    wf = _workflow(tmp_path / "slurm", tiny_model, port + 20)
+    proc = wf.run(
+        *("--profile", str(REPO / "profiles" / "slurm")),
+        "--slurm-no-account",  # no accounting database here
+        *("--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "2"),
+        *("--latency-wait", "5", "--slurm-keep-successful-logs"),
+        *("--group-components", "generate_batch=4"),
+        # the profile's production sizes do not fit this 16 GB node
+        *("--default-resources", "mem_mb=500", "runtime=10", "--set-resources", "generate:mem_mb=1000"),
+        *("mix:mem_mb=1000",),
+        check=False,
+    )
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:  # with what the cluster says, which Snakemake's output does not show
+        slurm_logs = [p.read_text()[-3000:] for p in sorted((wf.workdir / ".snakemake").rglob("slurm_logs/**/*.log"))]
+        daemons = [p.read_text()[-3000:] for p in sorted((cluster / "log").glob("*.log"))]
+        raise AssertionError("\n----\n".join([log[-6000:], *slurm_logs[-3:], *daemons]))
+
+    assert _dataset(wf) == _dataset(local), "SLURM must build the very dataset a local run builds"
+    assert completion_rows(wf.workdir / "store") == completion_rows(local.workdir / "store")
+
+    # every job but the target rule was a SLURM job; the generate jobs went in groups of 4
+    submitted = re.findall(r"Job \S+ has been submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/([^/]+)/", log)
+    kinds = ["group_generate_batch" if k.startswith("group_generate_batch") else k for _, k in submitted]
+    assert sorted(kinds) == sorted(
+        ["rule_prepare_poems", "rule_prepare_sums", "rule_mix"]
+        + ["rule_tokenize"] * SHARDS
+        + ["group_generate_batch"] * (SHARDS // 4)
+    ), log[-4000:]
+    assert "localrule all" in log and "localrule generate" not in log and "localrule tokenize" not in log
+
+    stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").rglob("*.stats.json")]
+    assert len(stats) == SHARDS
+    groups = {sid for sid, kind in submitted if kind.startswith("group_")}
+    assert {s["scheduler_job"] for s in stats} == groups, "each shard records the allocation that wrote it"
+    assert all(s["engine"]["gpu"]["via"] == "scheduler" for s in stats)
+    # one engine per allocation, started by its first job and used by all of its jobs
+    for job in groups:
+        mine = [s for s in stats if s["scheduler_job"] == job]
+        assert len(mine) == 4
+        assert sum(s["engine"]["served"]["started_here"] for s in mine) == 1
+        assert {e["slot"] for s in mine for e in s["engine"]["served"]["engines"]} == {
+            f"job-{job}.gpu-{mine[0]['engine']['gpu']['node_gpu']}"
+        }, "engines serve their own allocation only"
+    history_file = wf.workdir / "logs" / "engines" / "engines.jsonl"
+    history = [json.loads(line) for line in history_file.read_text().splitlines()]
+    assert len(history) == 2 and all(h["reason"] == "allocation ended" for h in history), history
+    assert not engine_host.running(tmp_path / "slurm" / "locks")
+    queue = subprocess.run(["squeue", "-h"], capture_output=True, text=True, check=True).stdout
+    assert not queue.strip(), f"jobs left in the queue:\n{queue}"
