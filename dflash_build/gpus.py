@@ -36,8 +36,7 @@ _SCHEDULER_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
 @dataclass(frozen=True)
 class GpuLease:
     gpu: str  # what CUDA_VISIBLE_DEVICES is set to
-    slot: int  # the GPU's port range: base_port + PORTS_PER_SLOT * slot
-    port: int
+    port: int  # the first of the GPU's PORTS_PER_SLOT ports
     source: str  # where the candidates came from: "lock" (config or the machine) or "scheduler"
     acquired_at: float
     node_gpu: str = ""  # the node's own index of the GPU, which names its lock (gpu if empty)
@@ -56,7 +55,7 @@ class GpuLease:
 class Gpu:
     visible: str  # CUDA_VISIBLE_DEVICES for a job on it
     node_id: str  # the node's own index: names the GPU's lock and, when numeric, its port range
-    slot: int
+    slot: int  # its port range: base_port + PORTS_PER_SLOT * slot
 
 
 def scheduler_job() -> str | None:
@@ -154,9 +153,11 @@ def pinned(engine: EngineSpec) -> Iterator[GpuLease]:
                 continue
             os.environ["CUDA_VISIBLE_DEVICES"] = gpu.visible
             port = engine.base_port + PORTS_PER_SLOT * gpu.slot
-            allocation = scheduler_job() if source == "scheduler" else None
-            lease = GpuLease(gpu.visible, gpu.slot, port, source, time.time(), gpu.node_id, allocation or "")
-            log.info("took GPU %s (node GPU %s, ports %d-%d, %s)", gpu.visible, gpu.node_id, port, port + 9, path.name)
+            allocation = (scheduler_job() or "") if source == "scheduler" else ""
+            lease = GpuLease(gpu.visible, port, source, time.time(), gpu.node_id, allocation)
+            log.info(
+                "took GPU %s (node GPU %s, ports %d-%d, %s)", gpu.visible, gpu.node_id, port, lease.ports[-1], path.name
+            )
             try:
                 yield lease
             finally:

@@ -35,7 +35,7 @@ STOPS = [2, 9]
 
 
 def test_server_args_pin_ports_and_pass_any_real_field_through() -> None:
-    lease = GpuLease("3", 3, 31030, "lock", 0.0)
+    lease = GpuLease("3", 31030, "lock", 0.0)
     options = {"mem_fraction_static": 0.85, "mamba_ssm_dtype": "float32", "page_size": 64, "max_inflight": 8}
     args = sb.server_args(MODEL, options, lease)
     assert args["skip_tokenizer_init"] is True and args["tp_size"] == 1 and args["base_gpu_id"] == 0

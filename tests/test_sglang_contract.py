@@ -64,7 +64,7 @@ def production_model() -> ModelSpec:
 
 def production_server_args() -> list[dict[str, Any]]:
     options = PRODUCTION["engine"]["options"]
-    lease = GpuLease("7", 7, PRODUCTION["engine"]["base_port"] + 70, "lock", 0.0)
+    lease = GpuLease("7", PRODUCTION["engine"]["base_port"] + 70, "lock", 0.0)
     shared = server_kwargs(production_model(), options, lease, lease.port)  # engine.shared's HTTP server
     return [server_args(production_model(), options, None), server_args(production_model(), options, lease), shared]
 

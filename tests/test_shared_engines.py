@@ -137,7 +137,7 @@ def _config(root: Path, raw: dict[str, Any]) -> config_mod.Config:
 
 def _spec(root: Path, model: Path, gpu: str = "0", idle_timeout: float = 600, **options: Any) -> engine_host.LaunchSpec:
     cfg = _host_config(root, model, idle_timeout, **options)
-    lease = GpuLease(gpu, int(gpu), cfg.engine.base_port + 10 * int(gpu), "lock", time.time())
+    lease = GpuLease(gpu, cfg.engine.base_port + 10 * int(gpu), "lock", time.time())
     return engine_host.launch_spec(cfg, [2], lease, {"weights": str(model)}, 2048)
 
 
@@ -232,7 +232,7 @@ def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allo
     monkeypatch.setenv("SLURM_STEP_ID", "0")  # from here on: the job steps, which inherit the broker
     monkeypatch.setenv("SLURM_TASK_PID", str(os.getpid()))
     assert engine_host.start_allocation_broker(cfg, generate) is None, "one broker per allocation"
-    lease = GpuLease("0", 0, cfg.engine.base_port, "scheduler", time.time(), "0", "77")
+    lease = GpuLease("0", cfg.engine.base_port, "scheduler", time.time(), "0", "77")
     spec = engine_host.launch_spec(cfg, [2], lease, {"weights": str(tiny_model)}, 2048)
     assert spec.slot == "job-77.gpu-0" and spec.owner_pid == batch_task.pid
     assert spec.identity["allocation"] == "77", "another allocation's jobs never use this engine"
