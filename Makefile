@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SNAKEMAKE := $(BIN)/snakemake
 
-.PHONY: demo test lint setup setup-demo clean-demo slurm-packages
+.PHONY: demo test lint bench setup setup-demo clean-demo slurm-packages
 
 # The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
 # modules on top (a new user's `make demo` does not wait for a llama.cpp build).
@@ -54,6 +54,11 @@ $(DEMO_MODEL): $(VENV)/.demo
 demo: setup-demo
 	$(SNAKEMAKE) --configfile config/demo.yaml
 	$(SNAKEMAKE) --configfile config/demo.yaml --report dist/demo-report.html
+
+# The scale benchmark (issue 12): ratios against baselines measured in the same run, ~10 min on 2 cores;
+# writes bench/results/scale.json.
+bench: setup
+	$(BIN)/python bench/scale.py
 
 test: setup slurm-packages
 	$(BIN)/python -m pytest -q

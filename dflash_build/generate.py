@@ -349,7 +349,7 @@ def restore(plan: Plan, source: str, shard: str, paths: ShardPaths, journal: Jou
     """
     found = journal.published()
     if found is None:
-        return None
+        return _kept_in_place(plan, source, shard, paths)
     data, old = found
     sp = plan.sources[source]
     expected = old.get(R.STAT_DATA) or {}
@@ -377,6 +377,31 @@ def restore(plan: Plan, source: str, shard: str, paths: ShardPaths, journal: Jou
     _index_shard(plan, source, paths.data, rows)
     journal.retire()
     log.info("%s/%s: restored the shard published before from %s; nothing generated", source, shard, journal.folder)
+    return stats
+
+
+def _kept_in_place(plan: Plan, source: str, shard: str, paths: ShardPaths) -> dict[str, Any] | None:
+    """The shard already at its output paths, intact and of this key, when its journal is gone; else None.
+
+    Snakemake reruns a job whose rule changed its inputs or params (an upgrade; outputs are update(),
+    so they stay): with no journal to restore from, the published shard itself is kept as it is.
+    """
+    if not (paths.data.exists() and paths.stats.exists()):
+        return None
+    try:
+        stats = json.loads(paths.stats.read_text())
+    except (OSError, ValueError):
+        return None
+    expected = stats.get(R.STAT_DATA) or {}
+    if (
+        stats.get("gen_key") != plan.sources[source].gen_key
+        or stats.get("shard") != shard
+        or expected.get("sha256") != hashing.sha256_file(paths.data)
+    ):
+        return None
+    rows = pq.read_table(paths.data, columns=list(_INDEXED_COLUMNS)).to_pylist()
+    _index_shard(plan, source, paths.data, rows)
+    log.info("%s/%s: the published shard %s is intact; nothing generated", source, shard, paths.data)
     return stats
 
 
@@ -443,7 +468,7 @@ def reuse(work: ShardWork, journal: Journal) -> int:
     if not pending:
         return 0
     store = work.plan.config.store
-    with RowIndex.open(store) as index:
+    with RowIndex.open(store, sync=None) as index:  # the build's start synced it with the store
         found = index.lookup(reuse_key(sp.gen_components), pending, limit)
         by_file: dict[str, list[Any]] = {}
         for cand in found.values():
@@ -677,7 +702,7 @@ def _link_outputs(journal: Journal, paths: ShardPaths) -> None:
 
 def _index_shard(plan: Plan, source: str, data: Path, rows: list[dict[str, Any]]) -> None:
     sp = plan.sources[source]
-    with RowIndex.open(plan.config.store, sync=False) as index:  # the next lookup syncs the rest
+    with RowIndex.open(plan.config.store, sync=False) as index:
         index.add_shard(reuse_key(sp.gen_components), sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens)
 
 

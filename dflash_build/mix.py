@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -34,14 +35,6 @@ class MixError(RuntimeError):
     """The dataset would miss what the config asks for; the message names the cause and the key to change."""
 
 
-@dataclass(frozen=True)
-class Candidate:
-    shard: int  # index into the input list
-    row: int
-    rank: str
-    n_tokens: int
-
-
 def category_targets(shares: dict[str, float], available: dict[str, int], budget: int | None) -> dict[str, float]:
     """Token target per category."""
     if budget is not None:
@@ -51,76 +44,179 @@ def category_targets(shares: dict[str, float], available: dict[str, int], budget
     return {c: share * total for c, share in shares.items()}
 
 
-def select(candidates: list[Candidate], target: float) -> list[Candidate]:
-    """Take samples in rank order whenever one brings the category closer to ``target`` tokens.
+def select(n_tokens: np.ndarray, target: float) -> np.ndarray:
+    """Which samples to take, given their token counts in rank order: a boolean mask.
 
-    A sample is taken when it overshoots the target by less than the gap it closes, so the error
-    per category stays under half a sample; a category whose target is all it has takes everything.
+    A sample is taken whenever it brings the category closer to ``target`` tokens: when it overshoots
+    the target by less than the gap it closes, so the error per category stays under half a sample; a
+    category whose target is all it has takes everything. Vectorised: each round takes the longest run
+    of samples that all fit, skips the one that does not, and drops every later sample too long for
+    the gap that is left.
     """
-    chosen, used = [], 0
-    for cand in sorted(candidates, key=lambda c: c.rank):
-        if used + cand.n_tokens / 2 <= target * (1 + 1e-9):
-            chosen.append(cand)
-            used += cand.n_tokens
-    return chosen
+    n_tokens = np.asarray(n_tokens, dtype=np.int64)
+    taken = np.zeros(len(n_tokens), dtype=bool)
+    limit = target * (1 + 1e-9)
+    used = 0
+    left = np.arange(len(n_tokens))
+    for _ in range(_VECTOR_ROUNDS):
+        if not len(left):
+            return taken
+        left = left[used + n_tokens[left] / 2 <= limit]
+        n = n_tokens[left]
+        before = used + np.cumsum(n) - n  # tokens used before each sample, if all before it are taken
+        fits = before + n / 2 <= limit
+        stop = int(np.argmin(fits)) if not fits.all() else len(left)
+        taken[left[:stop]] = True
+        used += int(n[:stop].sum())
+        left = left[stop + 1 :]
+    for i in left:  # many samples near the gap's size: one at a time, as defined above
+        if used + n_tokens[i] / 2 <= limit:
+            taken[i] = True
+            used += int(n_tokens[i])
+    return taken
+
+
+_VECTOR_ROUNDS = 64
+
+
+_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x ^ (x >> np.uint64(30))) * _SPLITMIX[1]
+    x = (x ^ (x >> np.uint64(27))) * _SPLITMIX[2]
+    return x ^ (x >> np.uint64(31))
+
+
+def _hex_to_u64(ids: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Prompt ids (16 hex digits) as 64-bit integers, straight from Arrow's string buffer."""
+    array = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    if len(array) == 0:
+        return np.zeros(0, dtype=np.uint64)
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset : array.offset + len(array) + 1]
+    if array.null_count or not np.all(np.diff(offsets) == 16):
+        return np.array([int(p, 16) for p in array.to_pylist()], dtype=np.uint64)
+    chars = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].reshape(-1, 16)
+    nibbles = _HEX_VALUES[chars]
+    if (nibbles > 15).any():
+        raise ValueError("a prompt_id is not 16 hex digits")
+    shifts = np.arange(60, -4, -4, dtype=np.uint64)
+    return np.bitwise_or.reduce(nibbles << shifts, axis=1)
+
+
+_HEX_VALUES = np.full(256, 255, dtype=np.uint64)
+_HEX_VALUES[np.frombuffer(b"0123456789", dtype=np.uint8)] = np.arange(10, dtype=np.uint64)
+_HEX_VALUES[np.frombuffer(b"abcdef", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+_HEX_VALUES[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+
+
+def sample_ranks(seed: int, prompt_ids: pa.ChunkedArray | pa.Array, sample_idx: np.ndarray) -> np.ndarray:
+    """Each sample's seeded rank: a hash of (seed, prompt_id, sample_idx), the same in any shard order."""
+    sample = np.asarray(sample_idx, dtype=np.uint64)
+    seeds = np.full(len(sample), seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)  # arrays wrap silently; scalars warn
+    salt = _mix64(seeds * _SPLITMIX[0] + sample)
+    return _mix64(_hex_to_u64(prompt_ids) ^ salt)
+
+
+@dataclass
+class _Candidates:
+    """Every sample of the token shards, as flat arrays (20 bytes a sample), in input order."""
+
+    rank: np.ndarray  # uint64
+    n_tokens: np.ndarray  # int32
+    category: np.ndarray  # int16: index into the categories
+    offsets: np.ndarray  # int64: where each input shard's rows start
+
+
+def _candidates(seed: int, inputs: list[Path], categories: list[str]) -> tuple[_Candidates, Counter[str], Counter[str]]:
+    """Read only the columns selection needs; returns the candidates and the tokens available by
+    category and by source."""
+    import pyarrow.compute as pc
+
+    known = pa.array(categories, type=pa.string())
+    ranks, tokens, codes, sizes = [], [], [], [0]
+    available: Counter[str] = Counter()
+    available_by_source: Counter[str] = Counter()
+    for path in inputs:
+        table = pq.read_table(path, columns=_SELECT_COLUMNS)
+        ranks.append(sample_ranks(seed, table.column("prompt_id"), table.column("sample_idx").to_numpy()))
+        tokens.append(table.column("n_tokens").to_numpy().astype(np.int32))
+        codes.append(
+            pc.fill_null(pc.index_in(table.column("category"), value_set=known), -1).to_numpy().astype(np.int16)
+        )
+        for column, into in (("category", available), ("source", available_by_source)):
+            for group in table.group_by(column).aggregate([("n_tokens", "sum")]).to_pylist():
+                into[group[column]] += group["n_tokens_sum"]
+        sizes.append(table.num_rows)
+    cand = _Candidates(
+        np.concatenate(ranks) if ranks else np.zeros(0, dtype=np.uint64),
+        np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32),
+        np.concatenate(codes) if codes else np.zeros(0, dtype=np.int16),
+        np.cumsum(sizes),
+    )
+    return cand, available, available_by_source
 
 
 def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
+    """Select the samples of every token shard and write the dataset, in memory that grows only with the
+    number of samples (about 25 bytes each), never with their size."""
     cfg = plan.config
     # by source name and shard: the dataset's row order does not depend on the config's source order
     inputs = [(source, path) for source in sorted(plan.sources) for path in plan.token_shards(source)]
-    by_category: dict[str, list[Candidate]] = defaultdict(list)
-    available: Counter[str] = Counter()
-    available_by_source: Counter[str] = Counter()
-    for index, (_, path) in enumerate(inputs):
-        table = pq.read_table(path, columns=_SELECT_COLUMNS).to_pylist()
-        for row_index, row in enumerate(table):
-            rank = hashing.digest(
-                {"seed": cfg.mix_seed, "prompt_id": row["prompt_id"], "sample_idx": row["sample_idx"]}
-            )
-            by_category[row["category"]].append(Candidate(index, row_index, rank, row["n_tokens"]))
-            available[row["category"]] += row["n_tokens"]
-            available_by_source[row["source"]] += row["n_tokens"]
     shares = dict(cfg.mix_categories)
+    categories = list(shares)
+    cand, available, available_by_source = _candidates(cfg.mix_seed, [p for _, p in inputs], categories)
     targets = category_targets(shares, dict(available), cfg.mix_budget_tokens)
-    chosen_rows: dict[int, list[int]] = defaultdict(list)
+    chosen = np.zeros(len(cand.rank), dtype=bool)
     chosen_tokens: Counter[str] = Counter()
-    for category in shares:
-        for cand in select(by_category.get(category, []), targets[category]):
-            chosen_rows[cand.shard].append(cand.row)
-            chosen_tokens[category] += cand.n_tokens
+    for code, category in enumerate(categories):
+        members = np.flatnonzero(cand.category == code)
+        by_rank = members[np.argsort(cand.rank[members], kind="stable")]
+        take = by_rank[select(cand.n_tokens[by_rank], targets[category])]
+        chosen[take] = True
+        chosen_tokens[category] += int(cand.n_tokens[take].sum(dtype=np.int64))
+        del members, by_rank, take
+    offsets = cand.offsets
+    del cand
     check(plan, shares, targets, chosen_tokens, available, available_by_source)
 
     rows_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
     tokens_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
     finish: Counter[str] = Counter()
-    lengths: list[int] = []
+    lengths: list[np.ndarray] = []
     loss_tokens = 0
     tally = report.Tally()
     with atomic.atomic_dir(out_dir) as tmp:
         writer = RollingWriter(tmp / "data", cfg.rows_per_file)
-        for index, (_, path) in enumerate(inputs):
-            if not chosen_rows.get(index):
+        for index, (source, path) in enumerate(inputs):
+            rows = np.flatnonzero(chosen[offsets[index] : offsets[index + 1]])
+            if not len(rows):
                 continue
-            table = pq.read_table(path).take(pa.array(sorted(chosen_rows[index]), type=pa.int64()))
-            for row in table.select(["source", "category", "n_tokens", "n_loss_tokens", "finish_reason"]).to_pylist():
-                for col in ("source", "category"):
-                    rows_by[col][row[col]] += 1
-                    tokens_by[col][row[col]] += row["n_tokens"]
-                finish[row["finish_reason"]] += 1
-                lengths.append(row["n_tokens"])
-                loss_tokens += row["n_loss_tokens"]
-                tally.add(row)
+            table = pq.read_table(path).take(pa.array(rows, type=pa.int64()))
+            category = plan.sources[source].spec.category
+            n_tokens = table.column("n_tokens").to_numpy()
+            n_loss = table.column("n_loss_tokens").to_numpy()
+            reasons = Counter(table.column("finish_reason").to_pylist())
+            for col, name in (("source", source), ("category", category)):
+                rows_by[col][name] += table.num_rows
+                tokens_by[col][name] += int(n_tokens.sum(dtype=np.int64))
+            finish.update(reasons)
+            lengths.append(n_tokens.astype(np.int32))
+            loss_tokens += int(n_loss.sum(dtype=np.int64))
+            tally.add_rows(source, category, n_tokens, n_loss, reasons)
             writer.write(table)
+            del table
         files = writer.close()
         killpoints.die_at("mix")
         total = sum(tokens_by["category"].values())
+        all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
         manifest = {
             "stage": "mix",
             "scheme": MIX_VERSION,
             "dataset": cfg.dataset_name,
             "files": files,
-            "rows": len(lengths),
+            "rows": len(all_lengths),
             "tokens": total,
             "loss_tokens": loss_tokens,
             "mix": {
@@ -156,7 +252,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
             "model_fingerprint": plan.model_fingerprint,
             "template_fingerprint": plan.template_fingerprint,
             "finish_reasons": dict(sorted(finish.items())),
-            "length": length_stats(lengths),
+            "length": length_stats(all_lengths),
             "report": report.tables(plan, tally),
         }
         report.write_tables(tmp, manifest["report"])

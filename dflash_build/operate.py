@@ -87,7 +87,7 @@ def _estimate(
             completions_built=sum(p.exists() for p in plan.completion_shards(name)),
             tokens_built=sum(p.exists() for p in plan.token_shards(name)),
         )
-        selection = None
+        shard_ids: dict[str, list[str]] | None = None
         for shard, path in zip(sp.shards, plan.completion_shards(name), strict=True):
             if path.exists():
                 continue
@@ -104,11 +104,12 @@ def _estimate(
                 est.rows_to_generate += rows * sampling.samples_per_prompt
                 continue
             else:  # not prepared yet: run prepare's selection in memory (CPU only) to know the rows
-                if selection is None:
+                if shard_ids is None:
                     selection = prepare.select(plan, name)
-                    est.prompt_rows = sum(len(r) for r in selection.shards.values())
+                    shard_ids = selection.shard_prompt_ids()
+                    est.prompt_rows = selection.rows_out
                     est.prompt_rows_known = True
-                ids = [r["prompt_id"] for r in selection.shards[shard]]
+                ids = shard_ids[shard]
             wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
             est.rows_in_jobs += len(wanted)
             journal_dir = plan.journal_dir(name, shard)
@@ -424,8 +425,9 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
 
     Derived files go too, or Snakemake would never need the repaired file again: a completion shard
     takes its token shard, the dataset and its journal's published copy (the same file, linked) with
-    it. A prompt shard goes alone (its completions are still valid); prepare rebuilds it the next time
-    a job needs it.
+    it. A prompt shard takes its source's manifest, the one output of prepare (rules/prepare.smk), so
+    that prepare runs again; its completions stay valid (generate depends on the manifest as ancient).
+    A shard the manifest lists but the store lacks is reported missing.
     """
     dist = plan.config.dataset_dir
     packed = plan.config.packed_dir
@@ -440,10 +442,11 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
 
     for name, sp in plan.sources.items():
         manifest_file = plan.prompt_dir(name) / "manifest.json"
+        # without its manifest (prepare's one output) a source's prompt shards are not published yet
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {"shards": {}}
         for shard, path in zip(sp.shards, plan.prompt_shards(name), strict=True):
-            if path.exists():
-                yield path, manifest["shards"].get(shard), (path,)
+            if shard in manifest["shards"]:
+                yield path, manifest["shards"][shard], (path, manifest_file)
         built = zip(sp.shards, plan.completion_shards(name), plan.token_shards(name), strict=True)
         for shard, completion, tokens in built:
             published = plan.journal_dir(name, shard)

@@ -8,6 +8,7 @@ input's row order. Dropped rows make shards smaller, never fewer.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -49,20 +50,21 @@ class SourcePlan:
     prompt_components: dict[str, Any]
     gen_components: dict[str, Any]
     tok_components: dict[str, Any]
+    raw_rows: int | None = None  # rows of the input, when known before prepare
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    @property
+    @functools.cached_property
     def prompt_key(self) -> str:
         return hashing.content_key(self.prompt_components)
 
-    @property
+    @functools.cached_property
     def gen_key(self) -> str:
         return hashing.content_key(self.gen_components)
 
-    @property
+    @functools.cached_property
     def tok_key(self) -> str:
         return hashing.content_key(self.tok_components)
 
@@ -81,6 +83,9 @@ class Plan:
     # Store paths. One place builds them so rules, stages and commands agree.
     def prompt_dir(self, source: str) -> Path:
         return self.config.store / "prompts" / source / self.sources[source].prompt_key
+
+    def prompt_manifest(self, source: str) -> Path:
+        return self.prompt_dir(source) / "manifest.json"
 
     def completion_dir(self, source: str) -> Path:
         return self.config.store / "completions" / source / self.sources[source].gen_key
@@ -220,6 +225,33 @@ def _source_input(
     return (), ident, None
 
 
+def components_file(store: Path, key: str) -> Path:
+    return store / ".cache" / "components" / f"{key}.json"
+
+
+def record_components(plan: Plan) -> None:
+    """Keep what each planned key is made of in the store (once per key: the file never changes)."""
+    from dflash_build import atomic
+
+    for sp in plan.sources.values():
+        for key, components in (
+            (sp.prompt_key, sp.prompt_components),
+            (sp.gen_key, sp.gen_components),
+            (sp.tok_key, sp.tok_components),
+        ):
+            path = components_file(plan.config.store, key)
+            if not path.exists():
+                atomic.write_json(path, components)
+
+
+def planned_components(store: Path, key: str) -> dict[str, Any] | None:
+    """The components recorded for ``key``; None when there is no readable record."""
+    try:
+        return json.loads(components_file(store, key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def fingerprint_cache_file(config: Config) -> Path:
     return config.store / ".cache" / "fingerprints.json"
 
@@ -229,12 +261,20 @@ def fingerprint_cache(config: Config) -> hashing.FingerprintCache:
     return hashing.FingerprintCache(fingerprint_cache_file(config))
 
 
-def build(config: Config) -> Plan:
-    """Compute every key and shard count for ``config``; hashes are cached in the store."""
+def build(config: Config, only: str | None = None) -> Plan:
+    """Compute every key and shard count for ``config``; hashes are cached in the store.
+
+    ``only``: plan that one source alone (a shard job needs nothing of the others, and with many
+    sources their inputs would cost every job a look).
+    """
+    if only is not None and only not in config.sources:
+        raise ConfigError("sources", f"no source '{only}' in the config")
     cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
     sources = {}
     for name, spec in config.sources.items():
+        if only is not None and name != only:
+            continue
         files, identity, raw_rows = _source_input(spec, cache)
         rows = raw_rows if spec.max_samples is None else min(spec.max_samples, raw_rows or spec.max_samples)
         if rows is None:
@@ -270,6 +310,8 @@ def build(config: Config) -> Plan:
             "gen_key": hashing.content_key(gen_components),
             "truncated": config.truncated,
         }
-        sources[name] = SourcePlan(spec, files, n_shards, rows, prompt_components, gen_components, tok_components)
+        sources[name] = SourcePlan(
+            spec, files, n_shards, rows, prompt_components, gen_components, tok_components, raw_rows
+        )
     cache.save()
     return Plan(config, model_fp, template_fp, sources)

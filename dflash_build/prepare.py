@@ -290,16 +290,16 @@ def to_prompt(row: Any, spec: SourceSpec) -> tuple[list[dict[str, str]], list[di
 
 
 def prompt_id(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> str:
-    return hashing.content_key({"messages": messages, "tools": tools})
+    # messages are str-to-str dicts already (to_prompt makes them), so only the tools need normalising
+    body = {"messages": messages, "tools": None if tools is None else hashing.normalise(tools)}
+    return hashing.digest_normalised(body)[: hashing.KEY_LENGTH]
 
 
 def dedup_key(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> str:
     """Exact duplicates after Unicode NFC, whitespace folding and trimming."""
-
-    def norm(text: str) -> str:
-        return " ".join(unicodedata.normalize("NFC", text).split())
-
-    return hashing.digest({"messages": [[m["role"], norm(m["content"])] for m in messages], "tools": tools})
+    normalize = unicodedata.normalize
+    folded = [[m["role"], " ".join(normalize("NFC", m["content"]).split())] for m in messages]
+    return hashing.digest_normalised({"messages": folded, "tools": None if tools is None else hashing.normalise(tools)})
 
 
 def selection_rank(seed: int, pid: str) -> str:
@@ -321,59 +321,250 @@ class DropCounter:
             self.examples[reason].append(f"{location}: {detail}" if detail else location)
 
 
+# Prepare streams: each converted row goes to a spill bucket on disk (by the top bits of its prompt id)
+# and leaves only its digests in memory, 24 bytes a row. Selection runs on those arrays; the buckets
+# are then read back one at a time, in prompt id order, and the shards written as they fill. Peak
+# memory: the digest arrays, the bucket buffers (SPILL_BUFFER_BYTES) and one bucket.
+SPILL_BUFFER_BYTES = 32 << 20
+SPILL_FLUSH_ROWS = 1024
+ROWS_PER_BUCKET = 32768
+MAX_BUCKETS = 512
+_RECORD_JSON = json.JSONEncoder(ensure_ascii=False)  # = json.dumps(x, ensure_ascii=False), one encoder
+_META_JSON = json.JSONEncoder(sort_keys=True)
+_SPILL_SCHEMA = pa.schema([*PROMPT_SCHEMA, ("location", pa.string())])
+
+
+def _bucket_count(expected_rows: int) -> int:
+    """A power of two, so a bucket is a contiguous range of prompt ids."""
+    buckets = 1
+    while buckets < MAX_BUCKETS and buckets * ROWS_PER_BUCKET < expected_rows:
+        buckets *= 2
+    return buckets
+
+
+def _pid_int(pid: str) -> int:
+    return int(pid, 16)  # prompt ids are 16 hex digits: their order as numbers is their order as text
+
+
+class _Spill:
+    """Converted records in bucket files under ``folder`` (removed by the caller), or nowhere."""
+
+    def __init__(self, folder: Path | None, buckets: int) -> None:
+        self.folder = folder
+        self.shift = 64 - (buckets.bit_length() - 1)
+        self.buffers: list[list[dict[str, Any]]] = [[] for _ in range(buckets)]
+        self.writers: dict[int, pq.ParquetWriter] = {}
+        self.buffered_bytes = 0
+
+    def add(self, pid: int, record: dict[str, Any]) -> None:
+        if self.folder is None:
+            return
+        bucket = pid >> self.shift if self.shift < 64 else 0
+        self.buffers[bucket].append(record)
+        self.buffered_bytes += len(record["messages"]) + len(record["tools"] or "") + 160
+        if len(self.buffers[bucket]) >= SPILL_FLUSH_ROWS:
+            self._flush(bucket)
+        if self.buffered_bytes > SPILL_BUFFER_BYTES:
+            for b in range(len(self.buffers)):
+                self._flush(b)
+            self.buffered_bytes = 0
+
+    def _flush(self, bucket: int) -> None:
+        rows = self.buffers[bucket]
+        if not rows or self.folder is None:
+            return
+        if bucket not in self.writers:
+            self.writers[bucket] = pq.ParquetWriter(self.folder / f"{bucket:04d}.parquet", _SPILL_SCHEMA)
+        self.writers[bucket].write_table(pa.Table.from_pylist(rows, schema=_SPILL_SCHEMA))
+        self.buffered_bytes -= sum(len(r["messages"]) + len(r["tools"] or "") + 160 for r in rows)
+        self.buffers[bucket] = []
+
+    def close(self) -> None:
+        for bucket in range(len(self.buffers)):
+            self._flush(bucket)
+        for writer in self.writers.values():
+            writer.close()
+
+    def tables(self) -> Iterator[pa.Table]:
+        """Each bucket's rows, in bucket order (prompt id ranges ascending)."""
+        assert self.folder is not None
+        for bucket in sorted(self.writers):
+            yield pq.read_table(self.folder / f"{bucket:04d}.parquet")
+
+
 @dataclass
 class Selection:
-    """Prepare's result before anything is written: the kept records by shard, and the accounting."""
+    """What prepare keeps of one source: the selected prompt ids in order, and the accounting.
 
-    shards: dict[str, list[dict[str, Any]]]
+    ``selected`` holds the prompt ids (as 64-bit integers, ascending) that become prompts: one per
+    group of duplicates (the smallest prompt id), then the ``max_samples`` with the smallest seeded
+    rank. Shard ``i`` takes the ``i``-th contiguous run of them (:func:`shard_bounds`).
+    """
+
+    selected: Any  # numpy uint64 array
+    winners: Any  # numpy uint64 array: every group's smallest prompt id (selected ⊆ winners)
     rows_in: int
     drops: DropCounter
+    shard_names: list[str]
+
+    @property
+    def rows_out(self) -> int:
+        return len(self.selected)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        return shard_bounds(self.rows_out, len(self.shard_names))
+
+    def shard_prompt_ids(self) -> dict[str, list[str]]:
+        return {
+            name: [f"{int(p):016x}" for p in self.selected[lo:hi]]
+            for name, (lo, hi) in zip(self.shard_names, self.bounds(), strict=True)
+        }
 
 
-def select(plan: Plan, source: str) -> Selection:
-    """Load, convert, drop, dedup, select and shard one source, in memory (`plan` uses it too)."""
+def _raw_rows(plan: Plan, source: str) -> Iterator[RawRow]:
+    sp: SourcePlan = plan.sources[source]
+    if sp.spec.hf is None:
+        cache = fingerprint_cache(plan.config)
+        return (r for f in sp.input_files for r in iter_local_rows(f, cache.file(f)))
+    return iter_hf_rows(sp.spec)
+
+
+def _scan(plan: Plan, source: str, spill: _Spill) -> Selection:
+    """Read and convert every row once, spill it, and select."""
+    import numpy as np
+
     sp: SourcePlan = plan.sources[source]
     spec = sp.spec
     drops = DropCounter()
-    kept: dict[str, dict[str, Any]] = {}  # dedup key -> record
+    dedup_digests = bytearray()  # 16 bytes per converted row
+    pids = bytearray()  # 8 bytes per converted row
     rows_in = 0
-    if spec.hf is None:
-        cache = fingerprint_cache(plan.config)
-        raw_rows: Iterator[RawRow] = (r for f in sp.input_files for r in iter_local_rows(f, cache.file(f)))
-    else:
-        raw_rows = iter_hf_rows(spec)
-    for raw in raw_rows:
+    for raw in _raw_rows(plan, source):
         rows_in += 1
         try:
             messages, tools = to_prompt(raw.value, spec)
         except Drop as d:
             drops.add(d.reason, raw.location, d.detail)
             continue
-        record = {
-            "prompt_id": prompt_id(messages, tools),
-            "source": source,
-            "category": spec.category,
-            "messages": json.dumps(messages, ensure_ascii=False),
-            "tools": None if tools is None else json.dumps(tools, ensure_ascii=False),
-            "meta": json.dumps(raw.origin, sort_keys=True),
-        }
-        key = dedup_key(messages, tools)
-        other = kept.get(key)
-        if other is None:
-            kept[key] = record
-            continue
-        drops.add(DROP_DUPLICATE, raw.location)
-        if (record["prompt_id"], record["meta"]) < (other["prompt_id"], other["meta"]):
-            kept[key] = record
-    records = list(kept.values())
-    if spec.max_samples is not None and len(records) > spec.max_samples:
-        records.sort(key=lambda r: selection_rank(spec.seed, r["prompt_id"]))
-        for r in records[spec.max_samples :]:
-            drops.add(DROP_OVER_MAX_SAMPLES, r["prompt_id"])
-        records = records[: spec.max_samples]
-    records.sort(key=lambda r: r["prompt_id"])
-    bounds = shard_bounds(len(records), sp.n_shards)
-    return Selection({name: records[lo:hi] for name, (lo, hi) in zip(sp.shards, bounds, strict=True)}, rows_in, drops)
+        pid = prompt_id(messages, tools)
+        dedup_digests += bytes.fromhex(dedup_key(messages, tools)[:32])
+        pids += bytes.fromhex(pid)
+        spill.add(
+            _pid_int(pid),
+            {
+                "prompt_id": pid,
+                "source": source,
+                "category": spec.category,
+                "messages": _RECORD_JSON.encode(messages),
+                "tools": None if tools is None else _RECORD_JSON.encode(tools),
+                "meta": _META_JSON.encode(raw.origin),
+                "location": raw.location,
+            },
+        )
+    spill.close()
+    converted = len(pids) // 8
+    pid_values = _native_u64(pids)
+    dd = _native_u64(dedup_digests).reshape(converted, 2)
+    # Duplicates keep their smallest prompt id: sort by (digest, prompt id), take each group's first.
+    order = np.lexsort((pid_values, dd[:, 1], dd[:, 0]))
+    dd_sorted = dd[order]
+    first = np.ones(converted, dtype=bool)
+    first[1:] = np.any(dd_sorted[1:] != dd_sorted[:-1], axis=1)
+    winners = np.unique(pid_values[order[first]])
+    drops.counts[DROP_DUPLICATE] += converted - len(winners)  # examples: as the shards are written
+    del dd, dd_sorted, order, first
+    selected = winners
+    if spec.max_samples is not None and len(winners) > spec.max_samples:
+        ranks = bytearray()
+        for p in winners:
+            ranks += bytes.fromhex(selection_rank(spec.seed, f"{int(p):016x}")[:32])
+        rank_pairs = np.frombuffer(bytes(ranks), dtype=">u8").astype(np.uint64).reshape(len(winners), 2)
+        by_rank = np.lexsort((rank_pairs[:, 1], rank_pairs[:, 0]))
+        over = by_rank[spec.max_samples :]
+        drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
+        drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(winners[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
+        selected = np.sort(winners[by_rank[: spec.max_samples]])
+    if not drops.counts[DROP_DUPLICATE]:
+        del drops.counts[DROP_DUPLICATE]
+    return Selection(selected, winners, rows_in, drops, sp.shards)
+
+
+def _native_u64(big_endian: bytearray) -> Any:
+    """Big-endian 64-bit words as native integers, in place (no copy of the digest set)."""
+    import numpy as np
+
+    words = np.frombuffer(big_endian, dtype=">u8")
+    return words.byteswap(inplace=True).view(np.uint64) if words.dtype != np.dtype(np.uint64) else words
+
+
+def select(plan: Plan, source: str) -> Selection:
+    """Prepare's selection without writing anything (``dflash-build plan`` uses it): memory as prepare."""
+    return _scan(plan, source, _Spill(None, 1))
+
+
+def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[str, dict[str, int | str]]:
+    """Read the spill back bucket by bucket and write each shard as soon as its rows are all there."""
+    import numpy as np
+
+    bounds = iter(zip(selection.shard_names, selection.bounds(), strict=True))
+    name, (lo, hi) = next(bounds)
+    written: dict[str, dict[str, int | str]] = {}
+    pending: list[pa.Table] = []
+    have = 0
+
+    def flush_full() -> None:
+        nonlocal name, lo, hi, pending, have
+        while have >= hi - lo:
+            table = pa.concat_tables(pending) if pending else _SPILL_SCHEMA.empty_table()
+            shard, rest = table.slice(0, hi - lo), table.slice(hi - lo)
+            written[name] = atomic.write_parquet(out_dir / f"{name}.parquet", shard.select(PROMPT_SCHEMA.names))
+            # the rest copied: a slice would keep every earlier bucket's buffers alive
+            rest = rest.take(pa.array(np.arange(rest.num_rows)))
+            pending, have = ([rest] if rest.num_rows else []), rest.num_rows
+            step = next(bounds, None)
+            if step is None:
+                return
+            name, (lo, hi) = step
+
+    flush_full()  # leading empty shards, when there are more shards than rows
+    for table in spill.tables():
+        # each prompt id once (duplicates with the same id: the smallest meta), and only the selected
+        table = table.sort_by([("prompt_id", "ascending"), ("meta", "ascending")])
+        ids = np.array([_pid_int(p) for p in table.column("prompt_id").to_pylist()], dtype=np.uint64)
+        keep = np.ones(len(ids), dtype=bool)
+        keep[1:] = ids[1:] != ids[:-1]
+        at = np.searchsorted(selection.selected, ids)
+        inside = at < len(selection.selected)
+        keep &= inside
+        keep[inside] &= selection.selected[at[inside]] == ids[inside]
+        _duplicate_examples(selection, table, ids, keep)
+        kept = table.filter(pa.array(keep))
+        if kept.num_rows:
+            pending.append(kept)
+            have += kept.num_rows
+            flush_full()
+        del table, kept
+        pa.default_memory_pool().release_unused()
+    if len(written) != len(selection.shard_names):
+        raise RuntimeError(f"prepare wrote {len(written)} of {len(selection.shard_names)} shards; this is a bug")
+    return written
+
+
+def _duplicate_examples(selection: Selection, table: pa.Table, ids: Any, keep: Any) -> None:
+    """Note where dropped duplicates came from: rows not kept whose id is no group's smallest, or
+    repeats an id just kept (the rest that is not kept went over max_samples)."""
+    import numpy as np
+
+    examples = selection.drops.examples[DROP_DUPLICATE]
+    if len(examples) >= EXAMPLES_PER_REASON or DROP_DUPLICATE not in selection.drops.counts:
+        return
+    at = np.minimum(np.searchsorted(selection.winners, ids), max(len(selection.winners) - 1, 0))
+    is_winner = selection.winners[at] == ids if len(selection.winners) else np.zeros(len(ids), dtype=bool)
+    repeat = np.zeros(len(ids), dtype=bool)
+    repeat[1:] = ids[1:] == ids[:-1]
+    locations = table.column("location")
+    for i in np.flatnonzero(~keep & (~is_winner | repeat))[: EXAMPLES_PER_REASON - len(examples)]:
+        examples.append(locations[int(i)].as_py())
 
 
 class SourceLossError(RuntimeError):
@@ -386,7 +577,7 @@ def check_losses(spec: SourceSpec, selection: Selection) -> None:
     Duplicates, ``max_samples`` and the length filters are what the config asked for and never count.
     """
     drops = selection.drops
-    rows_out = sum(len(r) for r in selection.shards.values())
+    rows_out = selection.rows_out
     defects = {r: n for r, n in drops.counts.items() if r not in INTENDED_DROPS}
     lost = sum(defects.values())
     key = f"sources.{spec.name}"
@@ -403,7 +594,7 @@ def check_losses(spec: SourceSpec, selection: Selection) -> None:
     ]
     for reason, n in sorted(drops.counts.items(), key=lambda kv: -kv[1])[:4]:
         examples = "; ".join(drops.examples[reason][:2])
-        lines.append(f"  {reason}: {n} rows, e.g. {examples}")
+        lines.append(f"  {reason}: {n} rows" + (f", e.g. {examples}" if examples else ""))
     lines.append(
         f"Fix the mapping ({key}.format, {key}.fields, {key}.roles) if the rows are good but read wrongly; "
         f"raise {key}.max_drop_fraction if these rows are meant to go."
@@ -411,35 +602,40 @@ def check_losses(spec: SourceSpec, selection: Selection) -> None:
     raise SourceLossError("\n".join(lines))
 
 
-def run(plan: Plan, source: str) -> dict[str, Any]:
-    """Build every prompt shard and the manifest of ``source``; returns the manifest."""
+def run(plan: Plan, source: str, manifest_path: Path | None = None) -> dict[str, Any]:
+    """Build every prompt shard and then the manifest of ``source`` (at ``manifest_path``: Snakemake's
+    output, else the plan's); returns the manifest. Nothing is published unless the source passes
+    :func:`check_losses`."""
+    import tempfile
+
     sp = plan.sources[source]
-    selection = select(plan, source)
-    check_losses(sp.spec, selection)
-    out_dir = plan.prompt_dir(source)
-    shard_files = {
-        name: atomic.write_parquet(out_dir / f"{name}.parquet", pa.Table.from_pylist(records, schema=PROMPT_SCHEMA))
-        for name, records in selection.shards.items()
-    }
+    manifest_path = manifest_path or plan.prompt_manifest(source)
+    out_dir = manifest_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # named like every temporary of the store: `gc` removes the spill of a killed prepare (stray_temporaries)
+    with tempfile.TemporaryDirectory(prefix=".spill-", suffix=".tmp", dir=out_dir) as spill_dir:
+        spill = _Spill(Path(spill_dir), _bucket_count(sp.raw_rows or sp.planned_rows))
+        selection = _scan(plan, source, spill)
+        check_losses(sp.spec, selection)
+        shard_files = _write_shards(selection, spill, out_dir)
     drops = selection.drops
-    rows_out = sum(len(r) for r in selection.shards.values())
     manifest = {
         "stage": "prepare",
         "source": source,
         "prompt_key": sp.prompt_key,
         "components": sp.prompt_components,
         "rows_in": selection.rows_in,
-        "rows_out": rows_out,
+        "rows_out": selection.rows_out,
         "drops": dict(sorted(drops.counts.items())),
-        "drop_examples": dict(sorted(drops.examples.items())),
+        "drop_examples": dict(sorted((r, e) for r, e in drops.examples.items() if e)),
         "shards": shard_files,
     }
-    atomic.write_json(out_dir / "manifest.json", manifest)
+    atomic.write_json(manifest_path, manifest)
     log.info(
         "%s: %d rows in, %d prompts in %d shards, drops %s",
         source,
         selection.rows_in,
-        rows_out,
+        selection.rows_out,
         sp.n_shards,
         dict(drops.counts),
     )

@@ -12,10 +12,13 @@ sample of this one. Under a new max_new_tokens M, a row with n output tokens is 
   which is as valid a sample as one generated from scratch.
 
 SQLite (WAL, one file per store) keeps the lookup fast at millions of rows and safe for concurrent
-jobs. Paths in it are relative to the store, so every working directory (and every mount point of a
-shared store) reads the same entries. The index is derived data and heals itself: :meth:`RowIndex.open`
-rebuilds an index that is not a database or is of an older layout, and adds the published shards it
-lacks (an emptied or lost index), with a warning; ``dflash-build reindex`` rebuilds it by hand.
+jobs: every lookup and delete goes through an index, and a write transaction holds the lock only for
+its own shard's statements (rows are read and prepared before it begins). Paths in it are relative to
+the store, so every working directory (and every mount point of a shared store) reads the same
+entries. The index is derived data and heals itself: :meth:`RowIndex.open` rebuilds an index that is
+not a database or is of an older layout, and adds the published shards it lacks, with a warning: at
+the start of every build (a full comparison with the store), and in any job that finds it empty (a
+lost index); ``dflash-build reindex`` rebuilds it by hand.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CREATE TABLE IF NOT EXISTS rows (
     PRIMARY KEY (reuse_key, prompt_id, sample_idx, gen_key)
 );
 CREATE TABLE IF NOT EXISTS shards (path TEXT PRIMARY KEY, gen_key TEXT NOT NULL, indexed_rows INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS rows_by_path ON rows (path);
 """
 
 
@@ -112,14 +116,16 @@ class RowIndex:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, store: Path, sync: bool = True) -> Iterator[RowIndex]:
+    def open(cls, store: Path, sync: bool | None = True) -> Iterator[RowIndex]:
         """The store's index, healed first: rebuilt when damaged or old, completed when shards are missing.
 
-        ``sync=False`` skips the completion (a scan of every sidecar): for a job that only adds its own shard.
+        ``sync``: True compares it with every published shard (a scan of every sidecar: at the start of
+        a build, and in commands); None does so only when the index is empty (lost), as a job does, since
+        at 100,000 shards a scan per job would cost more than the reuse saves; False never.
         """
         index = cls._healthy(store)
         try:
-            if sync:
+            if sync or (sync is None and index.db.execute("SELECT 1 FROM shards LIMIT 1").fetchone() is None):
                 index.sync()
             yield index
         except sqlite3.DatabaseError as e:
@@ -182,22 +188,32 @@ class RowIndex:
         """Index a published completion shard (multi-turn rows are not reused, so not indexed)."""
         name = self.relative(path)
         indexed = _indexed(rows)
-        with self.db:
+        values = [
+            (*(key, r["prompt_id"], r["sample_idx"], gen_key, name, i), *_outcome(r, max_new_tokens))
+            for i, r in indexed
+        ]
+        with self._writing():
             self.db.execute("DELETE FROM rows WHERE path = ?", (name,))
-            self.db.executemany(
-                "INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (*(key, r["prompt_id"], r["sample_idx"], gen_key, name, i), *_outcome(r, max_new_tokens))
-                    for i, r in indexed
-                ],
-            )
+            self.db.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
             self.db.execute("INSERT OR REPLACE INTO shards VALUES (?, ?, ?)", (name, gen_key, len(indexed)))
 
     def remove_shard(self, path: Path) -> None:
         name = self.relative(path)
-        with self.db:
+        with self._writing():
             self.db.execute("DELETE FROM rows WHERE path = ?", (name,))
             self.db.execute("DELETE FROM shards WHERE path = ?", (name,))
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One write transaction, taking the write lock at its start (BEGIN IMMEDIATE): a transaction
+        that first reads and then wants to write can fail at once under concurrent writers."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.rollback()
+            raise
+        self.db.commit()
 
     def differences(self) -> tuple[list[Path], list[str]]:
         """(published shards the index lacks or lists with another row count, indexed shards that are gone)."""

@@ -17,5 +17,6 @@ TOK_VERSION = 1
 # 2: data file names carry a digest of their content.
 # 3: the folder also holds the report (card recipe and tables, plots/, tables/); in the mix's params, so
 # a dataset built before gets it on the next run.
-MIX_VERSION = 3
+# 4: ranks are SplitMix64 of (seed, prompt id, sample) over numpy arrays (streaming mix), not SHA-256.
+MIX_VERSION = 4
 PACK_VERSION = 1

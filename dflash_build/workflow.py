@@ -1,7 +1,8 @@
 """The seam between the Snakemake rules and the stages: logging, and one entry point per rule.
 
 Each rule's ``script:`` calls :func:`run_rule` with the ``snakemake`` object; the plan is rebuilt from
-the job's config (fingerprints come from the cache) and the stage runs with its log file attached.
+the job's config for the job's own source only (fingerprints come from the cache), and the stage runs
+with its log file attached, on the paths Snakemake gave the job.
 """
 
 from __future__ import annotations
@@ -56,18 +57,31 @@ def warnings_to_stderr() -> None:
         root.addHandler(handler)
 
 
-def plan_from(config: dict[str, Any]) -> plan_mod.Plan:
-    return plan_mod.build(config_mod.from_dict(config))
+def plan_from(config: dict[str, Any], source: str | None = None) -> plan_mod.Plan:
+    """The plan of ``config``; of its one source ``source`` only, when given (a shard job's)."""
+    return plan_mod.build(config_mod.from_dict(config), only=source)
+
+
+def prompt_shard(manifest: str | Path, shard: str) -> Path:
+    """A prompt shard: beside its source's manifest, the one output of prepare that jobs depend on."""
+    path = Path(manifest).parent / f"{shard}.parquet"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"prompt shard {path} is missing although its manifest {manifest} exists; "
+            f"delete {manifest} and run again to prepare the source anew"
+        )
+    return path
 
 
 class KeyMismatchError(RuntimeError):
     """The config, model or inputs changed since Snakemake planned this job: its output would go astray."""
 
 
-def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned: str) -> None:
+def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned: str | None = None) -> None:
     """Fail unless the job's own plan gives the key Snakemake asked for; say what differs if not.
 
-    ``planned`` is the canonical JSON of the components Snakemake planned with (the rule's params).
+    ``planned``: the canonical JSON of the components Snakemake planned with (prepare's params); else
+    they are read from the store, where the Snakefile recorded them (:func:`plan.record_components`).
     """
     from dflash_build.operate import diff
 
@@ -79,7 +93,8 @@ def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned:
     }[stage]
     if key == asked:
         return
-    changes = "\n".join(f"  {c}" for c in diff(json.loads(planned), components)) or "  (no differences recorded)"
+    before = json.loads(planned) if planned is not None else plan_mod.planned_components(plan.config.store, asked)
+    changes = "\n".join(f"  {c}" for c in diff(before or {}, components)) or "  (no differences recorded)"
     raise KeyMismatchError(
         f"{stage} {source}: Snakemake planned key {asked}, but the config and inputs now give {key}; "
         f"something changed since the workflow started:\n{changes}\nRun snakemake again to plan the new key."
@@ -95,17 +110,21 @@ def run_rule(smk: Any, stage: str) -> None:
     from dflash_build import generate, mix, prepare, tokenize
 
     with logged(smk.log[0] if smk.log else None):
-        plan = plan_from(smk.config)
+        source = smk.params.source if stage == "prepare" else getattr(smk.wildcards, "source", None)
+        plan = plan_from(smk.config, source)
         if stage == "prepare":
-            check_key(plan, stage, smk.params.source, Path(smk.output.manifest).parent.name, smk.params.components)
+            check_key(plan, stage, source, Path(smk.output.manifest).parent.name, smk.params.components)
         elif stage in ("generate", "tokenize"):
-            check_key(plan, stage, smk.wildcards.source, smk.wildcards.key, smk.params.components)
+            check_key(plan, stage, source, smk.wildcards.key)
         if stage == "prepare":
-            prepare.run(plan, smk.params.source)
+            prepare.run(plan, source, Path(smk.output.manifest))
         elif stage == "generate":
-            source, shard = smk.wildcards.source, smk.wildcards.shard
+            shard = smk.wildcards.shard
             paths = generate.ShardPaths(
-                Path(smk.input[0]), Path(smk.output.data), Path(smk.output.stats), plan.journal_dir(source, shard)
+                prompt_shard(smk.input.prompts, shard),
+                Path(smk.output.data),
+                Path(smk.output.stats),
+                plan.journal_dir(source, shard),  # not a Snakemake output: it outlives failed jobs
             )
             generate.run(plan, source, shard, paths)
         elif stage == "tokenize":
@@ -121,22 +140,20 @@ def run_rule(smk: Any, stage: str) -> None:
             raise ValueError(f"unknown stage {stage}")
 
 
-def generate_resources(
-    engine: config_mod.EngineSpec, given_gpus: Any, cluster: bool = False
-) -> tuple[int, int, int | None]:
+def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
     """(gpu, gpu_jobs) one generate job asks for, and the gpu_jobs total to register (None: none).
 
     A job with its own engine holds a GPU: gpu=1. With shared engines a job feeds an engine instead, and
     ``engine.jobs_per_engine`` jobs feed each GPU's engine, so the user's ``--resources gpu=N`` becomes
-    ``gpu_jobs = N x jobs_per_engine``. Submitted to a ``cluster`` (a Snakemake executor other than the
-    local one), every job asks for the GPU its allocation needs (the executor turns gpu into a GPU
-    request); the jobs grouped into one allocation then share its engine.
+    ``gpu_jobs = N x jobs_per_engine``. On a cluster the profile overrides both (profiles/slurm: gpu=1,
+    gpu_jobs=0): every job asks for the GPU its allocation needs, and the jobs grouped into one
+    allocation share its engine.
     """
     from dflash_build import engines
 
     if not engines.uses_gpu(engine):
         return 0, 0, None
-    if not engine.shared or cluster:
+    if not engine.shared:
         return 1, 0, None
     gpus = getattr(given_gpus, "value", given_gpus)
     return 0, 1, None if gpus is None else int(gpus) * engine.jobs_per_engine

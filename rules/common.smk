@@ -25,30 +25,17 @@ PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
 dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
 # A job on its own engine asks for gpu=1. With shared engines it asks for gpu_jobs=1 instead, and
 # gpu_jobs = --resources gpu x engine.jobs_per_engine, so two jobs feed each GPU's engine. Submitted to a
-# cluster, each job asks for its GPU (see profiles/slurm): decided per job, since the executor is only
-# known once the Snakefile is read.
-GPU_JOBS = dflash_build.workflow.generate_resources(
+# cluster, each job asks for its GPU instead: the cluster profiles set gpu=1, gpu_jobs=0 for generate
+# (profiles/slurm). Plain values, not functions: Snakemake inspects a function's signature for every
+# job, which at 100,000 shards costs more than the rest of planning.
+GENERATE_GPU, GENERATE_GPU_JOBS, GPU_JOBS = dflash_build.workflow.generate_resources(
     CONFIG.engine, workflow.global_resources.get("gpu")
-)[2]
+)
 if GPU_JOBS is not None:
     workflow.register_resource("gpu_jobs", GPU_JOBS)
-
-
-def get_generate_resources(wildcards):
-    gpu, gpu_jobs, _ = dflash_build.workflow.generate_resources(
-        CONFIG.engine,
-        workflow.global_resources.get("gpu"),
-        cluster=not workflow.local_exec,
-    )
-    return {"gpu": gpu, "gpu_jobs": gpu_jobs}
-
-
-def get_generate_gpu(wildcards):
-    return get_generate_resources(wildcards)["gpu"]
-
-
-def get_generate_gpu_jobs(wildcards):
-    return get_generate_resources(wildcards)["gpu_jobs"]
+# What each key is made of, kept in the store: a job whose own plan gives another key says what
+# changed (workflow.check_key) without a params function per job.
+dflash_build.plan.record_components(PLAN)
 
 
 GENERATE_ENV = f"../envs/{'sglang' if CONFIG.backend == 'sglang' else 'generate'}.yaml"
@@ -64,31 +51,28 @@ def get_final_targets():
     return [DATASET_DIR] + ([PACKED_DIR] if PACKED_DIR else [])
 
 
-def get_prompt_shard(wildcards):
-    return ancient(
-        str(PLAN.prompt_dir(wildcards.source) / f"{wildcards.shard}.parquet")
-    )
+# Input paths by source, made once: an input function runs for every job.
+PROMPT_MANIFESTS = {s: str(PLAN.prompt_manifest(s)) for s in PLAN.sources}
+COMPLETION_DIRS = {s: str(PLAN.completion_dir(s)) for s in PLAN.sources}
+
+
+def get_prompt_manifest(wildcards):
+    # The job's prompt shard lies beside its source's manifest (see rules/prepare.smk).
+    return ancient(PROMPT_MANIFESTS[wildcards.source])
 
 
 def get_completion_shard(wildcards):
-    # Not ancient(), unlike the prompt shard of a GPU job: Snakemake (9.27) skips every job downstream of
+    # Not ancient(), unlike the prompt manifest of a GPU job: Snakemake (9.27) skips every job downstream of
     # a forced one whose inputs are all ancient and present, so after a killed Snakemake
     # `--rerun-incomplete` would rerun the generate jobs and leave tokenize and mix undone. A
     # completion is rewritten only with its token shard gone (restores keep its mtime), and tokenizing
     # is cheap.
-    return str(PLAN.completion_dir(wildcards.source) / f"{wildcards.shard}.parquet")
+    return f"{COMPLETION_DIRS[wildcards.source]}/{wildcards.shard}.parquet"
 
 
-def get_gen_components(wildcards):
-    # The job compares its own key with the one asked for; these say what differs if they do not match.
-    # Canonical JSON: one string per key, so the params rerun trigger never fires for a reordered config.
-    return canonical_json(PLAN.sources[wildcards.source].gen_components)
-
-
-def get_tok_components(wildcards):
-    return canonical_json(PLAN.sources[wildcards.source].tok_components)
-
-
+# The prepare job compares its own key with the one asked for; these say what differs if they do not
+# match. Canonical JSON: one string per key, so the params rerun trigger never fires for a reordered
+# config. (Shard jobs read the same from the store: dflash_build.plan.record_components.)
 def get_prompt_components(source):
     return canonical_json(PLAN.sources[source].prompt_components)
 
@@ -128,8 +112,12 @@ def get_pack_params():
 def register_config():
     # gc from any config sharing this store keeps what this one references
     import dflash_build.operate
+    import dflash_build.rowindex
 
     dflash_build.operate.register(PLAN)
+    # Once per build, not per job: the row index learns the shards it lacks (see rowindex).
+    with dflash_build.rowindex.RowIndex.open(CONFIG.store):
+        pass
 
 
 def stop_engines():

@@ -1,6 +1,6 @@
 rule generate:
     input:
-        get_prompt_shard,
+        prompts=get_prompt_manifest,
     output:
         data=update(f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.parquet"),
         stats=update(f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.stats.json"),
@@ -10,9 +10,7 @@ rule generate:
         GENERATE_ENV
     threads: get_generate_threads()
     resources:
-        gpu=get_generate_gpu,
-        gpu_jobs=get_generate_gpu_jobs,
-    params:
-        components=get_gen_components,
+        gpu=GENERATE_GPU,
+        gpu_jobs=GENERATE_GPU_JOBS,
     script:
         "scripts/generate.py"

@@ -1,5 +1,7 @@
-# One prepare rule per source: a source writes all of its prompt shards in one pass
-# (dedup and max_samples look at every row), and each shard is a declared output.
+# One prepare rule per source: a source writes all of its prompt shards in one pass (dedup and
+# max_samples look at every row). Its one declared output is the manifest, written last: generate jobs
+# reach their prompt shard through it. Declaring every shard would make planning quadratic in shards
+# (Snakemake scans a producer's outputs for every job that consumes one of them).
 # Store outputs are update(): Snakemake must not delete them before a job runs, since another working
 # directory sharing the store may be reading them; every store write replaces its file atomically.
 for source_name, source_plan in PLAN.sources.items():
@@ -10,8 +12,7 @@ for source_name, source_plan in PLAN.sources.items():
         input:
             [ancient(str(f)) for f in source_plan.input_files],
         output:
-            manifest=update(str(PLAN.prompt_dir(source_name) / "manifest.json")),
-            shards=[update(str(p)) for p in PLAN.prompt_shards(source_name)],
+            manifest=update(str(PLAN.prompt_manifest(source_name))),
         log:
             f"{LOGS}/prompts/{source_name}/{source_plan.prompt_key}/prepare.log",
         conda:

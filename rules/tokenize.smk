@@ -8,7 +8,5 @@ rule tokenize:
         f"{LOGS}/tokens/{{source}}/{{key}}/{{shard}}.log",
     conda:
         "../envs/cpu.yaml"
-    params:
-        components=get_tok_components,
     script:
         "scripts/tokenize.py"

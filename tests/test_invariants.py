@@ -21,7 +21,6 @@ from dflash_build import chat
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build import workflow as workflow_mod  # not `workflow`: snakemake's validate reads that global
-from dflash_build.hashing import canonical_json
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
 SHORT = 4  # max_new_tokens of the first build
@@ -108,6 +107,7 @@ def test_a_job_whose_key_moved_since_planning_fails_before_any_work(
     raw = base_config(tiny_model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}})
     raw["store"] = str(tmp_path / "store")
     planned = plan_mod.build(cfg.from_dict(_validated(raw, tmp_path)))
+    plan_mod.record_components(planned)  # as the Snakefile does when it plans
     changed = copy.deepcopy(raw)
     changed["sampling"]["temperature"] = 0.5  # the config file was edited while the workflow ran
     monkeypatch.setattr(chat, "load_tokenizer", lambda *a: pytest.fail("the job loaded a tokenizer"))
@@ -116,8 +116,8 @@ def test_a_job_whose_key_moved_since_planning_fails_before_any_work(
         config=_validated(changed, tmp_path),
         log=[str(tmp_path / "job.log")],
         wildcards=SimpleNamespace(source="s", key=sp.gen_key, shard="00000"),
-        params=SimpleNamespace(components=canonical_json(sp.gen_components)),
-        input=[str(tmp_path / "in.parquet")],
+        params=SimpleNamespace(),
+        input=SimpleNamespace(prompts=str(tmp_path / "manifest.json")),
         output=SimpleNamespace(data=str(tmp_path / "x.parquet"), stats=str(tmp_path / "x.json")),
     )
     with pytest.raises(workflow_mod.KeyMismatchError) as err:

@@ -191,6 +191,66 @@ def test_verify_repair_rebuilds_exactly_the_damaged_shard(
     assert cli(wf, "verify").returncode == 0
 
 
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_lost_prompt_shard_reruns_prepare_and_keeps_every_completion(
+    base: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
+) -> None:
+    """Prompt shards are reached through their manifest, not declared to Snakemake one by one: a lost
+    one is found by verify; repair removes the manifest with it, so the completions stay and prepare
+    runs again when a generate job next needs the prompts."""
+    wf, config = workflow_copy(base, tmp_path)
+    [shard] = (wf.workdir / "store" / "prompts" / "objs").glob("*/00001.parquet")
+    manifest = shard.with_name("manifest.json")
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    before = completions(wf)
+    found = cli(wf, "verify", check=False)
+    assert found.returncode == 1 and f"BAD {shard.relative_to(wf.workdir)}" in found.stdout, found.stdout
+    cli(wf, "verify", "--repair")
+    assert not manifest.exists()
+    assert wf.dry_run() == {}, "the completions stay valid"
+    assert completions(wf) == before and cli(wf, "verify").returncode == 0
+    config["sampling"]["seed"] = 11  # now every shard generates again, from its prompts
+    wf.write_config(config)
+    assert "prepare_objs" in wf.dry_run()
+    wf.build()
+    assert shard.exists() and manifest.exists() and cli(wf, "verify").returncode == 0
+
+
+def test_a_generate_job_without_its_prompt_shard_names_the_manifest_to_delete(
+    base: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    wf, config = workflow_copy(base, tmp_path)
+    [shard] = (wf.workdir / "store" / "prompts" / "objs").glob("*/00000.parquet")
+    shard.unlink()
+    config["sampling"]["seed"] = 7  # every shard must generate again
+    wf.write_config(config)
+    failed = wf.run(check=False)
+    assert failed.returncode != 0
+    assert f"delete {shard.parent.relative_to(wf.workdir)}/manifest.json" in failed.stdout + failed.stderr
+
+
+def test_a_rerun_generate_job_keeps_its_intact_shard_when_the_journal_is_gone(
+    base: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """What an upgrade does (a rule's inputs or params changed, so Snakemake reruns every generate job),
+    forced here: a job whose journal is gone keeps the shard it published instead of generating it."""
+    wf, _ = workflow_copy(base, tmp_path)
+    store = wf.workdir / "store"
+    shutil.rmtree(store / "journal")
+    shards = sorted((store / "completions" / "objs").glob("*/*.parquet"))
+    before = {p: (p.read_bytes(), p.with_suffix("").with_suffix(".stats.json")) for p in shards}
+    sidecars_before = {p: s.read_text() for p, (_, s) in before.items()}
+    wf.run("--forcerun", "generate")
+    for path, (data, sidecar) in before.items():
+        assert path.read_bytes() == data
+        assert sidecar.read_text() == sidecars_before[path], "the sidecar of the run that generated it stays"
+    logs = "".join(p.read_text() for p in (wf.workdir / "logs" / "completions").rglob("*.log"))
+    assert logs.count("is intact; nothing generated") == len(shards)
+
+
 def test_configfile_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from dflash_build import cli
 

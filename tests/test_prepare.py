@@ -246,3 +246,91 @@ def test_turns_all_needs_a_user_turn_before_the_first_answer() -> None:
     row = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]}
     with pytest.raises(prepare.Drop, match=prepare.DROP_NO_USER_TURN):
         prepare.to_prompt(row, spec("sharegpt", turns="all"))
+
+
+def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[dict[str, Any]]], dict[str, int]]:
+    """Prepare's documented selection, done the obvious way with every record in memory: duplicates
+    keep the smallest (prompt id, meta), max_samples the smallest seeded ranks, shards contiguous runs
+    of prompt ids."""
+    sp = plan.sources[source]
+    kept: dict[str, dict[str, Any]] = {}
+    drops: dict[str, int] = {}
+    for raw in prepare._raw_rows(plan, source):
+        try:
+            messages, tools = prepare.to_prompt(raw.value, sp.spec)
+        except prepare.Drop as d:
+            drops[d.reason] = drops.get(d.reason, 0) + 1
+            continue
+        record = {
+            "prompt_id": prepare.prompt_id(messages, tools),
+            "source": source,
+            "category": sp.spec.category,
+            "messages": json.dumps(messages, ensure_ascii=False),
+            "tools": None if tools is None else json.dumps(tools, ensure_ascii=False),
+            "meta": json.dumps(raw.origin, sort_keys=True),
+        }
+        key = prepare.dedup_key(messages, tools)
+        if key in kept:
+            drops["duplicate"] = drops.get("duplicate", 0) + 1
+        if key not in kept or (record["prompt_id"], record["meta"]) < (kept[key]["prompt_id"], kept[key]["meta"]):
+            kept[key] = record
+    records = list(kept.values())
+    if sp.spec.max_samples is not None and len(records) > sp.spec.max_samples:
+        records.sort(key=lambda r: prepare.selection_rank(sp.spec.seed, r["prompt_id"]))
+        drops["over_max_samples"] = len(records) - sp.spec.max_samples
+        records = records[: sp.spec.max_samples]
+    records.sort(key=lambda r: r["prompt_id"])
+    return [records[lo:hi] for lo, hi in prepare.shard_bounds(len(records), sp.n_shards)], drops
+
+
+@pytest.mark.parametrize(
+    ("rows", "max_samples", "shard_size"),
+    [(300, None, 7), (300, 40, 3), (300, 250, 50), (12, None, 1), (40, 5, 2)],
+)
+def test_streaming_prepare_equals_the_in_memory_selection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, max_samples: int | None, shard_size: int
+) -> None:
+    """Row for row, across many spill buckets and flushes: whitespace variants (one dedup group, several
+    prompt ids), exact copies in two files (one prompt id, several metas), bad rows, and more shards
+    than rows once the duplicates go."""
+    monkeypatch.setattr(prepare, "ROWS_PER_BUCKET", 8)
+    monkeypatch.setattr(prepare, "SPILL_FLUSH_ROWS", 3)
+    rng = random.Random(rows)
+    base = [{"instruction": f"task {rng.randrange(rows // 2)}", "input": rng.choice(["", "ctx"])} for _ in range(rows)]
+    variants = [{**r, "instruction": r["instruction"].replace(" ", rng.choice([" ", "  ", " \t"]))} for r in base]
+    write_jsonl(tmp_path / "in" / "a.jsonl", [*variants[: rows // 2], "{broken"])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [*variants[rows // 3 :], {"instruction": " "}])
+    source = {"max_samples": max_samples, "seed": 5, "max_drop_fraction": 0.5}
+    raw = {
+        "store": str(tmp_path / "store"),
+        "shard_size": shard_size,
+        "model": {"path": str(tmp_path / "model.gguf")},
+        "sources": {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in" / "*.jsonl")], **source}},
+        "mix": {"categories": {"c": 1}},
+    }
+    (tmp_path / "model.gguf").write_bytes(b"gguf")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(tmp_path / "config.yaml"))
+    manifest = prepare.run(plan, "s")
+    expected, expected_drops = _in_memory_reference(plan, "s")
+    assert _shard_rows(plan) == expected
+    assert manifest["drops"] == expected_drops
+    assert manifest["rows_out"] == sum(len(s) for s in expected)
+    assert len(manifest["drop_examples"]["duplicate"]) == prepare.EXAMPLES_PER_REASON
+    assert prepare._bucket_count(plan.sources["s"].raw_rows or 0) > 1
+    assert not list(plan.prompt_dir("s").glob(".spill-*")), "the spill is removed"
+    assert prepare.select(plan, "s").shard_prompt_ids() == {
+        name: [r["prompt_id"] for r in shard] for name, shard in zip(plan.sources["s"].shards, expected, strict=True)
+    }
+
+
+def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodies() -> None:
+    """The per-row fast path hashes exactly what hashing.content_key/digest would (ids in stores stay valid)."""
+    from dflash_build import hashing
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"x": 1.0, "t": (1, 2.5), "n": None}}}]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "e\u0301  tab\tq "}]
+    for t in (None, tools):
+        assert prepare.prompt_id(messages, t) == hashing.content_key({"messages": messages, "tools": t})
+        folded = [["system", "s"], ["user", "\u00e9 tab q"]]
+        assert prepare.dedup_key(messages, t) == hashing.digest({"messages": folded, "tools": t})

@@ -68,6 +68,9 @@ def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[W
     work.mkdir()
     wf = Workflow(work, snakefile=code / "Snakefile", pythonpath=code)
     config = base_config(tiny_model, make_sources(root / "data"))
+    # The agent rows carry a tool schema: 25 to ~200 tokens each against a ~120-token target, and the mix
+    # is exact only to within half a sample (~27% of this tiny dataset's tokens).
+    config["checks"]["share_tolerance"] = 0.3
     wf.write_config(config)
     wf.build()
     return wf, config

@@ -1,0 +1,77 @@
+"""The row index under load: every lookup and delete uses an index, and eight writers at once lose nothing."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+from dflash_build.rowindex import RowIndex
+
+ROWS_PER_SHARD = 300
+
+
+def _rows(writer: int, shard: int, finish: str = "stop") -> list[dict[str, object]]:
+    return [
+        {"prompt_id": f"{writer:04x}{shard:04x}{i:08x}", "sample_idx": 0, "finish_reason": finish, "n_output_tokens": 5}
+        for i in range(ROWS_PER_SHARD)
+    ]
+
+
+def _shard_path(store: Path, writer: int, shard: int) -> Path:
+    return store / "completions" / f"w{writer}" / "gk" / f"{shard:05d}.parquet"
+
+
+def _writer(store: Path, writer: int, shards: int) -> None:
+    """Add every shard, replace each once (as a republished shard), remove every third; look up meanwhile."""
+    index = RowIndex(store)
+    try:
+        for shard in range(shards):
+            path = _shard_path(store, writer, shard)
+            index.add_shard("rk", "gk", path, _rows(writer, shard, "length"), 16)
+            index.add_shard("rk", "gk", path, _rows(writer, shard), 16)
+            found = index.lookup("rk", [(r["prompt_id"], 0) for r in _rows(writer, shard)], 16)
+            assert len(found) == ROWS_PER_SHARD and all(c.finish_reason == "stop" for c in found.values())
+            if shard % 3 == 2:
+                index.remove_shard(path)
+    finally:
+        index.close()
+
+
+def test_eight_concurrent_writers_lose_no_row_and_leave_exactly_their_shards(tmp_path: Path) -> None:
+    shards = 12
+    RowIndex(tmp_path).close()  # the schema exists before the writers race
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(tmp_path, w, shards)) for w in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0] * 8
+    db = sqlite3.connect(tmp_path / "index" / "rows.sqlite")
+    kept = {(w, s) for w in range(8) for s in range(shards) if s % 3 != 2}
+    expected_paths = {str(_shard_path(tmp_path, w, s).relative_to(tmp_path)) for w, s in kept}
+    assert {p for (p,) in db.execute("SELECT path FROM shards")} == expected_paths
+    counts = dict(db.execute("SELECT path, COUNT(*) FROM rows GROUP BY path"))
+    assert counts == dict.fromkeys(expected_paths, ROWS_PER_SHARD)
+    assert db.execute("SELECT COUNT(*) FROM rows WHERE finish_reason != 'stop'").fetchone()[0] == 0
+
+
+def test_every_lookup_and_delete_uses_an_index(tmp_path: Path) -> None:
+    index = RowIndex(tmp_path)
+    statements: list[str] = []
+    index.db.set_trace_callback(statements.append)
+    path = _shard_path(tmp_path, 0, 0)
+    index.add_shard("rk", "gk", path, _rows(0, 0), 16)
+    index.lookup("rk", [("x", 0)], 16)
+    index.remove_shard(path)
+    index.db.set_trace_callback(None)
+    checked = 0
+    for sql in {s for s in statements if s.split()[0].upper() in ("SELECT", "DELETE", "UPDATE")}:
+        params = sql.count("?")
+        plan = index.db.execute(f"EXPLAIN QUERY PLAN {sql}", ("x",) * params).fetchall()
+        details = [row[-1] for row in plan]
+        assert not any(d.startswith("SCAN") for d in details), f"{sql}: {details}"
+        checked += 1
+    assert checked >= 3  # the lookup and both deletes
+    index.close()
