@@ -346,6 +346,11 @@ def _pid_int(pid: str) -> int:
     return int(pid, 16)  # prompt ids are 16 hex digits: their order as numbers is their order as text
 
 
+def _buffered_size(record: dict[str, Any]) -> int:
+    """About what a buffered record costs: its two long strings and a fixed part for the rest."""
+    return len(record["messages"]) + len(record["tools"] or "") + 160
+
+
 class _Spill:
     """Converted records in bucket files under ``folder`` (removed by the caller), or nowhere."""
 
@@ -361,7 +366,7 @@ class _Spill:
             return
         bucket = pid >> self.shift if self.shift < 64 else 0
         self.buffers[bucket].append(record)
-        self.buffered_bytes += len(record["messages"]) + len(record["tools"] or "") + 160
+        self.buffered_bytes += _buffered_size(record)
         if len(self.buffers[bucket]) >= SPILL_FLUSH_ROWS:
             self._flush(bucket)
         if self.buffered_bytes > SPILL_BUFFER_BYTES:
@@ -376,7 +381,7 @@ class _Spill:
         if bucket not in self.writers:
             self.writers[bucket] = pq.ParquetWriter(self.folder / f"{bucket:04d}.parquet", _SPILL_SCHEMA)
         self.writers[bucket].write_table(pa.Table.from_pylist(rows, schema=_SPILL_SCHEMA))
-        self.buffered_bytes -= sum(len(r["messages"]) + len(r["tools"] or "") + 160 for r in rows)
+        self.buffered_bytes -= sum(_buffered_size(r) for r in rows)
         self.buffers[bucket] = []
 
     def close(self) -> None:
