@@ -72,8 +72,9 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
         *("--latency-wait", "5", "--slurm-keep-successful-logs"),
         *("--group-components", "generate_batch=4"),
         # the profile's production sizes do not fit this 16 GB node
+        # (set-resources on the command line replace the profile's: generate's GPU request is repeated)
         *("--default-resources", "mem_mb=500", "runtime=10", "--set-resources", "generate:mem_mb=1000"),
-        *("mix:mem_mb=1000",),
+        *("generate:gpu=1", "generate:gpu_jobs=0", "mix:mem_mb=1000"),
         check=False,
     )
     log = proc.stdout + proc.stderr
