@@ -8,6 +8,7 @@ and every component go into the manifest next to the data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -63,6 +64,39 @@ def digest(value: Any) -> str:
 def content_key(components: Mapping[str, Any]) -> str:
     """The 16-hex-digit path segment for a key built from ``components``."""
     return digest(components)[:KEY_LENGTH]
+
+
+def hex_to_u64(ids: Any) -> Any:
+    """Prompt ids (16 hex digits, an Arrow string array) as a numpy array of 64-bit integers, read
+    straight from Arrow's string buffer: their order as numbers is their order as text."""
+    import numpy as np
+    import pyarrow as pa
+
+    array = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    if len(array) == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if pa.types.is_large_string(array.type):
+        array = array.cast(pa.string())
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset : array.offset + len(array) + 1]
+    if array.null_count or not np.all(np.diff(offsets) == 16):
+        raise ValueError("a prompt_id is not 16 hex digits")
+    chars = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].reshape(-1, 16)
+    nibbles = _hex_values()[chars]
+    if (nibbles > 15).any():
+        raise ValueError("a prompt_id is not 16 hex digits")
+    shifts = np.arange(60, -4, -4, dtype=np.uint64)
+    return np.bitwise_or.reduce(nibbles << shifts, axis=1)
+
+
+@functools.cache
+def _hex_values() -> Any:
+    """Each byte's value as a hex digit (255: not one)."""
+    import numpy as np
+
+    values = np.full(256, 255, dtype=np.uint64)
+    for digits, first in ((b"0123456789", 0), (b"abcdef", 10), (b"ABCDEF", 10)):
+        values[np.frombuffer(digits, dtype=np.uint8)] = np.arange(first, first + len(digits), dtype=np.uint64)
+    return values
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:

@@ -89,34 +89,12 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _hex_to_u64(ids: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Prompt ids (16 hex digits) as 64-bit integers, straight from Arrow's string buffer."""
-    array = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
-    if len(array) == 0:
-        return np.zeros(0, dtype=np.uint64)
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset : array.offset + len(array) + 1]
-    if array.null_count or not np.all(np.diff(offsets) == 16):
-        return np.array([int(p, 16) for p in array.to_pylist()], dtype=np.uint64)
-    chars = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].reshape(-1, 16)
-    nibbles = _HEX_VALUES[chars]
-    if (nibbles > 15).any():
-        raise ValueError("a prompt_id is not 16 hex digits")
-    shifts = np.arange(60, -4, -4, dtype=np.uint64)
-    return np.bitwise_or.reduce(nibbles << shifts, axis=1)
-
-
-_HEX_VALUES = np.full(256, 255, dtype=np.uint64)
-_HEX_VALUES[np.frombuffer(b"0123456789", dtype=np.uint8)] = np.arange(10, dtype=np.uint64)
-_HEX_VALUES[np.frombuffer(b"abcdef", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint64)
-_HEX_VALUES[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint64)
-
-
 def sample_ranks(seed: int, prompt_ids: pa.ChunkedArray | pa.Array, sample_idx: np.ndarray) -> np.ndarray:
     """Each sample's seeded rank: a hash of (seed, prompt_id, sample_idx), the same in any shard order."""
     sample = np.asarray(sample_idx, dtype=np.uint64)
     seeds = np.full(len(sample), seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)  # arrays wrap silently; scalars warn
     salt = _mix64(seeds * _SPLITMIX[0] + sample)
-    return _mix64(_hex_to_u64(prompt_ids) ^ salt)
+    return _mix64(hashing.hex_to_u64(prompt_ids) ^ salt)
 
 
 @dataclass

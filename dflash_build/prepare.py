@@ -14,15 +14,16 @@ import logging
 import re
 import unicodedata
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, readers
+from dflash_build import atomic, columnar, hashing, readers
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
 from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
 from dflash_build.records import PROMPT_SCHEMA
@@ -80,25 +81,90 @@ class RawRow:
     value: Any
 
 
-def iter_local_rows(path: Path, digest: str) -> Iterator[RawRow]:
-    """Rows of a .jsonl, .json (a list of objects) or .parquet file, each with its location."""
+BATCH_ROWS = 4096
+JSONL_CHUNK_BYTES = 4 << 20
+
+
+@dataclass
+class RowBatch:
+    """Rows read together: their Arrow columns when the reader has them (``columnar`` converts the
+    plain ones), and each row's Python value as the row path reads it (:func:`to_prompt`)."""
+
+    table: pa.Table | None
+    numbers: np.ndarray  # int64: each row's number in its input (meta "row", and its location)
+    input: str  # meta "input": the input file's short digest, or "hf"
+    where: str  # a row's location is ``where`` followed by its number
+    values: Callable[[Sequence[int]], list[Any]]  # the Python values of the rows at these indices
+
+    def raw_rows(self, indices: Sequence[int]) -> Iterator[RawRow]:
+        for i, value in zip(indices, self.values(indices), strict=True):
+            number = int(self.numbers[i])
+            yield RawRow(f"{self.where}{number}", {"input": self.input, "row": number}, value)
+
+
+def local_batches(path: Path, digest: str) -> Iterator[RowBatch]:
+    """Rows of a .jsonl, .json (a list of objects) or .parquet file, in batches."""
     short = digest[: hashing.KEY_LENGTH]
     if path.suffix == ".parquet":
         index = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            for value in batch.to_pylist():
-                yield RawRow(f"{path}:row {index}", {"input": short, "row": index}, value)
-                index += 1
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+            table = pa.Table.from_batches([batch])
+            numbers = np.arange(index, index + table.num_rows, dtype=np.int64)
+            yield RowBatch(table, numbers, short, f"{path}:row ", _taken(table))
+            index += table.num_rows
     elif path.suffix == ".jsonl":
-        for lineno, value in readers.iter_jsonl(path):
-            yield RawRow(f"{path}:{lineno}", {"input": short, "row": lineno}, _as_drop(value))
+        for first, chunk in readers.iter_jsonl_chunks(path, JSONL_CHUNK_BYTES):
+            yield _jsonl_batch(chunk, first, short, f"{path}:")
     else:
         try:
             items = readers.load_json(path)
         except json.JSONDecodeError as e:  # a whole file that does not parse has no rows to count
             raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-        for index, value in enumerate(items):
-            yield RawRow(f"{path}:item {index}", {"input": short, "row": index}, _as_drop(value))
+        values = [_as_drop(v) for v in items]
+        numbers = np.arange(len(values), dtype=np.int64)
+        yield RowBatch(None, numbers, short, f"{path}:item ", lambda idx: [values[i] for i in idx])
+
+
+def _taken(table: pa.Table) -> Callable[[Sequence[int]], list[Any]]:
+    return lambda idx: table.take(pa.array(idx, pa.int64())).to_pylist()
+
+
+def _jsonl_batch(chunk: bytes, first: int, short: str, where: str) -> RowBatch:
+    """One chunk of lines: parsed by Arrow when every line is a row it reads, else line by line."""
+    lines = chunk.split(b"\n")
+    if chunk.endswith(b"\n"):
+        lines.pop()
+    table = _arrow_jsonl(chunk, lines)
+    if table is not None:
+        numbers = np.arange(first, first + len(lines), dtype=np.int64)
+        return RowBatch(
+            table, numbers, short, where, lambda idx: [_as_drop(readers.parse_jsonl_line(lines[i])) for i in idx]
+        )
+    parsed = [
+        (first + i, v) for i, raw in enumerate(lines) if (v := readers.parse_jsonl_line(raw)) is not readers.BLANK
+    ]
+    numbers = np.array([n for n, _ in parsed], dtype=np.int64)
+    return RowBatch(None, numbers, short, where, lambda idx: [_as_drop(parsed[i][1]) for i in idx])
+
+
+def _arrow_jsonl(chunk: bytes, lines: list[bytes]) -> pa.Table | None:
+    """The chunk's rows as Arrow columns, one per line; None when a line is blank or is not one object
+    Arrow parses (bad UTF-8 or JSON, two objects, a repeated key, a type that changes between rows):
+    then the row path reads it. (A line blank to Python but not in ASCII does not parse either.)"""
+    import pyarrow.json as pj
+
+    if not lines or not all(map(bytes.strip, lines)):
+        return None
+    try:
+        chunk.decode("utf-8")  # Arrow's reader does not check
+    except UnicodeDecodeError:
+        return None
+    try:
+        options = pj.ReadOptions(use_threads=False, block_size=len(chunk) + 1)
+        table = pj.read_json(pa.BufferReader(chunk), read_options=options)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    return table if table.num_rows == len(lines) else None
 
 
 def _as_drop(value: Any) -> Any:
@@ -109,7 +175,7 @@ def _as_drop(value: Any) -> Any:
     return value
 
 
-def iter_hf_rows(spec: SourceSpec) -> Iterator[RawRow]:
+def hf_batches(spec: SourceSpec) -> Iterator[RowBatch]:
     import datasets
 
     hf = spec.hf
@@ -117,8 +183,25 @@ def iter_hf_rows(spec: SourceSpec) -> Iterator[RawRow]:
     ds = datasets.load_dataset(
         hf.path, hf.name, split=hf.split, revision=None if hf.is_local else hf.revision, data_files=hf.data_files
     )
-    for index, value in enumerate(ds):
-        yield RawRow(f"{hf.path}[{hf.split}]#{index}", {"input": "hf", "row": index}, value)
+    arrow = ds.with_format("arrow") if _arrow_is_python(ds.features) else None
+    for lo in range(0, len(ds), BATCH_ROWS):
+        hi = min(lo + BATCH_ROWS, len(ds))
+        numbers = np.arange(lo, hi, dtype=np.int64)
+        table = arrow[lo:hi] if arrow is not None else None
+        values = lambda idx, lo=lo: list(ds.select([lo + i for i in idx]))  # noqa: E731
+        yield RowBatch(table, numbers, "hf", f"{hf.path}[{hf.split}]#", values)
+
+
+def _arrow_is_python(features: Any) -> bool:
+    """Whether a dataset's rows are its Arrow rows as they are (plain values, lists and dicts of them):
+    other features (images, legacy sequences of dicts, JSON) are decoded, so only the row path reads them."""
+    import datasets
+
+    if isinstance(features, dict):
+        return all(_arrow_is_python(f) for f in features.values())
+    if isinstance(features, datasets.List | datasets.LargeList):
+        return _arrow_is_python(features.feature)
+    return isinstance(features, datasets.Value)
 
 
 def _field(row: Mapping[str, Any], spec: SourceSpec, name: str, required: bool = True) -> Any:
@@ -210,7 +293,7 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
     turns = _field(row, spec, list_field)
     if not isinstance(turns, list):
         raise Drop(DROP_MALFORMED, f"'{list_field}' is {type(turns).__name__}, not a list")
-    roles = {**DEFAULT_ROLES, **{k.lower(): v for k, v in spec.roles.items()}}
+    roles = role_map(spec)
     messages = []
     for turn in turns:
         if not isinstance(turn, Mapping):
@@ -236,6 +319,11 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
         if not any(m["role"] == "user" for m in messages[:first_answer]):
             raise Drop(DROP_NO_USER_TURN, "no user turn before the first answer")
     return messages
+
+
+def role_map(spec: SourceSpec) -> dict[str, str]:
+    """A source's speaker names (lower case) to chat roles: the defaults and the config's ``roles``."""
+    return {**DEFAULT_ROLES, **{k.lower(): v for k, v in spec.roles.items()}}
 
 
 def _system_column(row: Mapping[str, Any], spec: SourceSpec) -> list[dict[str, str]]:
@@ -342,46 +430,49 @@ def _bucket_count(expected_rows: int) -> int:
     return buckets
 
 
-def _pid_int(pid: str) -> int:
-    return int(pid, 16)  # prompt ids are 16 hex digits: their order as numbers is their order as text
-
-
-def _buffered_size(record: dict[str, Any]) -> int:
-    """About what a buffered record costs: its two long strings and a fixed part for the rest."""
-    return len(record["messages"]) + len(record["tools"] or "") + 160
-
-
 class _Spill:
     """Converted records in bucket files under ``folder`` (removed by the caller), or nowhere."""
 
     def __init__(self, folder: Path | None, buckets: int) -> None:
         self.folder = folder
         self.shift = 64 - (buckets.bit_length() - 1)
-        self.buffers: list[list[dict[str, Any]]] = [[] for _ in range(buckets)]
-        self.writers: dict[int, pq.ParquetWriter] = {}
+        self.buffers: list[list[pa.Table]] = [[] for _ in range(buckets)]
+        self.writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
         self.buffered_bytes = 0
 
-    def add(self, pid: int, record: dict[str, Any]) -> None:
-        if self.folder is None:
+    def _path(self, bucket: int) -> Path:
+        assert self.folder is not None
+        return self.folder / f"{bucket:04d}.arrow"
+
+    def add(self, records: pa.Table, pids: np.ndarray) -> None:
+        """Buffer each record (``pids``: their prompt ids as integers) in its bucket."""
+        if self.folder is None or not records.num_rows:
             return
-        bucket = pid >> self.shift if self.shift < 64 else 0
-        self.buffers[bucket].append(record)
-        self.buffered_bytes += _buffered_size(record)
-        if len(self.buffers[bucket]) >= SPILL_FLUSH_ROWS:
-            self._flush(bucket)
+        buckets = pids >> np.uint64(self.shift) if self.shift < 64 else np.zeros(len(pids), dtype=np.uint64)
+        order = np.argsort(buckets, kind="stable")
+        records = records.take(pa.array(order))
+        ordered = buckets[order]
+        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(ordered)], strict=True):
+            bucket = int(ordered[lo])
+            part = records.slice(lo, hi - lo)
+            self.buffers[bucket].append(part)
+            self.buffered_bytes += part.nbytes
+            if sum(t.num_rows for t in self.buffers[bucket]) >= SPILL_FLUSH_ROWS:
+                self._flush(bucket)
         if self.buffered_bytes > SPILL_BUFFER_BYTES:
             for b in range(len(self.buffers)):
                 self._flush(b)
-            self.buffered_bytes = 0
 
     def _flush(self, bucket: int) -> None:
-        rows = self.buffers[bucket]
-        if not rows or self.folder is None:
+        parts = self.buffers[bucket]
+        if not parts or self.folder is None:
             return
-        if bucket not in self.writers:
-            self.writers[bucket] = pq.ParquetWriter(self.folder / f"{bucket:04d}.parquet", _SPILL_SCHEMA)
-        self.writers[bucket].write_table(pa.Table.from_pylist(rows, schema=_SPILL_SCHEMA))
-        self.buffered_bytes -= sum(_buffered_size(r) for r in rows)
+        if bucket not in self.writers:  # Arrow files, LZ4: about a quarter of parquet's cost to write
+            options = pa.ipc.IpcWriteOptions(compression="lz4")
+            self.writers[bucket] = pa.ipc.new_file(self._path(bucket), _SPILL_SCHEMA, options=options)
+        self.writers[bucket].write_table(pa.concat_tables(parts))
+        self.buffered_bytes -= sum(t.nbytes for t in parts)
         self.buffers[bucket] = []
 
     def close(self) -> None:
@@ -392,9 +483,9 @@ class _Spill:
 
     def tables(self) -> Iterator[pa.Table]:
         """Each bucket's rows, in bucket order (prompt id ranges ascending)."""
-        assert self.folder is not None
         for bucket in sorted(self.writers):
-            yield pq.read_table(self.folder / f"{bucket:04d}.parquet")
+            with pa.ipc.open_file(self._path(bucket)) as reader:
+                yield reader.read_all()
 
 
 @dataclass
@@ -426,78 +517,130 @@ class Selection:
         }
 
 
-def _raw_rows(plan: Plan, source: str) -> Iterator[RawRow]:
+def _batches(plan: Plan, source: str) -> Iterator[RowBatch]:
     sp: SourcePlan = plan.sources[source]
     if sp.spec.hf is None:
         cache = fingerprint_cache(plan.config)
-        return (r for f in sp.input_files for r in iter_local_rows(f, cache.file(f)))
-    return iter_hf_rows(sp.spec)
+        return (b for f in sp.input_files for b in local_batches(f, cache.file(f)))
+    return hf_batches(sp.spec)
+
+
+def _raw_rows(plan: Plan, source: str) -> Iterator[RawRow]:
+    """Every row of the source, one at a time, as the row path reads it."""
+    for batch in _batches(plan, source):
+        yield from batch.raw_rows(range(len(batch.numbers)))
+
+
+class _Scanned:
+    """The digests (24 bytes a converted row) and, through the spill, the records of a source."""
+
+    def __init__(self, source: str, spec: SourceSpec, spill: _Spill) -> None:
+        self.source, self.spec, self.spill = source, spec, spill
+        self.roles = role_map(spec)
+        self.dedup_digests = bytearray()  # 16 bytes per converted row
+        self.pids = bytearray()  # 8 bytes per converted row, big-endian
+        self.rows_in = 0
+        self.drops = DropCounter()
+
+    def add(self, batch: RowBatch) -> None:
+        self.rows_in += len(batch.numbers)
+        converted = columnar.convert(batch.table, self.spec, self.roles) if batch.table is not None else None
+        plain = converted.plain if converted is not None else np.zeros(len(batch.numbers), dtype=bool)
+        if converted is not None and plain.any():
+            self._add_plain(batch, converted)
+        records, pids = [], bytearray()
+        for raw in batch.raw_rows(np.flatnonzero(~plain).tolist()):
+            try:
+                messages, tools = to_prompt(raw.value, self.spec)
+            except Drop as d:
+                self.drops.add(d.reason, raw.location, d.detail)
+                continue
+            pid = prompt_id(messages, tools)
+            self.dedup_digests += bytes.fromhex(dedup_key(messages, tools)[:32])
+            pids += bytes.fromhex(pid)
+            records.append(
+                {
+                    "prompt_id": pid,
+                    "source": self.source,
+                    "category": self.spec.category,
+                    "messages": _RECORD_JSON.encode(messages),
+                    "tools": None if tools is None else _RECORD_JSON.encode(tools),
+                    "meta": _META_JSON.encode(raw.origin),
+                    "location": raw.location,
+                }
+            )
+        self.pids += pids
+        self.spill.add(pa.Table.from_pylist(records, schema=_SPILL_SCHEMA), _native_u64(pids))
+
+    def _add_plain(self, batch: RowBatch, converted: columnar.Converted) -> None:
+        import pyarrow.compute as pc
+
+        pids = columnar.digests(converted.prompt_bodies, 8)
+        self.pids += pids
+        self.dedup_digests += columnar.digests(converted.dedup_bodies, 16)
+        count = len(converted.messages)
+        hex_ids = pids.hex().encode("ascii")
+        ids = pa.StringArray.from_buffers(
+            count, pa.py_buffer(np.arange(0, 16 * count + 1, 16, dtype=np.int32).tobytes()), pa.py_buffer(hex_ids)
+        )
+        numbers = pa.array(batch.numbers[converted.plain]).cast(pa.string())
+        join = pc.binary_join_element_wise
+        records = pa.table(
+            {
+                "prompt_id": ids,
+                "source": pa.repeat(self.source, count).cast(pa.string()),
+                "category": pa.repeat(self.spec.category, count).cast(pa.string()),
+                "messages": converted.messages.cast(pa.string()),
+                "tools": pa.nulls(count, pa.string()),
+                "meta": join(f'{{"input": {_META_JSON.encode(batch.input)}, "row": ', numbers, "}", ""),
+                "location": join(batch.where, numbers, ""),
+            },
+            schema=_SPILL_SCHEMA,
+        )
+        self.spill.add(records, _native_u64(bytearray(pids)))
+
+    def selection(self, shard_names: list[str]) -> Selection:
+        """Dedup, then max_samples, on the digests."""
+        spec, drops = self.spec, self.drops
+        converted = len(self.pids) // 8
+        pid_values = _native_u64(self.pids)
+        dd = _native_u64(self.dedup_digests).reshape(converted, 2)
+        # Duplicates keep their smallest prompt id: sort by (digest, prompt id), take each group's first.
+        order = np.lexsort((pid_values, dd[:, 1], dd[:, 0]))
+        dd_sorted = dd[order]
+        first = np.ones(converted, dtype=bool)
+        first[1:] = np.any(dd_sorted[1:] != dd_sorted[:-1], axis=1)
+        winners = np.unique(pid_values[order[first]])
+        drops.counts[DROP_DUPLICATE] += converted - len(winners)  # examples: as the shards are written
+        del dd, dd_sorted, order, first
+        selected = winners
+        if spec.max_samples is not None and len(winners) > spec.max_samples:
+            ranks = bytearray()
+            for p in winners:
+                ranks += bytes.fromhex(selection_rank(spec.seed, f"{int(p):016x}")[:32])
+            rank_pairs = np.frombuffer(bytes(ranks), dtype=">u8").astype(np.uint64).reshape(len(winners), 2)
+            by_rank = np.lexsort((rank_pairs[:, 1], rank_pairs[:, 0]))
+            over = by_rank[spec.max_samples :]
+            drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
+            drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(winners[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
+            selected = np.sort(winners[by_rank[: spec.max_samples]])
+        if not drops.counts[DROP_DUPLICATE]:
+            del drops.counts[DROP_DUPLICATE]
+        return Selection(selected, winners, self.rows_in, drops, shard_names)
 
 
 def _scan(plan: Plan, source: str, spill: _Spill) -> Selection:
     """Read and convert every row once, spill it, and select."""
-    import numpy as np
-
     sp: SourcePlan = plan.sources[source]
-    spec = sp.spec
-    drops = DropCounter()
-    dedup_digests = bytearray()  # 16 bytes per converted row
-    pids = bytearray()  # 8 bytes per converted row
-    rows_in = 0
-    for raw in _raw_rows(plan, source):
-        rows_in += 1
-        try:
-            messages, tools = to_prompt(raw.value, spec)
-        except Drop as d:
-            drops.add(d.reason, raw.location, d.detail)
-            continue
-        pid = prompt_id(messages, tools)
-        dedup_digests += bytes.fromhex(dedup_key(messages, tools)[:32])
-        pids += bytes.fromhex(pid)
-        spill.add(
-            _pid_int(pid),
-            {
-                "prompt_id": pid,
-                "source": source,
-                "category": spec.category,
-                "messages": _RECORD_JSON.encode(messages),
-                "tools": None if tools is None else _RECORD_JSON.encode(tools),
-                "meta": _META_JSON.encode(raw.origin),
-                "location": raw.location,
-            },
-        )
+    scanned = _Scanned(source, sp.spec, spill)
+    for batch in _batches(plan, source):
+        scanned.add(batch)
     spill.close()
-    converted = len(pids) // 8
-    pid_values = _native_u64(pids)
-    dd = _native_u64(dedup_digests).reshape(converted, 2)
-    # Duplicates keep their smallest prompt id: sort by (digest, prompt id), take each group's first.
-    order = np.lexsort((pid_values, dd[:, 1], dd[:, 0]))
-    dd_sorted = dd[order]
-    first = np.ones(converted, dtype=bool)
-    first[1:] = np.any(dd_sorted[1:] != dd_sorted[:-1], axis=1)
-    winners = np.unique(pid_values[order[first]])
-    drops.counts[DROP_DUPLICATE] += converted - len(winners)  # examples: as the shards are written
-    del dd, dd_sorted, order, first
-    selected = winners
-    if spec.max_samples is not None and len(winners) > spec.max_samples:
-        ranks = bytearray()
-        for p in winners:
-            ranks += bytes.fromhex(selection_rank(spec.seed, f"{int(p):016x}")[:32])
-        rank_pairs = np.frombuffer(bytes(ranks), dtype=">u8").astype(np.uint64).reshape(len(winners), 2)
-        by_rank = np.lexsort((rank_pairs[:, 1], rank_pairs[:, 0]))
-        over = by_rank[spec.max_samples :]
-        drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
-        drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(winners[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
-        selected = np.sort(winners[by_rank[: spec.max_samples]])
-    if not drops.counts[DROP_DUPLICATE]:
-        del drops.counts[DROP_DUPLICATE]
-    return Selection(selected, winners, rows_in, drops, sp.shards)
+    return scanned.selection(sp.shards)
 
 
 def _native_u64(big_endian: bytearray) -> Any:
     """Big-endian 64-bit words as native integers, in place (no copy of the digest set)."""
-    import numpy as np
-
     words = np.frombuffer(big_endian, dtype=">u8")
     return words.byteswap(inplace=True).view(np.uint64) if words.dtype != np.dtype(np.uint64) else words
 
@@ -509,8 +652,6 @@ def select(plan: Plan, source: str) -> Selection:
 
 def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[str, dict[str, int | str]]:
     """Read the spill back bucket by bucket and write each shard as soon as its rows are all there."""
-    import numpy as np
-
     bounds = iter(zip(selection.shard_names, selection.bounds(), strict=True))
     name, (lo, hi) = next(bounds)
     written: dict[str, dict[str, int | str]] = {}
@@ -535,7 +676,7 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
     for table in spill.tables():
         # each prompt id once (duplicates with the same id: the smallest meta), and only the selected
         table = table.sort_by([("prompt_id", "ascending"), ("meta", "ascending")])
-        ids = np.array([_pid_int(p) for p in table.column("prompt_id").to_pylist()], dtype=np.uint64)
+        ids = hashing.hex_to_u64(table.column("prompt_id"))
         keep = np.ones(len(ids), dtype=bool)
         keep[1:] = ids[1:] != ids[:-1]
         at = np.searchsorted(selection.selected, ids)
@@ -558,8 +699,6 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
 def _duplicate_examples(selection: Selection, table: pa.Table, ids: Any, keep: Any) -> None:
     """Note where dropped duplicates came from: rows not kept whose id is no group's smallest, or
     repeats an id just kept (the rest that is not kept went over max_samples)."""
-    import numpy as np
-
     examples = selection.drops.examples[DROP_DUPLICATE]
     if len(examples) >= EXAMPLES_PER_REASON or DROP_DUPLICATE not in selection.drops.counts:
         return

@@ -31,29 +31,56 @@ class InvalidJson:
     detail: str
 
 
+BLANK = object()  # a line with nothing on it: not a row
+
+
+def parse_jsonl_line(raw: bytes) -> Any:
+    """One line's value, an :class:`InvalidUtf8` / :class:`InvalidJson` marker, or :data:`BLANK`."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return InvalidUtf8(f"invalid UTF-8 at byte {e.start} of the line: {raw[e.start : e.end]!r}")
+    if not line.strip():
+        return BLANK
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        return InvalidJson(f"invalid JSON: {e.msg}")
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, value) for every non-blank line; bad lines yield a marker instead of a value."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, InvalidUtf8(f"invalid UTF-8 at byte {e.start} of the line: {raw[e.start : e.end]!r}")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, InvalidJson(f"invalid JSON: {e.msg}")
+            value = parse_jsonl_line(raw)
+            if value is not BLANK:
+                yield lineno, value
+
+
+def iter_jsonl_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(number of its first line, bytes) of whole lines, about ``chunk_bytes`` at a time; the
+    first chunk without its byte-order mark. Line numbers are those :func:`iter_jsonl` gives."""
+    lineno = 1
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            chunk += f.readline()
+            first = lineno
+            lineno += chunk.count(b"\n")
+            if first == 1 and chunk.startswith(codecs.BOM_UTF8):
+                chunk = chunk[len(codecs.BOM_UTF8) :]
+            yield first, chunk
 
 
 def count_jsonl(path: Path) -> int:
     """Rows :func:`iter_jsonl` yields (bad rows included: they are counted as drops)."""
+    count = 0
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip() and line.strip() != codecs.BOM_UTF8)
+        while lines := f.readlines(8 << 20):
+            stripped = list(map(bytes.strip, lines))
+            count += len(stripped) - stripped.count(b"") - stripped.count(codecs.BOM_UTF8)
+    return count
 
 
 def load_json(path: Path) -> list[Any]:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import mix, report
+from dflash_build import hashing, mix, report
 from dflash_build import plan as plan_mod
 
 
@@ -67,8 +67,8 @@ def test_ranks_follow_seed_prompt_and_sample_not_position() -> None:
     order = np.random.default_rng(0).permutation(500)
     assert (mix.sample_ranks(1, ids.take(pa.array(order)), sample[order]) == ranks[order]).all()
     assert (mix.sample_ranks(2, ids, sample) != ranks).mean() > 0.99
-    assert mix._hex_to_u64(ids).tolist() == [i * 7919 for i in range(500)]
-    assert mix._hex_to_u64(ids.slice(100, 5)).tolist() == [i * 7919 for i in range(100, 105)]
+    assert hashing.hex_to_u64(ids).tolist() == [i * 7919 for i in range(500)]
+    assert hashing.hex_to_u64(ids.slice(100, 5)).tolist() == [i * 7919 for i in range(100, 105)]
 
 
 def test_shortfalls_are_stated() -> None:

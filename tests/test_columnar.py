@@ -1,0 +1,193 @@
+"""Prepare's batch conversion (dflash_build.columnar) writes exactly what the row path writes.
+
+Every test here runs prepare twice on the same quirky rows, once as it is and once with the batch
+conversion switched off (every row through ``prepare.to_prompt``), and requires the same manifest
+(counts, drops, drop examples, shard hashes) and the same shard rows; and that the batch conversion
+really took most of the rows, so the comparison cannot pass by everything falling back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import unicodedata
+from json.encoder import encode_basestring
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash_build import columnar, prepare
+from dflash_build import config as cfg
+from dflash_build import plan as plan_mod
+from tests.conftest import write_jsonl
+
+TEXTS = [
+    "plain words here",
+    "two  spaces",
+    " leading and trailing ",
+    "tab\tand\nnewline\r\n",
+    'a "quote" and a \\ backslash',
+    "control \x01 \x1f \x7f chars",
+    "caf\u00e9 composed",
+    "cafe\u0301 decomposed",
+    "no\u00a0break\u3000ideographic\u2028line\x85next",
+    "emoji \U0001f600 and \u0130 dotted",
+    "file sep\x1cgroup\x1drecord\x1eunit\x1f",
+    "\u037e greek question mark",
+    "x" * 300,
+    "",
+    "   ",
+    "\u3000",
+    "\x1c",
+]
+ROLES_IN = ["human", "gpt", "system", "user", "assistant", "tool", "Human", "GPT", "narrator", "\uff48uman"]
+
+
+def _text(rng: random.Random) -> Any:
+    r = rng.random()
+    if r < 0.03:
+        return None
+    return " ".join(rng.choice(TEXTS) for _ in range(rng.randint(1, 3))) if r > 0.2 else rng.choice(TEXTS)
+
+
+def _row(rng: random.Random, fmt: str) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    if fmt in ("sharegpt", "hermes", "messages"):
+        role, content = ("from", "value") if fmt != "messages" else ("role", "content")
+        weights = [6, 6, 1, 2, 2, 1, 1, 1, 0.3, 0.2]
+        turns = []
+        for _ in range(rng.randint(0, 5)):
+            turn = {role: rng.choices(ROLES_IN, weights)[0], content: _text(rng)}
+            if rng.random() < 0.02:
+                del turn[role]
+            turns.append(turn)
+        if turns and turns[0].get(role) not in ("human", "user", "Human") and rng.random() < 0.7:
+            turns.insert(0, {role: "human", content: rng.choice(TEXTS[:13])})
+        row["conversations" if fmt != "messages" else "messages"] = turns
+        if fmt == "hermes" and rng.random() < 0.2:
+            schema = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+            row["conversations"].insert(0, {"from": "system", "value": f"Use <tools> {json.dumps(schema)} </tools>"})
+        if fmt == "messages" and rng.random() < 0.15:
+            row["tools"] = json.dumps([{"type": "function", "function": {"name": "f"}}])
+    elif fmt == "alpaca":
+        row["instruction"] = _text(rng)
+        row["input"] = rng.choice([None, "", "  ", "extra context", "more\ttext"])
+    else:
+        row["p"] = _text(rng)
+    if fmt != "messages" and rng.random() < 0.3:
+        row["system"] = rng.choice([None, "", " ", "You are helpful.", "sys\twith  space"])
+    return row
+
+
+def _rows(rng: random.Random, fmt: str, n: int) -> list[dict[str, Any]]:
+    rows = [_row(rng, fmt) for _ in range(n)]
+    return rows + [json.loads(json.dumps(rows[i])) for i in rng.sample(range(n), n // 5)]  # exact copies
+
+
+def _prepare_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: dict[str, Any]
+) -> tuple[dict[str, Any], int, int]:
+    """prepare.run with and without the batch conversion; returns the manifest, the rows in, and how
+    many rows the batch conversion took."""
+    monkeypatch.setattr(prepare, "JSONL_CHUNK_BYTES", 3000)  # many chunks: some Arrow reads, some not
+    monkeypatch.setattr(prepare, "BATCH_ROWS", 64)
+    monkeypatch.setattr(prepare, "ROWS_PER_BUCKET", 16)
+    plain_rows = []
+    convert = columnar.convert
+
+    def counting(*args: Any) -> columnar.Converted | None:
+        result = convert(*args)
+        plain_rows.append(0 if result is None else int(result.plain.sum()))
+        return result
+
+    results = []
+    for label, converter in (("batch", counting), ("rows", lambda *args: None)):
+        monkeypatch.setattr(columnar, "convert", converter)
+        raw = {
+            "store": str(tmp_path / f"store-{label}"),
+            "shard_size": 13,
+            "model": {"path": str(tmp_path / "model.gguf")},
+            "sources": {"s": {"category": "c", "max_drop_fraction": 1.0, **source}},
+            "mix": {"categories": {"c": 1}},
+        }
+        (tmp_path / "model.gguf").write_bytes(b"gguf")
+        (tmp_path / f"{label}.yaml").write_text(yaml.safe_dump(raw))
+        plan = plan_mod.build(cfg.load(tmp_path / f"{label}.yaml"))
+        manifest = prepare.run(plan, "s")
+        shards = [
+            pq.read_table(plan.prompt_dir("s") / f"{name}.parquet").to_pylist() for name in plan.sources["s"].shards
+        ]
+        results.append((manifest, shards))
+    (batch_manifest, batch_shards), (row_manifest, row_shards) = results
+    assert batch_shards == row_shards
+    for manifest in (batch_manifest, row_manifest):
+        del manifest["prompt_key"], manifest["components"]  # their store paths differ
+    assert batch_manifest == row_manifest
+    return batch_manifest, batch_manifest["rows_in"], sum(plain_rows)
+
+
+@pytest.mark.parametrize("turns", ["first", "all"])
+@pytest.mark.parametrize("fmt", ["sharegpt", "hermes", "messages", "alpaca", "prompt"])
+def test_batch_conversion_equals_the_row_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, turns: str
+) -> None:
+    if turns == "all" and fmt in ("alpaca", "prompt"):
+        pytest.skip("turns only applies to conversations")
+    rng = random.Random(f"{fmt}-{turns}")
+    rows = _rows(rng, fmt, 400)
+    folder = tmp_path / "in"
+    write_jsonl(folder / "a.jsonl", rows[:150])
+    lines = (folder / "a.jsonl").read_bytes().split(b"\n")
+    lines[7:7] = [b"", b"  ", b"{broken", b'{"x": 1} {"x": 2}', b"\xff\xfe not utf-8", b"null"]
+    (folder / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines))  # a BOM, blank and bad lines
+    write_jsonl(folder / "c.jsonl", rows[150:300])
+    (folder / "c.jsonl").write_text((folder / "c.jsonl").read_text().replace('"value": null', '"value": 7', 3))
+    pq.write_table(pa.Table.from_pylist(rows[300:]), folder / "d.parquet")
+    source: dict[str, Any] = {"format": fmt, "files": [str(folder / "*.jsonl"), str(folder / "d.parquet")]}
+    if fmt in ("sharegpt", "hermes", "messages"):
+        source["turns"] = turns
+    if fmt == "prompt":
+        source["fields"] = {"prompt": "p"}
+    if fmt in ("sharegpt", "alpaca"):
+        source["filters"] = {"min_chars": 12, "max_chars": 200}
+    manifest, _, by_batch = _prepare_both(tmp_path, monkeypatch, source)
+    assert manifest["rows_out"] > 50 and manifest["drops"]
+    assert by_batch > manifest["rows_out"] * 0.5, f"the batch conversion took only {by_batch} rows"
+
+
+def test_batch_conversion_of_a_local_hub_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "hub").mkdir()
+    pq.write_table(pa.Table.from_pylist(_rows(random.Random(3), "sharegpt", 300)), tmp_path / "hub" / "train.parquet")
+    source = {"format": "sharegpt", "hf": {"path": str(tmp_path / "hub")}}
+    manifest, rows_in, by_batch = _prepare_both(tmp_path, monkeypatch, source)
+    assert rows_in == 360 and by_batch > manifest["rows_out"] * 0.5
+
+
+def test_every_python_whitespace_and_escape_is_handled_like_python() -> None:
+    """Each whitespace and control character, in every position, folds and escapes as Python does."""
+    specials = [chr(c) for c in range(0x3001) if chr(c).isspace() or c < 0x20 or c in (0x22, 0x5C, 0x7F)]
+    assert not any(chr(c).isspace() for c in range(0x3001, 0x110000))
+    texts = []
+    for ch in specials:
+        texts += [ch, f"a{ch}b", f"{ch}a", f"a{ch}", f"a {ch} b", f"a{ch}{ch}b", f"\u00e9{ch}x", f"e\u0301{ch}"]
+    array = pa.array(texts)
+    escaped, folded = columnar.escaped_texts(array)
+    assert escaped.to_pylist() == [encode_basestring(t)[1:-1] for t in texts]
+    expected_fold = [" ".join(unicodedata.normalize("NFC", t).split()) for t in texts]
+    assert folded.to_pylist() == [encode_basestring(t)[1:-1] for t in expected_fold]
+    blank = [not t.strip() for t in texts]
+    assert columnar._blank(array).tolist() == blank
+
+
+def test_digests_are_sha256_prefixes() -> None:
+    import hashlib
+
+    bodies = pa.array(["", "a", "\u00e9" * 1000, "{}"]).slice(1)
+    assert columnar.digests(bodies, 8) == b"".join(hashlib.sha256(t.encode()).digest()[:8] for t in bodies.to_pylist())
+    assert len(columnar.digests(pa.array([], pa.string()), 16)) == 0
+    assert np.frombuffer(columnar.digests(bodies, 16), dtype=np.uint8).size == 48
