@@ -2,8 +2,9 @@
 
 A row is *plain* when converting it needs no judgement: every turn is an object with a known ASCII
 role, every kept content a non-blank string, no tools, a user turn, a length within the filters. Plain
-rows are converted here with Arrow kernels and one SHA-256 per digest, which is several times faster
-than :func:`dflash_build.prepare.to_prompt` and the JSON encoder row by row. Every other row (a drop,
+rows are converted here: Arrow kernels write their JSON and Python hashes it, one SHA-256 a row (the
+prompt id's, which is the dedup key's too unless folding changes the row). That is several times
+faster than :func:`dflash_build.prepare.to_prompt` and the JSON encoder row by row. Every other row (a drop,
 tools, an odd type anywhere in the batch) goes back to the row path, so what a row becomes, and why a
 row is dropped, is decided in one place; this module only recognises the rows that path would keep
 unchanged, and writes their JSON exactly as Python's ``json`` would (tests compare the two, row for
@@ -47,8 +48,11 @@ class Converted:
 
     plain: np.ndarray  # bool per batch row
     prompt_bodies: pa.Array  # canonical JSON of {"messages", "tools"}: what the prompt id hashes
-    dedup_bodies: pa.Array  # canonical JSON of the folded messages: what the dedup key hashes
     messages: pa.Array  # the record's messages column (json.dumps(messages, ensure_ascii=False))
+    # The plain rows (their positions among them) that folding changes, and the prompt bodies of
+    # their folded messages: what their dedup keys hash. Every other row's dedup key is its prompt body's.
+    refolded_rows: np.ndarray
+    dedup_bodies: pa.Array
 
 
 @dataclass
@@ -60,6 +64,8 @@ class _Messages:
     content: pa.Array  # string
 
     def only(self, keep: np.ndarray) -> _Messages:
+        if keep.all():
+            return self  # no copy of the texts
         mask = pa.array(keep)
         return _Messages(self.row[keep], self.role.filter(mask), self.content.filter(mask))
 
@@ -206,6 +212,9 @@ def _system_column(table: pa.Table, name: str, plain: np.ndarray) -> _Messages |
 
 def _in_order(parts: list[_Messages]) -> _Messages:
     """The parts' messages, row by row, each row's in the order of the parts (a stable sort)."""
+    present = [p for p in parts if len(p.row)]
+    if len(present) == 1:  # no system column, say: the messages are in order already
+        return _Messages(present[0].row, present[0].role, present[0].content.cast(pa.string()))
     row = np.concatenate([p.row for p in parts])
     order = np.argsort(row, kind="stable")
     take = pa.array(order)
@@ -216,35 +225,52 @@ def _in_order(parts: list[_Messages]) -> _Messages:
     )
 
 
+_ROLE, _CONTENT = object(), object()
+# (before, one message, separator, after): a row's canonical prompt body, and its record's messages
+_CANONICAL = ('{"messages":[', ['{"content":"', _CONTENT, '","role":', _ROLE, "}"], ",", '],"tools":null}')
+_RECORD = ("[", ['{"role": ', _ROLE, ', "content": "', _CONTENT, '"}'], ", ", "]")
+
+
 def _bodies(plain: np.ndarray, messages: _Messages) -> Converted:
-    """The three JSON texts of each plain row, as ``json`` writes them (see prepare.prompt_id,
+    """The JSON texts of each plain row, as ``json`` writes them (see prepare.prompt_id,
     prepare.dedup_key and the record's messages)."""
-    content, folded = escaped_texts(messages.content)
+    content, refolded_at, refolded = escaped_texts(messages.content)
     names = pc.dictionary_encode(messages.role)
     role_json = [json.dumps(r, ensure_ascii=False) for r in names.dictionary.to_pylist()]
     role = pc.take(pa.array(role_json, pa.string()), names.indices)
-    join = pc.binary_join_element_wise
-    canonical = join('{"content":"', content, '","role":', role, "}", "")
-    dedup = join("[", role, ',"', folded, '"]', "")
-    record = join('{"role": ', role, ', "content": "', content, '"}', "")
     counts = np.bincount(messages.row, minlength=len(plain))[plain]
-    offsets = np.zeros(len(counts) + 1, dtype=np.int32)
-    np.cumsum(counts, out=offsets[1:])
-
-    def per_row(items: pa.Array, separator: str, before: str, after: str) -> pa.Array:
-        joined = pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets), items), separator)
-        return join(before, joined, after, "")
-
+    # rows that folding changes: the canonical body of their folded messages
+    plain_row = (np.cumsum(plain) - 1)[messages.row]
+    is_changed = np.zeros(len(counts), dtype=bool)
+    is_changed[plain_row[refolded_at]] = True
+    changed = np.flatnonzero(is_changed)
+    of_changed = np.flatnonzero(is_changed[plain_row])
+    folded = _replace_at(content.take(pa.array(of_changed)), np.searchsorted(of_changed, refolded_at), refolded)
     return Converted(
         plain,
-        per_row(canonical, ",", '{"messages":[', '],"tools":null}'),
-        per_row(dedup, ",", '{"messages":[', '],"tools":null}'),
-        per_row(record, ", ", "[", "]"),
+        _joined(_CANONICAL, role, content, counts),
+        _joined(_RECORD, role, content, counts),
+        changed,
+        _joined(_CANONICAL, role.take(pa.array(of_changed)), folded, counts[changed]),
     )
 
 
-def escaped_texts(text: pa.Array) -> tuple[pa.Array, pa.Array]:
-    """Each string, and its fold (see :func:`fold`), escaped as ``json`` writes them inside quotes.
+def _joined(form: tuple[str, list[Any], str, str], role: pa.Array, content: pa.Array, counts: np.ndarray) -> pa.Array:
+    """One string per row: its ``counts`` messages written in ``form``."""
+    before, message, separator, after = form
+    pieces = [role if p is _ROLE else content if p is _CONTENT else p for p in message]
+    join = pc.binary_join_element_wise
+    if (counts == 1).all():  # one message a row (the usual prompt): one join, no lists
+        return join(before + pieces[0], *pieces[1:-1], pieces[-1] + after, "")
+    offsets = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets), join(*pieces, "")), separator)
+    return join(before, joined, after, "")
+
+
+def escaped_texts(text: pa.Array) -> tuple[pa.Array, np.ndarray, pa.Array]:
+    """Each string escaped as ``json`` writes it inside quotes; and the strings that :func:`fold`
+    changes: their positions, and their folds, escaped.
 
     Most strings need neither: ASCII, no character to escape, no whitespace but single spaces inside.
     One scan finds the others; the ASCII ones fold with Arrow, the rest with Python's own functions.
@@ -253,14 +279,19 @@ def escaped_texts(text: pa.Array) -> tuple[pa.Array, pa.Array]:
     todo = _as_bool(pc.match_substring_regex(text, _SPECIAL)) | ~_as_bool(pc.string_is_ascii(text))
     at = np.flatnonzero(todo)
     if not len(at):
-        return text, text
+        return text, at, pa.array([], pa.string())
     subset = text.take(pa.array(at))
     folded = fold(subset)
-    return _replace_at(text, at, _escaped(subset)), _replace_at(text, at, _escaped(folded))
+    changed = ~_as_bool(pc.equal(folded, subset))
+    return _escaped(text, at), at[changed], _escaped(folded.filter(pa.array(changed)))
 
 
-def _escaped(text: pa.Array) -> pa.Array:
-    at = np.flatnonzero(_as_bool(pc.match_substring_regex(text, _NEEDS_ESCAPE)))
+def _escaped(text: pa.Array, candidates: np.ndarray | None = None) -> pa.Array:
+    """``text`` with each string (of ``candidates``, else all) that needs escaping escaped."""
+    among = text if candidates is None else text.take(pa.array(candidates))
+    at = np.flatnonzero(_as_bool(pc.match_substring_regex(among, _NEEDS_ESCAPE)))
+    if candidates is not None:
+        at = candidates[at]
     if not len(at):
         return text
     escaped = [encode_basestring(s)[1:-1] for s in text.take(pa.array(at)).to_pylist()]
@@ -283,8 +314,8 @@ def digests(bodies: pa.Array, size: int) -> bytes:
     """The first ``size`` bytes of the SHA-256 of each string's UTF-8, one after another."""
     if not len(bodies):
         return b""
-    bodies = bodies.cast(pa.large_string())
-    offsets = np.frombuffer(bodies.buffers()[1], dtype=np.int64)[bodies.offset : bodies.offset + len(bodies) + 1]
+    width = np.int64 if pa.types.is_large_string(bodies.type) else np.int32
+    offsets = np.frombuffer(bodies.buffers()[1], dtype=width)[bodies.offset : bodies.offset + len(bodies) + 1]
     data = memoryview(bodies.buffers()[2])  # type: ignore[arg-type]
     sha = hashlib.sha256
     bounds = offsets.tolist()

@@ -384,9 +384,11 @@ def prompt_id(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None
 
 
 def dedup_key(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> str:
-    """Exact duplicates after Unicode NFC, whitespace folding and trimming."""
+    """What duplicates share: the digest a prompt id takes (:func:`prompt_id`'s body, whole) of the
+    messages after Unicode NFC, whitespace folding and trimming. So a row that folding leaves as it
+    is has its prompt id's digest. Only compared within one prepare, never stored."""
     normalize = unicodedata.normalize
-    folded = [[m["role"], " ".join(normalize("NFC", m["content"]).split())] for m in messages]
+    folded = [{"role": m["role"], "content": " ".join(normalize("NFC", m["content"]).split())} for m in messages]
     return hashing.digest_normalised({"messages": folded, "tools": None if tools is None else hashing.normalise(tools)})
 
 
@@ -575,9 +577,13 @@ class _Scanned:
     def _add_plain(self, batch: RowBatch, converted: columnar.Converted) -> None:
         import pyarrow.compute as pc
 
-        pids = columnar.digests(converted.prompt_bodies, 8)
+        digest = np.frombuffer(columnar.digests(converted.prompt_bodies, 16), dtype=np.uint8).reshape(-1, 16).copy()
+        pids = digest[:, :8].tobytes()
+        if len(converted.refolded_rows):  # the rest: their prompt body's digest (dedup_key)
+            refolded = np.frombuffer(columnar.digests(converted.dedup_bodies, 16), dtype=np.uint8)
+            digest[converted.refolded_rows] = refolded.reshape(-1, 16)
         self.pids += pids
-        self.dedup_digests += columnar.digests(converted.dedup_bodies, 16)
+        self.dedup_digests += digest.tobytes()
         count = len(converted.messages)
         hex_ids = pids.hex().encode("ascii")
         ids = pa.StringArray.from_buffers(

@@ -332,5 +332,6 @@ def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodi
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "e\u0301  tab\tq "}]
     for t in (None, tools):
         assert prepare.prompt_id(messages, t) == hashing.content_key({"messages": messages, "tools": t})
-        folded = [["system", "s"], ["user", "\u00e9 tab q"]]
+        folded = [{"role": "system", "content": "s"}, {"role": "user", "content": "\u00e9 tab q"}]
         assert prepare.dedup_key(messages, t) == hashing.digest({"messages": folded, "tools": t})
+        assert prepare.dedup_key(folded, t)[: hashing.KEY_LENGTH] == prepare.prompt_id(folded, t)
