@@ -11,7 +11,7 @@ process's own ``ru_maxrss``).
 
 - ``plan``: ``snakemake -n`` of the real Snakefile against plain Snakefiles with the same jobs
   (bench/plan_dryrun.py): bare, with input functions, and with ``script:`` jobs, the two things the
-  real rules need that cost Snakemake per job.
+  real rules need that cost Snakemake per job; the four alternate, twice, and each takes its median.
 - ``prepare``: streaming prepare of synthetic ShareGPT rows (10% whitespace duplicates) at two sizes:
   rows/s and peak RSS, against the floor of any per-row Python work (read the line, ``json.loads``,
   one SHA-256).
@@ -328,6 +328,7 @@ def measure_fingerprint(root: str, gigabytes: int) -> dict[str, Any]:
 # -- generate driver and tokenize ----------------------------------------------------------------------
 GEN_PROMPTS = 48
 GEN_TOKENS = 96
+PLAN_REPEATS = 2  # alternating rounds of the four Snakefiles: one run of each varies by ~10%
 GEN_ROUNDS = 5  # one run's noise on 2 cores is a few percent: the target is 2%
 
 
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "plan" in parts:
             import plan_dryrun
 
-            rows = [plan_dryrun.measure(n, 1) for n in args.plan_sizes]
+            rows = [plan_dryrun.measure(n, PLAN_REPEATS) for n in args.plan_sizes]
             columns = ("real_s", "plain_s", "plain_script_s")
             at = {k: _slope(rows[0], rows[1], "shards", k, 100_000) for k in columns}
             at["ratio"] = round(at["real_s"] / at["plain_s"], 3)
