@@ -48,20 +48,9 @@ def parse_jsonl_line(raw: bytes) -> Any:
         return InvalidJson(f"invalid JSON: {e.msg}")
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, value) for every non-blank line; bad lines yield a marker instead of a value."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
-            value = parse_jsonl_line(raw)
-            if value is not BLANK:
-                yield lineno, value
-
-
 def iter_jsonl_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
     """(number of its first line, bytes) of whole lines, about ``chunk_bytes`` at a time; the
-    first chunk without its byte-order mark. Line numbers are those :func:`iter_jsonl` gives."""
+    first chunk without its byte-order mark. Line numbers count every line, blank ones too."""
     lineno = 1
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
@@ -74,7 +63,7 @@ def iter_jsonl_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes
 
 
 def count_jsonl(path: Path) -> int:
-    """Rows :func:`iter_jsonl` yields (bad rows included: they are counted as drops)."""
+    """Rows of a .jsonl file: its non-blank lines (bad rows included: they are counted as drops)."""
     count = 0
     with open(path, "rb") as f:
         while lines := f.readlines(8 << 20):
