@@ -91,7 +91,8 @@ def _config(root: Path, sources: dict[str, Any], model: Path | None = None, **ex
 
 # -- prepare -----------------------------------------------------------------------------------------
 def write_sharegpt(path: Path, rows: int) -> None:
-    """Synthetic ShareGPT rows of ~900 characters; every tenth repeats an earlier one with other spacing."""
+    """Synthetic ShareGPT rows, a ~550-character user turn and a short answer; every tenth repeats an
+    earlier one with other spacing."""
     words = [
         "the",
         "of",
@@ -567,6 +568,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report("prepare", {"measured": measured, "extrapolated": {
                 "10000000_rows": {
                     "seconds": _slope(small, large, "rows", "seconds", 10_000_000),
+                    "cpu_seconds": (cpu := _slope(small, large, "rows", "cpu_seconds", 10_000_000)),
+                    # the rate at scale: a prepare's fixed start (imports, first batch) is spread thin
+                    "rows_per_cpu_s": round(10_000_000 / cpu),
                     "peak_rss_mb": _slope(small, large, "rows", "peak_rss_mb", 10_000_000),
                     "digest_set_mb": round(10_000_000 * 24 / 2**20, 1),
                 }

@@ -70,12 +70,20 @@ def write_text(dest: str | os.PathLike[str], text: str) -> None:
         f.write(text)
 
 
-def write_parquet(dest: str | os.PathLike[str], table: pa.Table) -> dict[str, int | str]:
-    """Write ``table``; returns {"rows", "sha256"} of the file, for the sidecar that `verify` checks."""
+def write_parquet(
+    dest: str | os.PathLike[str],
+    table: pa.Table,
+    dictionary: bool | list[str] = True,
+    statistics: bool | list[str] = True,
+) -> dict[str, int | str]:
+    """Write ``table``; returns {"rows", "sha256"} of the file, for the sidecar that `verify` checks.
+
+    ``dictionary`` and ``statistics``: the columns to dictionary-encode and keep min/max of (all by
+    default). Long unique texts gain nothing from either, and both cost a pass over every value."""
     import hashlib
 
     with atomic_path(dest) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=dictionary, write_statistics=statistics)
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
     return {"rows": table.num_rows, "sha256": digest}
 

@@ -113,8 +113,8 @@ def local_batches(path: Path, digest: str) -> Iterator[RowBatch]:
             yield RowBatch(table, numbers, short, f"{path}:row ", _taken(table))
             index += table.num_rows
     elif path.suffix == ".jsonl":
-        for first, chunk in readers.iter_jsonl_chunks(path, JSONL_CHUNK_BYTES):
-            yield _jsonl_batch(chunk, first, short, f"{path}:")
+        for chunk in readers.iter_jsonl_chunks(path, JSONL_CHUNK_BYTES):
+            yield _jsonl_batch(chunk, short, f"{path}:")
     else:
         try:
             items = readers.load_json(path)
@@ -129,42 +129,40 @@ def _taken(table: pa.Table) -> Callable[[Sequence[int]], list[Any]]:
     return lambda idx: table.take(pa.array(idx, pa.int64())).to_pylist()
 
 
-def _jsonl_batch(chunk: bytes, first: int, short: str, where: str) -> RowBatch:
+def _jsonl_batch(chunk: readers.LineChunk, short: str, where: str) -> RowBatch:
     """One chunk of lines: parsed by Arrow when every line is a row it reads, else line by line."""
-    lines = chunk.split(b"\n")
-    if chunk.endswith(b"\n"):
-        lines.pop()
-    table = _arrow_jsonl(chunk, lines)
+    table = _arrow_jsonl(chunk)
     if table is not None:
-        numbers = np.arange(first, first + len(lines), dtype=np.int64)
+        numbers = np.arange(chunk.first, chunk.first + len(chunk), dtype=np.int64)
         return RowBatch(
-            table, numbers, short, where, lambda idx: [_as_drop(readers.parse_jsonl_line(lines[i])) for i in idx]
+            table, numbers, short, where, lambda idx: [_as_drop(readers.parse_jsonl_line(chunk.line(i))) for i in idx]
         )
+    lines = chunk.data.split(b"\n")[: len(chunk)]
     parsed = [
-        (first + i, v) for i, raw in enumerate(lines) if (v := readers.parse_jsonl_line(raw)) is not readers.BLANK
+        (chunk.first + i, v) for i, raw in enumerate(lines) if (v := readers.parse_jsonl_line(raw)) is not readers.BLANK
     ]
     numbers = np.array([n for n, _ in parsed], dtype=np.int64)
     return RowBatch(None, numbers, short, where, lambda idx: [_as_drop(parsed[i][1]) for i in idx])
 
 
-def _arrow_jsonl(chunk: bytes, lines: list[bytes]) -> pa.Table | None:
+def _arrow_jsonl(chunk: readers.LineChunk) -> pa.Table | None:
     """The chunk's rows as Arrow columns, one per line; None when a line is blank or is not one object
     Arrow parses (bad UTF-8 or JSON, two objects, a repeated key, a type that changes between rows):
     then the row path reads it. (A line blank to Python but not in ASCII does not parse either.)"""
     import pyarrow.json as pj
 
-    if not lines or not all(map(bytes.strip, lines)):
+    if not len(chunk) or chunk.has_blank_line():
         return None
     try:
-        chunk.decode("utf-8")  # Arrow's reader does not check
+        chunk.data.decode("utf-8")  # Arrow's reader does not check
     except UnicodeDecodeError:
         return None
     try:
-        options = pj.ReadOptions(use_threads=False, block_size=len(chunk) + 1)
-        table = pj.read_json(pa.BufferReader(chunk), read_options=options)
+        options = pj.ReadOptions(use_threads=False, block_size=len(chunk.data) + 1)
+        table = pj.read_json(pa.BufferReader(chunk.data), read_options=options)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
-    return table if table.num_rows == len(lines) else None
+    return table if table.num_rows == len(chunk) else None
 
 
 def _as_drop(value: Any) -> Any:
@@ -414,7 +412,9 @@ class DropCounter:
 # Prepare streams: each converted row goes to a spill bucket on disk (by the top bits of its prompt id)
 # and leaves only its digests in memory, 24 bytes a row. Selection runs on those arrays; the buckets
 # are then read back one at a time, in prompt id order, and the shards written as they fill. Peak
-# memory: the digest arrays, the bucket buffers (SPILL_BUFFER_BYTES) and one bucket.
+# memory: the digest arrays and their sort, the bucket buffers (SPILL_BUFFER_BYTES) and one bucket.
+# The spill is uncompressed Arrow, mapped back one bucket at a time: about as much disk as the
+# converted rows, beside the manifest (LZ4 saved disk but cost an eighth of prepare's time).
 SPILL_BUFFER_BYTES = 32 << 20
 SPILL_FLUSH_ROWS = 1024
 ROWS_PER_BUCKET = 32768
@@ -440,7 +440,8 @@ class _Spill:
         self.shift = 64 - (buckets.bit_length() - 1)
         self.buffers: list[list[pa.Table]] = [[] for _ in range(buckets)]
         self.writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
-        self.buffered_bytes = 0
+        self.buffered_rows = [0] * buckets
+        self.buffered_bytes = [0.0] * buckets
 
     def _path(self, bucket: int) -> Path:
         assert self.folder is not None
@@ -453,16 +454,17 @@ class _Spill:
         buckets = pids >> np.uint64(self.shift) if self.shift < 64 else np.zeros(len(pids), dtype=np.uint64)
         order = np.argsort(buckets, kind="stable")
         records = records.take(pa.array(order))
+        row_bytes = records.nbytes / records.num_rows  # once: a slice's nbytes walks its buffers
         ordered = buckets[order]
         starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
         for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(ordered)], strict=True):
             bucket = int(ordered[lo])
-            part = records.slice(lo, hi - lo)
-            self.buffers[bucket].append(part)
-            self.buffered_bytes += part.nbytes
-            if sum(t.num_rows for t in self.buffers[bucket]) >= SPILL_FLUSH_ROWS:
+            self.buffers[bucket].append(records.slice(lo, hi - lo))
+            self.buffered_rows[bucket] += hi - lo
+            self.buffered_bytes[bucket] += (hi - lo) * row_bytes
+            if self.buffered_rows[bucket] >= SPILL_FLUSH_ROWS:
                 self._flush(bucket)
-        if self.buffered_bytes > SPILL_BUFFER_BYTES:
+        if sum(self.buffered_bytes) > SPILL_BUFFER_BYTES:
             for b in range(len(self.buffers)):
                 self._flush(b)
 
@@ -470,12 +472,10 @@ class _Spill:
         parts = self.buffers[bucket]
         if not parts or self.folder is None:
             return
-        if bucket not in self.writers:  # Arrow files, LZ4: about a quarter of parquet's cost to write
-            options = pa.ipc.IpcWriteOptions(compression="lz4")
-            self.writers[bucket] = pa.ipc.new_file(self._path(bucket), _SPILL_SCHEMA, options=options)
+        if bucket not in self.writers:  # Arrow files, uncompressed: read back by mapping them
+            self.writers[bucket] = pa.ipc.new_file(self._path(bucket), _SPILL_SCHEMA)
         self.writers[bucket].write_table(pa.concat_tables(parts))
-        self.buffered_bytes -= sum(t.nbytes for t in parts)
-        self.buffers[bucket] = []
+        self.buffers[bucket], self.buffered_rows[bucket], self.buffered_bytes[bucket] = [], 0, 0.0
 
     def close(self) -> None:
         for bucket in range(len(self.buffers)):
@@ -486,7 +486,7 @@ class _Spill:
     def tables(self) -> Iterator[pa.Table]:
         """Each bucket's rows, in bucket order (prompt id ranges ascending)."""
         for bucket in sorted(self.writers):
-            with pa.ipc.open_file(self._path(bucket)) as reader:
+            with pa.memory_map(str(self._path(bucket))) as source, pa.ipc.open_file(source) as reader:
                 yield reader.read_all()
 
 
@@ -608,24 +608,13 @@ class _Scanned:
     def selection(self, shard_names: list[str]) -> Selection:
         """Dedup, then max_samples, on the digests."""
         spec, drops = self.spec, self.drops
-        converted = len(self.pids) // 8
         pid_values = _native_u64(self.pids)
-        dd = _native_u64(self.dedup_digests).reshape(converted, 2)
-        # Duplicates keep their smallest prompt id: sort by (digest, prompt id), take each group's first.
-        order = np.lexsort((pid_values, dd[:, 1], dd[:, 0]))
-        dd_sorted = dd[order]
-        first = np.ones(converted, dtype=bool)
-        first[1:] = np.any(dd_sorted[1:] != dd_sorted[:-1], axis=1)
-        winners = np.unique(pid_values[order[first]])
-        drops.counts[DROP_DUPLICATE] += converted - len(winners)  # examples: as the shards are written
-        del dd, dd_sorted, order, first
+        winners = _group_firsts(_native_u64(self.dedup_digests).reshape(-1, 2), pid_values)
+        drops.counts[DROP_DUPLICATE] += len(pid_values) - len(winners)  # examples: as the shards are written
         selected = winners
         if spec.max_samples is not None and len(winners) > spec.max_samples:
-            ranks = bytearray()
-            for p in winners:
-                ranks += bytes.fromhex(selection_rank(spec.seed, f"{int(p):016x}")[:32])
-            rank_pairs = np.frombuffer(bytes(ranks), dtype=">u8").astype(np.uint64).reshape(len(winners), 2)
-            by_rank = np.lexsort((rank_pairs[:, 1], rank_pairs[:, 0]))
+            ranks = _native_u64(bytearray(selection_ranks(spec.seed, winners))).reshape(-1, 2)
+            by_rank = np.lexsort((ranks[:, 1], ranks[:, 0]))
             over = by_rank[spec.max_samples :]
             drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
             drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(winners[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
@@ -633,6 +622,50 @@ class _Scanned:
         if not drops.counts[DROP_DUPLICATE]:
             del drops.counts[DROP_DUPLICATE]
         return Selection(selected, winners, self.rows_in, drops, shard_names)
+
+
+def _group_firsts(keys: Any, pids: Any) -> Any:
+    """The smallest prompt id of each group of rows with equal ``keys`` (two 64-bit words a row),
+    ascending."""
+    order, tied = _sorted_by(keys[:, 0], lambda rows: np.lexsort((pids[rows], keys[rows, 1], keys[rows, 0])))
+    starts = np.ones(len(order), dtype=bool)
+    starts[1:] = ~tied
+    at = np.flatnonzero(tied) + 1
+    starts[at] = keys[order[at], 1] != keys[order[at - 1], 1]
+    # the same prompt id is the same messages, so it is in one group only: no two firsts share one
+    return np.sort(pids[order[starts]])
+
+
+def _sorted_by(words: Any, order_of: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """Row order by ``words`` (64-bit integers), rows that tie on them ordered by ``order_of(rows)``
+    (their order under a full key that starts with ``words``); and, for each row in that order but
+    the first, whether it ties the row before on ``words``. One unstable sort of every row; only the
+    tied runs (duplicates, mostly) are sorted again: a lexsort of every row on the full key costs
+    ten times as much."""
+    order = np.argsort(words)
+    ordered = words[order]
+    tied = ordered[1:] == ordered[:-1]
+    in_run = np.zeros(len(order), dtype=bool)
+    in_run[1:] |= tied
+    in_run[:-1] |= tied
+    at = np.flatnonzero(in_run)  # whole runs: sorting them again keeps each run where it is
+    rows = order[at]
+    order[at] = rows[order_of(rows)]
+    return order, tied
+
+
+def selection_ranks(seed: int, pids: Any) -> bytes:
+    """:func:`selection_rank` of each prompt id (64-bit integers): the first 16 bytes of each digest."""
+    head, tail = b'{"prompt_id":"', f'","seed":{hashing.canonical_json(seed)}}}'.encode()
+    bodies = np.empty((len(pids), len(head) + 16 + len(tail)), dtype=np.uint8)
+    bodies[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+    hex_ids = np.asarray(pids, dtype=">u8").tobytes().hex().encode("ascii")
+    bodies[:, len(head) : len(head) + 16] = np.frombuffer(hex_ids, dtype=np.uint8).reshape(-1, 16)
+    bodies[:, len(head) + 16 :] = np.frombuffer(tail, dtype=np.uint8)
+    width = bodies.shape[1]
+    offsets = pa.py_buffer(np.arange(0, width * len(pids) + 1, width, dtype=np.int64).tobytes())
+    texts = pa.LargeStringArray.from_buffers(len(pids), offsets, pa.py_buffer(bodies.tobytes()))
+    return columnar.digests(texts, 16)
 
 
 def _scan(plan: Plan, source: str, spill: _Spill) -> Selection:
@@ -669,9 +702,10 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
         while have >= hi - lo:
             table = pa.concat_tables(pending) if pending else _SPILL_SCHEMA.empty_table()
             shard, rest = table.slice(0, hi - lo), table.slice(hi - lo)
-            written[name] = atomic.write_parquet(out_dir / f"{name}.parquet", shard.select(PROMPT_SCHEMA.names))
-            # the rest copied: a slice would keep every earlier bucket's buffers alive
-            rest = rest.take(pa.array(np.arange(rest.num_rows)))
+            written[name] = atomic.write_parquet(
+                out_dir / f"{name}.parquet", shard.select(PROMPT_SCHEMA.names), ["source", "category"], ["prompt_id"]
+            )
+            # a slice, not a copy: it holds the buffers of this bucket and at most one shard before it
             pending, have = ([rest] if rest.num_rows else []), rest.num_rows
             step = next(bounds, None)
             if step is None:
@@ -680,31 +714,44 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
 
     flush_full()  # leading empty shards, when there are more shards than rows
     for table in spill.tables():
-        # each prompt id once (duplicates with the same id: the smallest meta), and only the selected
-        table = table.sort_by([("prompt_id", "ascending"), ("meta", "ascending")])
-        ids = hashing.hex_to_u64(table.column("prompt_id"))
-        keep = np.ones(len(ids), dtype=bool)
-        keep[1:] = ids[1:] != ids[:-1]
-        at = np.searchsorted(selection.selected, ids)
-        inside = at < len(selection.selected)
-        keep &= inside
-        keep[inside] &= selection.selected[at[inside]] == ids[inside]
-        _duplicate_examples(selection, table, ids, keep)
-        kept = table.filter(pa.array(keep))
+        kept = _selected_in_order(table, selection)
         if kept.num_rows:
             pending.append(kept)
             have += kept.num_rows
             flush_full()
         del table, kept
-        pa.default_memory_pool().release_unused()
     if len(written) != len(selection.shard_names):
         raise RuntimeError(f"prepare wrote {len(written)} of {len(selection.shard_names)} shards; this is a bug")
     return written
 
 
-def _duplicate_examples(selection: Selection, table: pa.Table, ids: Any, keep: Any) -> None:
-    """Note where dropped duplicates came from: rows not kept whose id is no group's smallest, or
-    repeats an id just kept (the rest that is not kept went over max_samples)."""
+def _selected_in_order(bucket: pa.Table, selection: Selection) -> pa.Table:
+    """A bucket's rows that become prompts, by prompt id: each id once (of rows repeated in the input,
+    the one with the smallest meta), and only the selected ids."""
+    ids = hashing.hex_to_u64(bucket.column("prompt_id"))
+    meta = bucket.column("meta")
+    order, repeat = _sorted_by(ids, lambda rows: _id_meta_order(ids[rows], meta.take(pa.array(rows))))
+    ids = ids[order]
+    keep = np.ones(len(ids), dtype=bool)
+    keep[1:] = ~repeat
+    at = np.searchsorted(selection.selected, ids)
+    inside = at < len(selection.selected)
+    keep &= inside
+    keep[inside] &= selection.selected[at[inside]] == ids[inside]
+    _duplicate_examples(selection, bucket.column("location"), order, ids, keep)
+    return bucket.take(pa.array(order[keep]))
+
+
+def _id_meta_order(ids: Any, meta: pa.Array) -> Any:
+    import pyarrow.compute as pc
+
+    keys = pa.table({"id": ids, "meta": meta})
+    return pc.sort_indices(keys, [("id", "ascending"), ("meta", "ascending")]).to_numpy()
+
+
+def _duplicate_examples(selection: Selection, locations: pa.ChunkedArray, order: Any, ids: Any, keep: Any) -> None:
+    """Note where dropped duplicates came from: rows (``order``, sorted ``ids``) not kept whose id is no
+    group's smallest, or repeats an id just kept (the rest that is not kept went over max_samples)."""
     examples = selection.drops.examples[DROP_DUPLICATE]
     if len(examples) >= EXAMPLES_PER_REASON or DROP_DUPLICATE not in selection.drops.counts:
         return
@@ -712,9 +759,8 @@ def _duplicate_examples(selection: Selection, table: pa.Table, ids: Any, keep: A
     is_winner = selection.winners[at] == ids if len(selection.winners) else np.zeros(len(ids), dtype=bool)
     repeat = np.zeros(len(ids), dtype=bool)
     repeat[1:] = ids[1:] == ids[:-1]
-    locations = table.column("location")
     for i in np.flatnonzero(~keep & (~is_winner | repeat))[: EXAMPLES_PER_REASON - len(examples)]:
-        examples.append(locations[int(i)].as_py())
+        examples.append(locations[int(order[i])].as_py())
 
 
 class SourceLossError(RuntimeError):

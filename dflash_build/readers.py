@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class InvalidUtf8:
@@ -48,18 +50,55 @@ def parse_jsonl_line(raw: bytes) -> Any:
         return InvalidJson(f"invalid JSON: {e.msg}")
 
 
-def iter_jsonl_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(number of its first line, bytes) of whole lines, about ``chunk_bytes`` at a time; the
-    first chunk without its byte-order mark. Line numbers count every line, blank ones too."""
+@dataclass(frozen=True)
+class LineChunk:
+    """Whole lines of a file read at once: where each starts and stops in ``data`` (its newline out)."""
+
+    first: int  # the first line's number (1-based; blank lines count)
+    data: bytes
+    starts: np.ndarray
+    stops: np.ndarray
+
+    @classmethod
+    def of(cls, first: int, data: bytes) -> LineChunk:
+        # one vectorised pass: splitting into a bytes object per line costs more than reading them
+        newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == _NEWLINE)
+        stops = newlines if data.endswith(b"\n") else np.append(newlines, len(data))
+        starts = np.zeros(len(stops), dtype=stops.dtype)
+        starts[1:] = newlines[: len(stops) - 1] + 1
+        return cls(first, data, starts, stops)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def line(self, i: int) -> bytes:
+        return self.data[self.starts[i] : self.stops[i]]
+
+    def has_blank_line(self) -> bool:
+        """Whether a line is empty or only ASCII whitespace (``bytes.strip``'s)."""
+        buf = np.frombuffer(self.data, dtype=np.uint8)
+        candidates = self.stops == self.starts
+        filled = np.flatnonzero(~candidates)
+        candidates[filled] = _ASCII_SPACE[buf[self.starts[filled]]]  # a blank line starts with a space
+        return any(not self.line(i).strip() for i in np.flatnonzero(candidates).tolist())
+
+
+_NEWLINE = ord("\n")
+_ASCII_SPACE = np.zeros(256, dtype=bool)
+_ASCII_SPACE[list(b" \t\n\r\x0b\x0c")] = True
+
+
+def iter_jsonl_chunks(path: Path, chunk_bytes: int) -> Iterator[LineChunk]:
+    """Whole lines, about ``chunk_bytes`` at a time; the first chunk without its byte-order mark."""
     lineno = 1
     with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            chunk += f.readline()
-            first = lineno
-            lineno += chunk.count(b"\n")
-            if first == 1 and chunk.startswith(codecs.BOM_UTF8):
-                chunk = chunk[len(codecs.BOM_UTF8) :]
-            yield first, chunk
+        while data := f.read(chunk_bytes):
+            data += f.readline()
+            if lineno == 1 and data.startswith(codecs.BOM_UTF8):
+                data = data[len(codecs.BOM_UTF8) :]
+            chunk = LineChunk.of(lineno, data)
+            lineno += len(chunk)  # every chunk but the last ends with a newline
+            yield chunk
 
 
 def count_jsonl(path: Path) -> int:

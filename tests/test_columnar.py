@@ -144,6 +144,8 @@ def test_batch_conversion_equals_the_row_path(
     write_jsonl(folder / "a.jsonl", rows[:150])
     lines = (folder / "a.jsonl").read_bytes().split(b"\n")
     lines[7:7] = [b"", b"  ", b"{broken", b'{"x": 1} {"x": 2}', b"\xff\xfe not utf-8", b"null"]
+    # a chunk whose only quirks cancel out in a row count: a blank line and two objects on one line
+    lines[90:90] = [b" \t\r", lines[95] + b" " + lines[96]]
     (folder / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines))  # a BOM, blank and bad lines
     write_jsonl(folder / "c.jsonl", rows[150:300])
     (folder / "c.jsonl").write_text((folder / "c.jsonl").read_text().replace('"value": null', '"value": 7', 3))
@@ -184,6 +186,62 @@ def test_every_python_whitespace_and_escape_is_handled_like_python() -> None:
     assert refolded.to_pylist() == [encode_basestring(expected_fold[i])[1:-1] for i in changed]
     blank = [not t.strip() for t in texts]
     assert columnar._blank(array).tolist() == blank
+
+
+@pytest.mark.parametrize("block_words", [1, 3, 8192])
+def test_the_scan_never_misses_a_string_that_escaping_or_folding_changes(
+    monkeypatch: pytest.MonkeyPatch, block_words: int
+) -> None:
+    """Random strings of plain and special characters at every alignment to the 8-byte words, in
+    arrays sliced at random offsets and scanned in blocks of every size."""
+    monkeypatch.setattr(columnar, "SCAN_WORDS", block_words)
+    specials = [chr(c) for c in range(0x20)] + ['"', "\\", "  ", "\x7f", "\u00e9", "\u3000", "\U0001f600", "~"]
+
+    def changes(t: str) -> bool:
+        return bool(t) and (not t.isascii() or encode_basestring(t)[1:-1] != t or " ".join(t.split()) != t)
+
+    rng = random.Random(block_words)
+    for _ in range(1500):
+        texts = [
+            "".join(
+                rng.choice(specials) if rng.random() < 0.05 else rng.choice("ab c") for _ in range(rng.randint(0, 20))
+            )
+            for _ in range(rng.randint(1, 30))
+        ]
+        array = pa.array(texts).slice(rng.randint(0, min(3, len(texts) - 1)))
+        flagged = columnar._may_change(array)
+        missed = [t for t, f in zip(array.to_pylist(), flagged, strict=True) if changes(t) and not f]
+        assert not missed
+    plain = pa.array(["plain words with single spaces"] * 50)
+    assert not columnar._may_change(plain).any(), "a plain string is never flagged"
+
+
+def test_line_chunks_find_lines_and_blank_lines_as_python_does() -> None:
+    from dflash_build import readers
+
+    rng = random.Random(5)
+    pieces = [b"", b" ", b"\t", b"\r", b"\x0b", b"\x0c", b"\x1c", b"{}", b'{"a": 1}', b"x", b"\xc2\xa0", b"  {} "]
+    for _ in range(500):
+        lines = [b"".join(rng.choices(pieces, k=rng.randint(0, 3))) for _ in range(rng.randint(1, 12))]
+        data = b"\n".join(lines) + rng.choice([b"", b"\n"])
+        if not data:
+            continue
+        chunk = readers.LineChunk.of(3, data)
+        expected = data.split(b"\n")
+        if data.endswith(b"\n"):
+            expected.pop()
+        assert [chunk.line(i) for i in range(len(chunk))] == expected
+        assert chunk.has_blank_line() == (not all(map(bytes.strip, expected)))
+
+
+def test_an_empty_string_is_appended_without_copying_the_characters() -> None:
+    texts = pa.array(["ab", "", "c\u00e9", None, "d"])
+    for array in (texts, texts.slice(1), texts.slice(4), texts.slice(0, 3), pa.array([], pa.string())):
+        appended = columnar._and_empty(array)
+        appended.validate(full=True)
+        assert appended.to_pylist() == [*array.to_pylist(), ""]
+    whole = columnar._and_empty(texts.slice(0, 3))
+    assert whole.buffers()[2].address == texts.buffers()[2].address
 
 
 def test_digests_are_sha256_prefixes() -> None:

@@ -69,6 +69,10 @@ def test_ranks_follow_seed_prompt_and_sample_not_position() -> None:
     assert (mix.sample_ranks(2, ids, sample) != ranks).mean() > 0.99
     assert hashing.hex_to_u64(ids).tolist() == [i * 7919 for i in range(500)]
     assert hashing.hex_to_u64(ids.slice(100, 5)).tolist() == [i * 7919 for i in range(100, 105)]
+    assert hashing.hex_to_u64(pa.array(["FFFFFFFFFFFFFFFF", "00000000000000aB"])).tolist() == [2**64 - 1, 0xAB]
+    for bad in ["00000000000000ag", "0000000 0000000a", "000000000000000\u00e9", "0000000000000001a", None]:
+        with pytest.raises(ValueError, match="16 hex digits"):
+            hashing.hex_to_u64(pa.array(["0000000000000001", bad]))
 
 
 def test_shortfalls_are_stated() -> None:

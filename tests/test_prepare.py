@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -322,6 +323,33 @@ def test_streaming_prepare_equals_the_in_memory_selection(
     assert prepare.select(plan, "s").shard_prompt_ids() == {
         name: [r["prompt_id"] for r in shard] for name, shard in zip(plan.sources["s"].shards, expected, strict=True)
     }
+
+
+def test_group_firsts_are_each_groups_smallest_prompt_id() -> None:
+    """Against a dictionary, on keys whose first words tie often (as duplicates' do) and second words
+    differ within a tie (as a 64-bit collision would)."""
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        n = int(rng.integers(1, 400))
+        keys = rng.integers(0, int(rng.integers(1, 20)), (n, 2)).astype(np.uint64)
+        pids = rng.integers(0, 2**63, n, dtype=np.uint64)
+        copies = rng.integers(0, n, n // 3)
+        pids[rng.integers(0, n, len(copies))] = pids[copies]  # one prompt id: one key (the same messages)
+        first_key: dict[int, tuple[int, int]] = {}
+        for key, pid in zip(map(tuple, keys.tolist()), pids.tolist(), strict=True):
+            first_key.setdefault(pid, key)
+        keys = np.array([first_key[p] for p in pids.tolist()], dtype=np.uint64)
+        smallest: dict[tuple[int, int], int] = {}
+        for key, pid in zip(map(tuple, keys.tolist()), pids.tolist(), strict=True):
+            smallest[key] = min(pid, smallest.get(key, pid))
+        assert prepare._group_firsts(keys, pids).tolist() == sorted(smallest.values())
+
+
+def test_selection_ranks_are_the_documented_digests() -> None:
+    pids = np.random.default_rng(2).integers(0, 2**64 - 1, 50, dtype=np.uint64)
+    for seed in (0, 3, 12345678901, 7.0):
+        expected = b"".join(bytes.fromhex(prepare.selection_rank(seed, f"{int(p):016x}")[:32]) for p in pids)
+        assert prepare.selection_ranks(seed, pids) == expected
 
 
 def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodies() -> None:
