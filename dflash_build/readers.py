@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,17 @@ def parse_jsonl_line(raw: bytes) -> Any:
     if not line.strip():
         return BLANK
     try:
-        return json.loads(line)
+        value = json.loads(line)
     except json.JSONDecodeError as e:
         return InvalidJson(f"invalid JSON: {e.msg}")
+    # json reads the escape \ud800 alone as a lone surrogate, which no UTF-8 text holds: not a UTF-8 row
+    if _SURROGATE_ESCAPE.search(raw) and _has_surrogate(value):
+        return InvalidUtf8("a lone surrogate escape (\\ud800-\\udfff without its pair) in a string")
+    return value
+
+
+# matches an escaped backslash before "ud800" too (no surrogate there): the value is checked after
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True)

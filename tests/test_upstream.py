@@ -159,6 +159,8 @@ def test_a_utf8_bom_costs_no_row(tmp_path: Path) -> None:
 def test_invalid_utf8_is_one_counted_drop_with_its_location(tmp_path: Path) -> None:
     lines = _alpaca_lines(10)
     lines[3] = b'{"instruction": "caf\xe9 au lait"}\n'  # latin-1 byte inside a UTF-8 file
+    lines[5] = b'{"instruction": "half a pair \\ud83d here"}\n'  # valid JSON, but no UTF-8 text holds it
+    lines[6] = b'{"instruction": "a pair \\ud83d\\ude00 and a backslash \\\\ud800"}\n'  # both fine
     (tmp_path / "bad.jsonl").write_bytes(b"".join(lines))
     items = [{"instruction": f"json task {i}"} for i in range(6)]
     raw = json.dumps(items).encode().replace(b"json task 2", b"json task \xff\xfe")
@@ -166,10 +168,11 @@ def test_invalid_utf8_is_one_counted_drop_with_its_location(tmp_path: Path) -> N
     plan = _plan(tmp_path, {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "bad.*")]}})
     assert plan.sources["s"].planned_rows == 16  # the plan counts rows without decoding them whole
     manifest = prepare.run(plan, "s")
-    assert manifest["rows_out"] == 14
-    assert manifest["drops"] == {prepare.DROP_INVALID_UTF8: 2}
+    assert manifest["rows_out"] == 13
+    assert manifest["drops"] == {prepare.DROP_INVALID_UTF8: 3}
     examples = manifest["drop_examples"][prepare.DROP_INVALID_UTF8]
     assert any(e.startswith(f"{tmp_path / 'bad.jsonl'}:4: ") for e in examples)
+    assert any(e.startswith(f"{tmp_path / 'bad.jsonl'}:6: ") and "surrogate" in e for e in examples)
     assert any(e.startswith(f"{tmp_path / 'bad.json'}:item 2") for e in examples)
 
 
