@@ -738,7 +738,7 @@ def _selected_in_order(bucket: pa.Table, selection: Selection) -> pa.Table:
     inside = at < len(selection.selected)
     keep &= inside
     keep[inside] &= selection.selected[at[inside]] == ids[inside]
-    _duplicate_examples(selection, bucket.column("location"), order, ids, keep)
+    _duplicate_examples(selection, bucket.column("location"), order, ids, keep, repeat)
     return bucket.take(pa.array(order[keep]))
 
 
@@ -749,17 +749,20 @@ def _id_meta_order(ids: Any, meta: pa.Array) -> Any:
     return pc.sort_indices(keys, [("id", "ascending"), ("meta", "ascending")]).to_numpy()
 
 
-def _duplicate_examples(selection: Selection, locations: pa.ChunkedArray, order: Any, ids: Any, keep: Any) -> None:
-    """Note where dropped duplicates came from: rows (``order``, sorted ``ids``) not kept whose id is no
-    group's smallest, or repeats an id just kept (the rest that is not kept went over max_samples)."""
+def _duplicate_examples(
+    selection: Selection, locations: pa.ChunkedArray, order: Any, ids: Any, keep: Any, repeat: Any
+) -> None:
+    """Note where dropped duplicates came from: rows (``order``, sorted ``ids``; ``repeat``: each but the
+    first repeats the id before) not kept whose id is no group's smallest, or repeats an id just kept
+    (the rest that is not kept went over max_samples)."""
     examples = selection.drops.examples[DROP_DUPLICATE]
     if len(examples) >= EXAMPLES_PER_REASON or DROP_DUPLICATE not in selection.drops.counts:
         return
     at = np.minimum(np.searchsorted(selection.winners, ids), max(len(selection.winners) - 1, 0))
     is_winner = selection.winners[at] == ids if len(selection.winners) else np.zeros(len(ids), dtype=bool)
-    repeat = np.zeros(len(ids), dtype=bool)
-    repeat[1:] = ids[1:] == ids[:-1]
-    for i in np.flatnonzero(~keep & (~is_winner | repeat))[: EXAMPLES_PER_REASON - len(examples)]:
+    repeats = np.zeros(len(ids), dtype=bool)
+    repeats[1:] = repeat
+    for i in np.flatnonzero(~keep & (~is_winner | repeats))[: EXAMPLES_PER_REASON - len(examples)]:
         examples.append(locations[int(order[i])].as_py())
 
 
