@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SNAKEMAKE := $(BIN)/snakemake
 
-.PHONY: demo test lint bench setup setup-demo clean-demo slurm-packages
+.PHONY: demo test test-unit test-workflow lint bench setup setup-demo clean-demo slurm-packages
 
 # The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
 # modules on top (a new user's `make demo` does not wait for a llama.cpp build).
@@ -60,8 +60,15 @@ demo: setup-demo
 bench: setup
 	$(BIN)/python bench/scale.py
 
-test: setup slurm-packages
-	$(BIN)/python -m pytest -q
+# Two tiers, the unit tier first so a broken change fails in about two minutes: `-m workflow` marks the
+# tests that run Snakemake builds, model servers or the SLURM cluster (pyproject.toml's markers).
+test: test-unit test-workflow
+
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "not workflow"
+
+test-workflow: setup slurm-packages
+	$(BIN)/python -m pytest -q -m workflow
 
 # tests/test_slurm.py starts a real single-node SLURM cluster from Debian's packages (as root). Where
 # they cannot be installed the test is skipped, except under CI, where it fails.

@@ -116,6 +116,35 @@ class Workflow:
         self.snakefile = snakefile
         self.pythonpath = pythonpath
 
+    @classmethod
+    def at(cls, workdir: Path, config: dict[str, Any]) -> Workflow:
+        """A workflow in ``workdir`` (made if missing) with ``config`` written there."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        wf = cls(workdir)
+        wf.write_config(config)
+        return wf
+
+    def copy_to(self, dest: Path, registration: bool = False) -> Workflow:
+        """A copy of this working directory (store, dist, logs, config) at ``dest``.
+
+        Without ``registration`` the copy drops the store's config registrations: they name the original
+        working directory, whose configs a gc from the copy would otherwise keep.
+        """
+        shutil.copytree(self.workdir, dest, symlinks=True)
+        if not registration:
+            shutil.rmtree(dest / "store" / "configs", ignore_errors=True)
+        return Workflow(dest, self.snakefile, self.pythonpath)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``dflash-build ARGS`` with this workflow's config, in its working directory."""
+        cmd = [sys.executable, "-m", "dflash_build", "--configfile", str(self.workdir / "config.yaml"), *args]
+        proc = subprocess.run(cmd, cwd=self.workdir, capture_output=True, text=True, timeout=300)
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"dflash-build {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
     def write_config(self, config: dict[str, Any]) -> Path:
         path = self.workdir / "config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -11,6 +11,8 @@ import yaml
 
 from tests.conftest import REPO, Workflow, write_jsonl
 
+pytestmark = pytest.mark.workflow
+
 
 @pytest.mark.slow
 def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) -> None:

@@ -60,7 +60,7 @@ def _config(root: Path, model: Path, seed: int) -> dict[str, Any]:
     config["sampling"].update(
         temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 50]), seed=rng.randint(0, 99), samples_per_prompt=2
     )
-    config["shard_size"] = 4
+    config["shard_size"] = 5  # two shards of five prompts (ten rows each)
     config["checks"]["max_failed_fraction"] = 1.0  # context skips are part of what is compared here
     # the longest prompt fits with SHORT new tokens but not with LONG: reuse must skip it like a fresh build
     tok = chat.load_tokenizer(cfg.ModelSpec(str(model), None, None, str(TOOLS_TEMPLATE), {}))
@@ -79,6 +79,7 @@ def _build(root: Path, config: dict[str, Any], max_new_tokens: int, **run: Any) 
     return wf.run(**run)
 
 
+@pytest.mark.workflow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fresh_equals_reused_continued_and_resumed_row_for_row(tmp_path: Path, stoppy_model: Path, seed: int) -> None:
     config = _config(tmp_path, stoppy_model, seed)

@@ -74,6 +74,7 @@ def _request(tokenizer: object, pid: str, text: str, max_new: int) -> Request:
     return Request(pid, 0, ids, SamplingParams(0.0, 1.0, 0, 0.0, max_new), seed=7)
 
 
+@pytest.mark.workflow
 def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: object, gguf_path: Path) -> None:
     engine = OpenAIEngine({"urls": [server], "concurrency": 2}, [2], tokenizer, str(gguf_path))
     requests = [
@@ -93,6 +94,7 @@ def test_text_only_server_answers_through_the_fallback(server: str, tokenizer: o
         assert len(tokenizer.decode(r.output_ids).strip()) > 0
 
 
+@pytest.mark.workflow
 def test_requests_spread_over_servers_within_their_concurrency(server: str, tokenizer: object, gguf_path: Path) -> None:
     """Two addresses of one server: each gets at most `concurrency` requests at once, and both get work."""
     seen: dict[str, int] = {}
@@ -176,6 +178,7 @@ def test_busy_and_failing_responses_are_retried(tokenizer: object) -> None:
     )
 
 
+@pytest.mark.workflow
 def test_workflow_on_the_server(server: str, gguf_path: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_jsonl(data / "q.jsonl", [{"q": "Say hello."}, {"q": "Name a fruit."}, {"q": "Count to three."}])
@@ -198,6 +201,7 @@ def test_workflow_on_the_server(server: str, gguf_path: Path, tmp_path: Path) ->
     assert (wf.workdir / "dist" / "test-mix" / "manifest.json").exists()
 
 
+@pytest.mark.workflow
 def test_a_server_of_another_model_is_refused(server: str, tokenizer: object, gguf_path: Path) -> None:
     """The key names model.path's files; a server that serves anything else must not answer under it."""
     with pytest.raises(ModelMismatch, match=rf"server {server} serves .*{gguf_path.name}.*not model.path"):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +14,6 @@ import pytest
 from tests.conftest import Workflow, base_config, write_jsonl
 
 ROWS = [{"instruction": f"Describe object number {i}."} for i in range(20)]
-
-
-def cli(wf: Workflow, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_build", "--configfile", "config.yaml", *args],
-        cwd=wf.workdir,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(proc.stdout + proc.stderr)
-    return proc
 
 
 def completions(wf: Workflow, source: str = "objs") -> dict[str, dict[tuple[str, int], dict[str, Any]]]:
@@ -61,12 +46,10 @@ def base(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> tuple[
 
 
 def workflow_copy(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> tuple[Workflow, dict[str, Any]]:
-    work = tmp_path / "work"
-    shutil.copytree(base[0], work, symlinks=True)
-    shutil.rmtree(work / "store" / "configs")  # the original working directory's registration, not this one's
-    return Workflow(work), copy.deepcopy(base[1])
+    return Workflow(base[0]).copy_to(tmp_path / "work"), copy.deepcopy(base[1])
 
 
+@pytest.mark.workflow
 def test_adding_ten_percent_more_rows_generates_only_those(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     wf, _config = workflow_copy(base, tmp_path)
     before = completions(wf)
@@ -76,7 +59,7 @@ def test_adding_ten_percent_more_rows_generates_only_those(base: tuple[Path, dic
         [*ROWS, {"instruction": "Describe object 20."}, {"instruction": "Describe object 21."}],
     )
 
-    planned = json.loads(cli(wf, "plan", "--json").stdout)[0]
+    planned = json.loads(wf.cli("plan", "--json").stdout)[0]
     jobs = generate_jobs(wf)
     assert [f"objs/{shard}" for shard in ("00000", "00001", "00002")] == jobs  # 22 rows: 3 new shard paths
     assert sorted(planned["generate_jobs"]) == jobs, "plan lists exactly the jobs snakemake -n lists"
@@ -95,6 +78,7 @@ def test_adding_ten_percent_more_rows_generates_only_those(base: tuple[Path, dic
         assert new_rows[pair]["output_ids"] == row["output_ids"] and new_rows[pair]["reused_from"]
 
 
+@pytest.mark.workflow
 def test_raising_max_new_tokens_generates_only_for_truncated_rows(
     base: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -106,7 +90,7 @@ def test_raising_max_new_tokens_generates_only_for_truncated_rows(
 
     config["sampling"]["max_new_tokens"] = 12
     wf.write_config(config)
-    planned = json.loads(cli(wf, "plan", "--json").stdout)[0]
+    planned = json.loads(wf.cli("plan", "--json").stdout)[0]
     assert planned["rows_to_generate"] == planned["rows_continued"] == len(truncated)
     assert planned["rows_reused"] == len(stopped)
     wf.build()
@@ -126,12 +110,13 @@ def test_raising_max_new_tokens_generates_only_for_truncated_rows(
     assert sum(s["reused"] for s in new_stats) == len(stopped)
 
 
+@pytest.mark.workflow
 def test_lowering_max_new_tokens_generates_nothing(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     wf, config = workflow_copy(base, tmp_path)
     [old_rows] = completions(wf).values()
     config["sampling"]["max_new_tokens"] = 3
     wf.write_config(config)
-    assert json.loads(cli(wf, "plan", "--json").stdout)[0]["rows_to_generate"] == 0
+    assert json.loads(wf.cli("plan", "--json").stdout)[0]["rows_to_generate"] == 0
     wf.build()
     [new_rows] = [rows for rows in completions(wf).values() if rows != old_rows]
     for k, row in new_rows.items():
@@ -142,34 +127,37 @@ def test_lowering_max_new_tokens_generates_nothing(base: tuple[Path, dict[str, A
         )
 
 
+@pytest.mark.workflow
 def test_explain_names_the_changed_component(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     wf, config = workflow_copy(base, tmp_path)
     config["sources"]["objs"]["sampling"] = {"temperature": 0.5}
     wf.write_config(config)
-    out = cli(wf, "explain", "objs", "00000").stdout
+    out = wf.cli("explain", "objs", "00000").stdout
     assert "missing: it will be built" in out
     assert "sampling.temperature: 0.8 → 0.5" in out
     assert "model" not in out.split("differs from")[1], "only what changed is named"
     shard = next((wf.workdir / "store" / "tokens" / "objs").rglob("00000.parquet"))
     config["sources"]["objs"]["sampling"] = {}
     wf.write_config(config)
-    assert "built: nothing to do" in cli(wf, "explain", str(shard.relative_to(wf.workdir))).stdout
+    assert "built: nothing to do" in wf.cli("explain", str(shard.relative_to(wf.workdir))).stdout
 
 
+@pytest.mark.workflow
 def test_gc_deletes_only_unreferenced_entries(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     wf, config = workflow_copy(base, tmp_path)
     config["sources"]["objs"]["sampling"] = {"temperature": 0.5}
     wf.write_config(config)
     wf.build()
-    listed = cli(wf, "gc").stdout
+    listed = wf.cli("gc").stdout
     assert listed.count("unreferenced") == 3, listed
     assert all(f"{stage}/objs" in listed for stage in ("completions", "tokens")) and "journal/" in listed
-    cli(wf, "gc", "--yes")
-    assert "nothing unreferenced" in cli(wf, "gc").stdout
+    wf.cli("gc", "--yes")
+    assert "nothing unreferenced" in wf.cli("gc").stdout
     assert wf.dry_run() == {}, "every referenced file is still there"
-    assert cli(wf, "verify").returncode == 0
+    assert wf.cli("verify").returncode == 0
 
 
+@pytest.mark.workflow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_verify_repair_rebuilds_exactly_the_damaged_shard(
     base: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
@@ -183,14 +171,15 @@ def test_verify_repair_rebuilds_exactly_the_damaged_shard(
         data[len(data) // 3] ^= 0xFF
     shard.write_bytes(bytes(data))
 
-    found = cli(wf, "verify", check=False)
+    found = wf.cli("verify", check=False)
     assert found.returncode == 1 and f"BAD {shard.relative_to(wf.workdir)}" in found.stdout
-    cli(wf, "verify", "--repair")
+    wf.cli("verify", "--repair")
     assert generate_jobs(wf) == ["objs/00001"]
     wf.build()
-    assert cli(wf, "verify").returncode == 0
+    assert wf.cli("verify").returncode == 0
 
 
+@pytest.mark.workflow
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_a_lost_prompt_shard_reruns_prepare_and_keeps_every_completion(
     base: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
@@ -206,19 +195,20 @@ def test_a_lost_prompt_shard_reruns_prepare_and_keeps_every_completion(
     else:
         shard.write_bytes(shard.read_bytes()[:100])
     before = completions(wf)
-    found = cli(wf, "verify", check=False)
+    found = wf.cli("verify", check=False)
     assert found.returncode == 1 and f"BAD {shard.relative_to(wf.workdir)}" in found.stdout, found.stdout
-    cli(wf, "verify", "--repair")
+    wf.cli("verify", "--repair")
     assert not manifest.exists()
     assert wf.dry_run() == {}, "the completions stay valid"
-    assert completions(wf) == before and cli(wf, "verify").returncode == 0
+    assert completions(wf) == before and wf.cli("verify").returncode == 0
     config["sampling"]["seed"] = 11  # now every shard generates again, from its prompts
     wf.write_config(config)
     assert "prepare_objs" in wf.dry_run()
     wf.build()
-    assert shard.exists() and manifest.exists() and cli(wf, "verify").returncode == 0
+    assert shard.exists() and manifest.exists() and wf.cli("verify").returncode == 0
 
 
+@pytest.mark.workflow
 def test_a_generate_job_without_its_prompt_shard_names_the_manifest_to_delete(
     base: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -232,6 +222,7 @@ def test_a_generate_job_without_its_prompt_shard_names_the_manifest_to_delete(
     assert f"delete {shard.parent.relative_to(wf.workdir)}/manifest.json" in failed.stdout + failed.stderr
 
 
+@pytest.mark.workflow
 def test_a_rerun_generate_job_keeps_its_intact_shard_when_the_journal_is_gone(
     base: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:

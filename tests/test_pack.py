@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,8 @@ PROMPTS = [f"task {i}: " + "word " * (i % 7) for i in range(40)]
 
 def _config(root: Path, model: Path, **pack: Any) -> dict[str, Any]:
     data = write_jsonl(root / "p.jsonl", [{"instruction": p} for p in PROMPTS])
-    config = base_config(model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}})
+    # two shards: nothing here is about sharding
+    config = base_config(model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}}, shard_size=20)
     config["pack"] = pack
     return config
 
@@ -110,12 +110,14 @@ def check_packing(wf: Workflow, seq_len: int, split: bool) -> dict[str, Any]:
     return manifest
 
 
+@pytest.mark.workflow
 def test_every_mixed_sample_is_packed_once_or_dropped_and_counted(built: Workflow) -> None:
     manifest = check_packing(built, 45, split=False)
     assert manifest["dropped_long"] > 0, "the fixture should have samples longer than a row"
     assert manifest["rows"] > 1 and "fill" in (built.workdir / "dist" / "test-mix-packed-45" / "README.md").read_text()
 
 
+@pytest.mark.workflow
 def test_the_packed_folder_loads_with_datasets(built: Workflow) -> None:
     import datasets
 
@@ -126,8 +128,7 @@ def test_the_packed_folder_loads_with_datasets(built: Workflow) -> None:
 
 
 def _copy(built: Workflow, dest: Path) -> Workflow:
-    shutil.copytree(built.workdir, dest, symlinks=True)
-    return Workflow(dest)
+    return built.copy_to(dest, registration=True)
 
 
 def _edit(wf: Workflow, **pack: Any) -> None:
@@ -136,6 +137,7 @@ def _edit(wf: Workflow, **pack: Any) -> None:
     wf.write_config(config)
 
 
+@pytest.mark.workflow
 def test_split_long_samples_come_back_in_pieces_and_nothing_upstream_reruns(built: Workflow, tmp_path: Path) -> None:
     wf = _copy(built, tmp_path / "copy")
     _edit(wf, split_long=True)
@@ -145,6 +147,7 @@ def test_split_long_samples_come_back_in_pieces_and_nothing_upstream_reruns(buil
     assert manifest["split"] > 0
 
 
+@pytest.mark.workflow
 def test_another_seq_len_is_another_folder_and_only_the_pack_job(built: Workflow, tmp_path: Path) -> None:
     wf = _copy(built, tmp_path / "copy")
     _edit(wf, seq_len=256, pad=True)
@@ -159,17 +162,14 @@ def test_another_seq_len_is_another_folder_and_only_the_pack_job(built: Workflow
     assert set(again.dry_run()) == {"pack"}, "the pack's own seed reruns it alone"
 
 
+@pytest.mark.workflow
 def test_verify_checks_the_packed_files_and_repair_rebuilds_only_the_pack(built: Workflow, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     wf = _copy(built, tmp_path / "copy")
-    cli = [sys.executable, "-m", "dflash_build", "--configfile", str(wf.workdir / "config.yaml"), "verify"]
-    assert subprocess.run(cli, cwd=wf.workdir, capture_output=True, text=True).returncode == 0
+    assert wf.cli("verify", check=False).returncode == 0
     folder = wf.workdir / "dist" / "test-mix-packed-45"
     data = next((folder / "data").glob("*.parquet"))
     data.write_bytes(data.read_bytes()[:-10])
-    found = subprocess.run(cli, cwd=wf.workdir, capture_output=True, text=True)
+    found = wf.cli("verify", check=False)
     assert found.returncode == 1 and "test-mix-packed-45" in found.stdout
-    assert subprocess.run([*cli, "--repair"], cwd=wf.workdir, capture_output=True, text=True).returncode == 0
+    assert wf.cli("verify", "--repair", check=False).returncode == 0
     assert set(wf.dry_run()) == {"pack"}

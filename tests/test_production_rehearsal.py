@@ -22,6 +22,8 @@ import yaml
 
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow
 
+pytestmark = pytest.mark.workflow
+
 UPSTREAM = REPO / "tests" / "data" / "upstream"
 HUB_FIXTURES = {
     "nvidia/Nemotron-Post-Training-Dataset-v2": "nemotron-post-training-v2",

@@ -77,6 +77,7 @@ def per_job_rows(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     return completion_rows(wf.workdir / "store")
 
 
+@pytest.mark.workflow
 def test_shared_engines_write_exactly_what_per_job_engines_write(
     tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
 ) -> None:
@@ -103,6 +104,7 @@ def test_shared_engines_write_exactly_what_per_job_engines_write(
         assert sum(a <= t < b for a, b in spans) <= 4
 
 
+@pytest.mark.workflow
 def test_kill_9_of_everything_leaves_no_engine_behind_and_a_rerun_finishes(
     tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
 ) -> None:
@@ -160,6 +162,7 @@ def _host_config(root: Path, model: Path, idle_timeout: float = 600, **options: 
     )
 
 
+@pytest.mark.workflow
 def test_a_job_reuses_a_matching_engine_and_replaces_another_once_its_users_are_done(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -188,6 +191,7 @@ def test_a_job_reuses_a_matching_engine_and_replaces_another_once_its_users_are_
     assert engine_host.stop_idle(spec_b.lock_dir) == [spec_b.slot]
 
 
+@pytest.mark.workflow
 def test_an_unused_engine_stops_after_its_idle_timeout_and_frees_its_gpu(tmp_path: Path, tiny_model: Path) -> None:
     spec = _spec(tmp_path, tiny_model, idle_timeout=1)
     attached = engine_host.attach(spec)
@@ -201,6 +205,7 @@ def test_an_unused_engine_stops_after_its_idle_timeout_and_frees_its_gpu(tmp_pat
     assert _lock_free(Path(spec.gpu_lock)), "the GPU is free again"
 
 
+@pytest.mark.workflow
 def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_model: Path) -> None:
     spec = _spec(tmp_path, tiny_model)
     attached = engine_host.attach(spec)
@@ -211,6 +216,7 @@ def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_mode
     attached.release()
 
 
+@pytest.mark.workflow
 def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allocation_ends(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,6 +258,7 @@ def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allo
     assert _lock_free(Path(spec.gpu_lock))
 
 
+@pytest.mark.workflow
 def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tiny_model: Path) -> None:
     """The same requests through the server (as two jobs at once) and through the backend in-process."""
     from dflash_build import chat
@@ -291,6 +298,7 @@ def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tin
 
 
 # -- llama.cpp's server, per job and shared ----------------------------------------------------------
+@pytest.mark.workflow
 @pytest.mark.parametrize("shared", [False, True])
 def test_llamacpp_engines_start_per_job_or_once(tmp_path: Path, gguf_path: Path, shared: bool) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by make setup")

@@ -20,6 +20,8 @@ from dflash_build import engine_host
 from tests import slurm_cluster
 from tests.conftest import REPO, Workflow, base_config, completion_rows, write_jsonl
 
+pytestmark = pytest.mark.workflow
+
 SHARDS = 8  # 5 + 3 generate jobs, in groups of 4: two allocations, at once, on two of the node's GPUs
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, write_jsonl
 
+pytestmark = pytest.mark.workflow
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
