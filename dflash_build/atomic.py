@@ -113,6 +113,18 @@ def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
+def remove_dir(path: str | os.PathLike[str]) -> None:
+    """Remove a folder at once under its own name: it is renamed away first, then deleted.
+
+    A crash mid-way leaves a ``.NAME.*.old`` folder (gc's stray temporaries), never a half folder.
+    """
+    path = Path(path)
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+    os.replace(path, old / path.name)
+    fsync_dir(path.parent)
+    shutil.rmtree(old)
+
+
 def link(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
     """Make ``dest`` a second name of ``src`` (a hard link), atomically; a copy where links fail.
 

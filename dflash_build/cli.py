@@ -36,7 +36,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     estimates = operate.estimate(_plan(args), args.tokens_per_second)
     if args.json:
         print(json.dumps([e.__dict__ for e in estimates], indent=2))
-        return 0
+        return _errors(estimates)
     header = (
         f"{'source':<28}{'prompts':>10}{'shards':>8}{'built':>7}{'todo':>6}{'rows':>9}{'reused':>8}{'generate':>10}"
     )
@@ -57,7 +57,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for e in estimates:
             for job in e.generate_jobs:
                 print(f"generate {job}")
-    return 0
+    return _errors(estimates)
+
+
+def _errors(estimates: list[operate.SourceEstimate]) -> int:
+    """Print what would fail the build (exit 1), before any GPU work is spent on it."""
+    errors = [error for e in estimates for error in e.errors]
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -71,12 +79,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    # registers nothing: only a build says what a config uses (an edited config may never be built)
     plan = _plan(args)
-    operate.register(plan)  # this config uses the store too
-    entries = operate.garbage(plan, journals=args.journals, tmp_age=args.tmp_age * 60)
+    entries = operate.garbage(plan, args.journals, args.tmp_age * 60, args.break_datasets)
     for e in entries:
         action = "keep" if e.kept else ("delete" if args.yes else e.why)
-        print(f"{action} {e.path} ({e.bytes} bytes)")
+        why = f": {e.why}" if e.why.startswith(("used by", "breaks", "dataset")) else ""
+        hint = "; --break-datasets deletes it" if e.kept and e.why.startswith("used by") else ""
+        print(f"{action} {e.path} ({e.bytes} bytes){why}{hint}")
     kept_for_others = operate.protected(plan)
     if kept_for_others:
         configs = sorted({who for whos in kept_for_others.values() for who in whos})
@@ -175,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("gc", parents=[after], help="unreferenced store entries")
     p.add_argument("--yes", action="store_true", help="delete them")
     p.add_argument("--journals", action="store_true", help="also delete journals of unfinished shards")
+    p.add_argument(
+        "--break-datasets",
+        action="store_true",
+        help="also delete entries a built dataset folder was made from (each is named with the folder it breaks)",
+    )
     p.add_argument(
         "--tmp-age",
         type=float,

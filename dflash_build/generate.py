@@ -344,8 +344,9 @@ def run(plan: Plan, source: str, shard: str, paths: ShardPaths | None = None) ->
 def restore(plan: Plan, source: str, shard: str, paths: ShardPaths, journal: Journal) -> dict[str, Any] | None:
     """Republish the shard this journal already published, if it is intact; None if there is none.
 
-    No tokenizer, no engine: the data file is the one published before (same bytes), the sidecar says
-    that this run generated nothing.
+    No tokenizer, no engine: the data file is the one published before (same bytes), and the sidecar
+    keeps the numbers of the run that generated it (they are facts of that run) plus a ``restored``
+    record of this one; the journal's own copy of the sidecar is left as that run wrote it.
     """
     found = journal.published()
     if found is None:
@@ -361,19 +362,10 @@ def restore(plan: Plan, source: str, shard: str, paths: ShardPaths, journal: Jou
         log.warning("%s/%s: the published copy in %s is damaged; generating the shard", source, shard, journal.folder)
         journal.discard_published()
         return None
-    started = time.time()
     rows = pq.read_table(data, columns=list(_INDEXED_COLUMNS)).to_pylist()
-    stats = {
-        **old,
-        R.STAT_GENERATED: 0,
-        R.STAT_RESUMED_TURNS: sum(len(r["turns"]) if r["turns"] else int(r["n_prompt_tokens"] > 0) for r in rows),
-        R.STAT_OUTPUT_TOK_PER_S: 0.0,
-        "restored_from": str(journal.folder),
-        "started_at": round(started, 3),
-        "finished_at": round(time.time(), 3),
-    }
-    atomic.write_json(journal.published_stats, stats)
-    _link_outputs(journal, paths)
+    stats = {**old, R.STAT_RESTORED: {"from": str(journal.folder), "at": round(time.time(), 3)}}
+    atomic.link(journal.published_data, paths.data)
+    atomic.write_json(paths.stats, stats)  # a file of its own: the journal's copy stays the generation's
     _index_shard(plan, source, paths.data, rows)
     journal.retire()
     log.info("%s/%s: restored the shard published before from %s; nothing generated", source, shard, journal.folder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +50,17 @@ def select(n_tokens: np.ndarray, target: float) -> np.ndarray:
 
     A sample is taken whenever it brings the category closer to ``target`` tokens: when it overshoots
     the target by less than the gap it closes, so the error per category stays under half a sample; a
-    category whose target is all it has takes everything. Vectorised: each round takes the longest run
-    of samples that all fit, skips the one that does not, and drops every later sample too long for
-    the gap that is left.
+    category whose target is all it has takes everything. A category with a target is never left empty:
+    when even its shortest sample is over twice the target, that one sample (the first in rank order of
+    the shortest) is the closest the category can come. Vectorised: each round takes the longest run of
+    samples that all fit, skips the one that does not, and drops every later sample too long for the
+    gap that is left.
     """
     n_tokens = np.asarray(n_tokens, dtype=np.int64)
     taken = np.zeros(len(n_tokens), dtype=bool)
+    if target > 0 and len(n_tokens) and 2 * int(n_tokens.min()) > target * (1 + 1e-9):
+        taken[int(np.argmin(n_tokens))] = True
+        return taken
     limit = target * (1 + 1e-9)
     used = 0
     left = np.arange(len(n_tokens))
@@ -271,14 +277,41 @@ def check(
         for category, share in shares.items():
             achieved = chosen[category] / total
             if share - achieved > checks.share_tolerance and category not in checks.allow_shortfall:
-                problems.append(
-                    f"category '{category}' reaches {achieved:.1%} of tokens, target {share:.1%} "
-                    f"(tolerance {checks.share_tolerance:.1%}): {available[category]} tokens available, "
-                    f"{round(targets[category])} needed; add sources to it, lower mix.budget_tokens, or allow "
-                    f"it with checks.allow_shortfall: [{category}]"
-                )
+                problems.append(_missed_share(category, share, chosen, available, targets, checks.share_tolerance))
     if problems:
         raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _missed_share(
+    category: str,
+    share: float,
+    chosen: Counter[str],
+    available: Counter[str],
+    targets: dict[str, float],
+    tolerance: float,
+) -> str:
+    """Why ``category`` ends below its share, in terms that agree with each other, and by how much."""
+    total = sum(chosen.values())
+    achieved = chosen[category] / total
+    head = f"category '{category}' reaches {achieved:.1%} of tokens, target {share:.1%} (tolerance {tolerance:.1%})"
+    tolerance_needed = math.ceil((share - achieved) * 1000) / 1000
+    allow = f"or allow it with checks.share_tolerance: {tolerance_needed:g} or checks.allow_shortfall: [{category}]"
+    if chosen[category] >= available[category]:
+        # every sample is used: the others overshoot their targets by part of a sample each, which only
+        # more samples of this category can balance
+        others = total - chosen[category]
+        floor = share - tolerance
+        needed = math.ceil(floor / (1 - floor) * others) - available[category]
+        return (
+            f"{head}: all {available[category]} of its tokens are used and the other categories' samples "
+            f"overshoot their targets; the dataset is too small for this mix: it needs {needed} more tokens "
+            f"of '{category}' for the share at this size; add sources to it, lower mix.budget_tokens, {allow}"
+        )
+    return (
+        f"{head}: {chosen[category]} of its {available[category]} tokens are taken for a target of "
+        f"{round(targets[category])}, since its next samples would overshoot by more than they close; "
+        f"add shorter samples to it, {allow}"
+    )
 
 
 def _token_drops(plan: Plan, source: str) -> str:

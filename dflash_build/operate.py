@@ -45,6 +45,7 @@ class SourceEstimate:
     rows_to_generate: int = 0
     output_tokens: float = 0.0
     gpu_hours: float = 0.0
+    errors: list[str] = field(default_factory=list)  # what would fail the build before any GPU work
 
 
 def _measured(plan: Plan) -> tuple[float | None, float | None]:
@@ -109,6 +110,10 @@ def _estimate(
                     shard_ids = selection.shard_prompt_ids()
                     est.prompt_rows = selection.rows_out
                     est.prompt_rows_known = True
+                    try:  # the check its prepare job will make: a lost source is found before generation
+                        prepare.check_losses(sp.spec, selection)
+                    except prepare.SourceLossError as e:
+                        est.errors.append(str(e))
                 ids = shard_ids[shard]
             wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
             est.rows_in_jobs += len(wanted)
@@ -248,7 +253,8 @@ def registration_id(plan: Plan) -> str:
 def register(plan: Plan) -> Path:
     """Record in the store what this config references, so `gc` from any other config keeps it.
 
-    Called at the start of every build (the Snakefile's onstart) and by `gc` for its own config.
+    Called at the start of every build (the Snakefile's onstart); never by a command, since an edited
+    config that is not built yet uses nothing.
     """
     store = plan.config.store
     entry = {
@@ -318,18 +324,44 @@ def _last_change(path: Path) -> float:
 
 
 def all_references(plan: Plan) -> tuple[set[Path], dict[Path, list[str]]]:
-    """What this config and every registered one reference; for each entry only others keep, which."""
+    """What this config and every registered one reference; for each entry only others keep, which.
+
+    Every registration counts, also the one of this config's own dataset folder: it names what that
+    folder's last build used, which an edited, unbuilt config (this one) may no longer reference.
+    """
     store = plan.config.store
     mine = referenced(plan)
     others: dict[Path, list[str]] = {}
     for ident, entry in registrations(store).items():
-        if ident == registration_id(plan):
-            continue
         for rel in entry["references"]:
             path = store / rel
             if path not in mine:
                 others.setdefault(path, []).append(f"{entry['dataset']} ({ident})")
     return mine | set(others), others
+
+
+def dataset_references(plan: Plan) -> dict[Path, list[str]]:
+    """The store entries each built dataset folder was made from (its manifest), by entry: which folders.
+
+    The folders are this config's and every registered config's; a dataset records its keys whatever
+    config is current, so what it was built from is known even when its config was edited since.
+    """
+    store = plan.config.store
+    folders = {os.path.abspath(plan.config.dataset_dir)}
+    folders |= {entry["dataset"] for entry in registrations(store).values()}
+    used: dict[Path, list[str]] = {}
+    for folder in sorted(folders):
+        try:
+            manifest = json.loads((Path(folder) / "manifest.json").read_text())
+            sources = manifest["sources"]
+        except (OSError, ValueError, KeyError):
+            continue  # not built (yet), or not a dataset of ours
+        for name, source in sources.items():
+            keys = {"prompts": source["prompt_key"], "completions": source["gen_key"], "tokens": source["tok_key"]}
+            entries = [store / stage / name / key for stage, key in keys.items()]
+            for entry in [*entries, store / "journal" / source["gen_key"]]:
+                used.setdefault(entry, []).append(os.path.relpath(folder))
+    return used
 
 
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
@@ -351,20 +383,41 @@ def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[P
     return out
 
 
-def garbage(plan: Plan, journals: bool = False, tmp_age: float = TMP_AGE_SECONDS) -> list[Entry]:
-    """Store entries no registered config references, and stray temporaries of dead writers."""
+def garbage(
+    plan: Plan, journals: bool = False, tmp_age: float = TMP_AGE_SECONDS, break_datasets: bool = False
+) -> list[Entry]:
+    """Store entries no registered config references, and stray temporaries of dead writers.
+
+    An entry a built dataset folder was made from is kept (``why`` names the folder) unless
+    ``break_datasets``; then it is deleted, and ``why`` names the folder it breaks.
+    """
     store = plan.config.store
     refs, _ = all_references(plan)
+    used = dataset_references(plan)
     seen: set[tuple[int, int]] = set()
     out = []
+
+    def consider(entry: Path, kept: bool = False) -> None:
+        if entry in used:
+            folders = ", ".join(used[entry])
+            why = f"breaks dataset {folders}" if break_datasets else f"used by dataset {folders}"
+            out.append(Entry(entry, _size(entry, seen), kept=kept or not break_datasets, why=why))
+        else:
+            out.append(Entry(entry, _size(entry, seen), kept=kept))
+
     for stage in STAGES:
         for entry in sorted(store.glob(f"{stage}/*/*")):
             if entry.is_dir() and entry not in refs:
-                out.append(Entry(entry, _size(entry, seen), kept=False))
+                consider(entry)
     for entry in sorted(store.glob("journal/*")):
         if entry.is_dir() and entry not in refs:
-            unfinished = any(entry.rglob(ROWS_FILE))
-            out.append(Entry(entry, _size(entry, seen), kept=unfinished and not journals))
+            consider(entry, kept=any(entry.rglob(ROWS_FILE)) and not journals)
+    # A dataset whose store entries go goes with them (and its packed folders): left in place, Snakemake
+    # would call it up to date while plan and verify find its shards gone.
+    broken = sorted({folder for e in out if e.why.startswith("breaks") for folder in used[e.path]})
+    for folder in broken:
+        for path in [Path(folder), *sorted(Path(folder).parent.glob(f"{Path(folder).name}-packed-*"))]:
+            out.append(Entry(path, _size(path, seen), kept=False, why="dataset built from deleted entries"))
     out += [Entry(p, _size(p, seen), kept=False, why="stray temporary") for p in stray_temporaries(plan, tmp_age)]
     return out
 
@@ -388,7 +441,9 @@ def collect(plan: Plan, entries: list[Entry]) -> int:
                 raise RuntimeError(f"refusing to delete {entry.path}: a registered config references it")
             for shard in entry.path.glob("*.parquet") if entry.path.is_dir() else ():
                 index.remove_shard(shard)
-            if entry.path.is_dir():
+            if entry.why == "dataset built from deleted entries":
+                atomic.remove_dir(entry.path)  # never a half dataset under its own name
+            elif entry.path.is_dir():
                 shutil.rmtree(entry.path)
             else:
                 entry.path.unlink(missing_ok=True)

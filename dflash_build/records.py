@@ -93,4 +93,5 @@ STAT_DATA = "data"  # {"rows", "sha256"} of the parquet file the sidecar describ
 STAT_REUSED = "reused"  # rows taken from completions already in the store
 STAT_CONTINUED = "continued"  # rows whose earlier truncated answer the engine continued
 STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}, reused and continued
-STAT_GENERATED = "generated"  # rows the engine produced in this build
+STAT_GENERATED = "generated"  # rows the engine produced in the run that generated the shard
+STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's

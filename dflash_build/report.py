@@ -94,10 +94,10 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED, R.STAT_REUSED,
                     R.STAT_CONTINUED, R.STAT_GENERATED):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
+        # a restored shard's sidecar keeps the numbers of the one run that generated it
         seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
-        if stats.get("restored_from") is None:  # a restore repeats the numbers of the run that generated it
-            wall += seconds
-            engine_tokens += float(stats.get(R.STAT_OUTPUT_TOK_PER_S) or 0) * seconds
+        wall += seconds
+        engine_tokens += float(stats.get(R.STAT_OUTPUT_TOK_PER_S) or 0) * seconds
     rows = total[R.STAT_INPUT_ROWS]
     return {
         "shards": shards,

@@ -18,5 +18,7 @@ TOK_VERSION = 1
 # 3: the folder also holds the report (card recipe and tables, plots/, tables/); in the mix's params, so
 # a dataset built before gets it on the next run.
 # 4: ranks are SplitMix64 of (seed, prompt id, sample) over numpy arrays (streaming mix), not SHA-256.
-MIX_VERSION = 4
+# 5: a category with a target is never left empty (its shortest sample, when every one is over twice the
+# target).
+MIX_VERSION = 5
 PACK_VERSION = 1

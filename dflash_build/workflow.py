@@ -57,6 +57,21 @@ def warnings_to_stderr() -> None:
         root.addHandler(handler)
 
 
+def fix_list_params_changes() -> None:
+    """Make ``snakemake --list-changes params`` list only outputs whose params changed.
+
+    Snakemake 9's ``ParamsChange`` (persistence) iterates its files even when it holds no change, and
+    ``params_changed`` returns one for every output with recorded params, so the command listed the
+    last output of every job: ``snakemake -R $(snakemake --list-changes params)`` then reran prepare
+    jobs for nothing. An iteration that yields files only for a real change is what the listing (its
+    one user that iterates) means; a Snakemake that already does so is left alone.
+    """
+    from snakemake.persistence import ParamsChange
+
+    if list(ParamsChange(files={"probe"})):
+        ParamsChange.__iter__ = lambda self: iter(self.files if self else ())  # type: ignore[method-assign]
+
+
 def plan_from(config: dict[str, Any], source: str | None = None) -> plan_mod.Plan:
     """The plan of ``config``; of its one source ``source`` only, when given (a shard job's)."""
     return plan_mod.build(config_mod.from_dict(config), only=source)

@@ -11,10 +11,16 @@ import dflash_build.workflow
 from dflash_build.hashing import canonical_json
 from dflash_build.mix import summary
 
+# A key given twice in a config file, or one the schema does not know, stops the run in a line that
+# names it and the closest valid key (validate's own message quotes the whole schema).
+for config_file in workflow.config_settings.configfiles or workflow.configfiles:
+    dflash_build.config.read_file(config_file)
+dflash_build.config.check_schema(config)
 validate(config, schema="../config/schema.yaml")
 
 
 dflash_build.workflow.warnings_to_stderr()
+dflash_build.workflow.fix_list_params_changes()
 CONFIG = dflash_build.config.from_dict(config)
 PLAN = dflash_build.plan.build(CONFIG)
 STORE = str(CONFIG.store)
@@ -87,14 +93,20 @@ def get_generate_threads():
 
 
 def get_mix_params():
-    # Recorded so that a mix edit (shares, budget, seed) reruns the mix via the params trigger;
-    # canonical, so that reordering the config does not.
+    # Recorded so that a mix edit (shares, budget, seed) reruns the mix via the params trigger, and so
+    # does a changed mix check (a tightened tolerance is checked again, nothing regenerated); canonical,
+    # so that reordering the config does not.
+    checks = CONFIG.checks
     return canonical_json(
         {
             "categories": dict(CONFIG.mix_categories),
             "budget_tokens": CONFIG.mix_budget_tokens,
             "seed": CONFIG.mix_seed,
             "rows_per_file": CONFIG.rows_per_file,
+            "checks": {
+                "share_tolerance": checks.share_tolerance,
+                "allow_shortfall": sorted(checks.allow_shortfall),
+            },
             "scheme": dflash_build.versions.MIX_VERSION,
         }
     )

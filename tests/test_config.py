@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ _DELETE = object()
         ("model.chat_template", "/no/such/template.jinja", "model.chat_template"),
         ("sources.a.files", ["nothing-*.jsonl"], "sources.a.files[0]"),
         ("sources.a.files", ["config.yaml"], "sources.a.files[0]"),
+        ("mix.categories", {"coding": 46, "math": 11, "agent": 9}, "mix.categories.agent"),  # no source has it
     ],
 )
 def test_config_errors_name_their_key(raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str) -> None:
@@ -99,24 +101,33 @@ def test_hub_source_without_max_samples_has_no_known_shard_count(raw: dict[str, 
 
 
 @pytest.mark.parametrize(
-    ("dotted", "value", "message"),
+    ("dotted", "value", "key", "message"),
     [
-        ("model.typo", 1, "'typo' was unexpected"),
-        ("sources.a.max_sample", 5, "'max_sample' was unexpected"),
-        ("sources.a.format", "csv", "'csv' is not one of"),
-        ("sources.a.sampling", {"temprature": 0.5}, "'temprature' was unexpected"),
-        ("shard_size", 0, "0 is less than the minimum"),
-        ("truncated", "maybe", "'maybe' is not one of"),
-        ("sources.bad name", {"category": "coding", "format": "alpaca", "files": ["a.jsonl"]}, "does not match"),
+        ("model.typo", 1, "model.typo", "is not a config key; valid keys here: path, revision, tokenizer"),
+        ("sources.a.max_sample", 5, "sources.a.max_sample", "did you mean 'sources.a.max_samples'?"),
+        ("sources.a.format", "csv", "sources.a.format", "'csv' is not one of"),
+        ("sources.a.sampling", {"temprature": 0.5}, "sources.a.sampling.temprature", "did you mean"),
+        ("shard_size", 0, "shard_size", "0 is less than the minimum"),
+        ("truncated", "maybe", "truncated", "'maybe' is not one of"),
+        ("sources.bad name", {"category": "coding", "format": "alpaca", "files": ["a.jsonl"]}, "sources", "match"),
     ],
 )
 def test_schema_refuses_unknown_keys_and_bad_values(
-    raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, message: str
+    raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str, message: str
 ) -> None:
-    from snakemake.exceptions import WorkflowError
-
-    with pytest.raises(WorkflowError, match=message):
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)) as err:
         build(edit(raw, dotted, value) if "." in dotted else dict(raw, **{dotted: value}), tmp_path)
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_a_share_without_a_source_is_an_error_unless_its_shortfall_is_allowed(
+    raw: dict[str, Any], tmp_path: Path
+) -> None:
+    shares = {"coding": 46, "math": 11, "agent": 9}
+    with pytest.raises(cfg.ConfigError, match="no source has category 'agent', so the mix would fail"):
+        build(edit(raw, "mix.categories", shares), tmp_path)
+    allowed = edit(edit(raw, "mix.categories", shares), "checks", {"allow_shortfall": ["agent"]})
+    assert set(build(allowed, tmp_path).config.mix_categories) == {"coding", "math", "agent"}
 
 
 def test_mix_shares_are_weights(raw: dict[str, Any], tmp_path: Path) -> None:
@@ -180,8 +191,72 @@ def test_snakemake_stops_before_any_job_on_a_bad_config(tmp_path: Path) -> None:
     wf.write_config({"model": {"path": "x"}, "sources": {}, "mix": {"categories": {"c": 1}}, "stroe": "s"})
     proc = wf.run("-n", check=False)
     assert proc.returncode != 0
-    assert "'stroe' was unexpected" in proc.stdout + proc.stderr
+    assert "config key 'stroe': is not a config key; did you mean 'store'?" in proc.stdout + proc.stderr
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize(
+    ("typo", "value", "closest"),
+    [
+        ("stroe", "s", "store"),
+        ("sources.a.sampling.temprature", 0.3, "sources.a.sampling.temperature"),
+        ("sources.a.temprature", 0.3, "sources.a.sampling.temperature"),  # one level too high
+        ("sampling.max_new_token", 9, "sampling.max_new_tokens"),
+        ("engine.shraed", True, "engine.shared"),
+        ("mix.budget_token", 9, "mix.budget_tokens"),
+        ("checks.share_tolerence", 0.1, "checks.share_tolerance"),
+    ],
+)
+def test_an_unknown_key_is_answered_with_the_closest_valid_key_in_one_line(
+    raw: dict[str, Any], tmp_path: Path, typo: str, value: Any, closest: str
+) -> None:
+    parent, _, last = typo.rpartition(".")
+    edited = copy.deepcopy(raw)
+    node = edited
+    for part in parent.split(".") if parent else []:
+        node = node.setdefault(part, {})
+    node[last] = value
+    with pytest.raises(cfg.ConfigError) as err:
+        build(edited, tmp_path)
+    assert str(err.value) == f"config key '{typo}': is not a config key; did you mean '{closest}'?"
+
+
+def test_a_wrong_value_is_named_by_its_key_without_the_schema(raw: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(cfg.ConfigError) as err:
+        build(edit(raw, "sources.a.sampling", {"top_p": 3}), tmp_path)
+    assert str(err.value) == "config key 'sources.a.sampling.top_p': 3 is greater than the maximum of 1"
+
+
+DUPLICATED = """\
+model:
+  path: {model}
+sources:
+  a: {{category: coding, format: alpaca, files: [a.jsonl]}}
+  b: {{category: math, format: prompt, files: [b.jsonl]}}
+  a:
+    category: math
+    format: alpaca
+    files: [a.jsonl]
+mix:
+  categories: {{coding: 46, math: 11}}
+"""
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(raw: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(DUPLICATED.format(model=raw["model"]["path"]))
+    message = f"config key 'sources.a': given twice under sources in {path} (lines 4 and 6)"
+    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+        cfg.load(path)
+    proc = Workflow(tmp_path).run("-n", check=False)  # the workflow reads its config files the same way
+    assert proc.returncode != 0 and message in proc.stdout + proc.stderr
+    assert not (tmp_path / "store").exists()
+    nested = DUPLICATED.format(model=raw["model"]["path"]).replace(
+        "  a:\n    category: math", "  c:\n    category: math"
+    )
+    path.write_text(nested.replace("format: alpaca\n    files", "format: alpaca\n    format: prompt\n    files"))
+    with pytest.raises(cfg.ConfigError, match=re.escape("config key 'sources.c.format': given twice under sources.c")):
+        cfg.load(path)
 
 
 def test_per_source_template_kwargs_change_only_that_sources_gen_key(raw: dict[str, Any], tmp_path: Path) -> None:

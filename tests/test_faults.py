@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_build.journal import PUBLISHED_DATA, ROWS_FILE, Journal
+from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
 from tests.conftest import Workflow, base_config, write_jsonl
 from tests.standin_server import StandIn
 
@@ -170,12 +170,25 @@ def test_kill_minus_nine_of_snakemake_then_recovery_generates_no_finished_row_ag
     again = wf.run()
     assert "Nothing to be done" in again.stdout + again.stderr, "the recovery finished the build"
     assert dataset(wf) == baseline
+    check_recovered_sidecars(store, before, sidecars_before)
+
+
+def check_recovered_sidecars(
+    store: Path, before: dict[tuple[str, str], tuple[int, bool]], sidecars_before: dict[tuple[str, str], Any]
+) -> None:
+    """After a recovery: a shard published before it keeps its generation's numbers, with a record of the
+    restore; any other generated exactly the rows that were not finished."""
     for key, stats in sidecars(store).items():
         if stats == sidecars_before.get(key):
             continue  # Snakemake knew this shard was complete: no job ran
         rows_before, published = before.get(key, (0, False))
-        expected = 0 if published else stats["input_rows"] - rows_before
-        assert stats["generated"] == expected, f"{key}: {rows_before} rows were finished (published: {published})"
+        if published:
+            generation = json.loads((store / "journal" / key[0] / key[1] / PUBLISHED_STATS).read_text())
+            assert stats == {**generation, "restored": stats["restored"]}, f"{key}: the restore rewrote its numbers"
+            assert stats["generated"] > 0 and stats["output_tokens_per_second"] > 0
+        else:
+            assert "restored" not in stats
+            assert stats["generated"] == stats["input_rows"] - rows_before, f"{key}: {rows_before} rows were finished"
 
 
 # -- signals: Snakemake's shutdown, SLURM preemption ----------------------------------------------
@@ -236,9 +249,7 @@ def test_a_signal_to_the_whole_process_group_loses_no_finished_row(tmp_path: Pat
     before = finished_rows(store)
     recover(wf)
     assert dataset(wf) == dataset(fresh)
-    for key, stats in sidecars(store).items():
-        rows_before, published = before.get(key, (0, False))
-        assert stats["generated"] == (0 if published else stats["input_rows"] - rows_before), key
+    check_recovered_sidecars(store, before, {})
 
 
 # -- two working directories on one store ---------------------------------------------------------
@@ -444,6 +455,32 @@ def test_every_kind_of_row_index_damage_is_found_and_healed_on_open(built: Path,
             assert sorted(hits) == sorted(rows), path
             assert {h.path for h in hits.values()} == {str(path.relative_to(store))}
     assert _verify(wf).returncode == 0
+
+
+def test_a_restore_keeps_the_generations_statistics_in_the_store_the_card_and_the_plan(
+    built: Path, tmp_path: Path
+) -> None:
+    """--forcerun generate restores every shard from its journal: the sidecars keep the numbers of the run
+    that generated them (tok/s, wall time, rows generated), and so do the card and plan's estimate."""
+    wf = _copy(built, tmp_path)
+    store = wf.workdir / "store"
+    generation = sidecars(store)
+    report = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())["report"]
+    config = wf.workdir / "config.yaml"
+    built_with = config.read_text()
+    _more_samples(wf)  # a plan that estimates from the measured tok/s
+    estimate = json.loads(wf.cli("plan", "--json").stdout)
+    config.write_text(built_with)
+    wf.run("--forcerun", "generate")
+    restored = sidecars(store)
+    assert restored.keys() == generation.keys()
+    for key, stats in restored.items():
+        assert stats == {**generation[key], "restored": stats["restored"]}, key
+        copy = json.loads((store / "journal" / key[0] / key[1] / PUBLISHED_STATS).read_text())
+        assert copy == generation[key], "the journal's copy is the generation's, untouched"
+    assert json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())["report"] == report
+    _more_samples(wf)
+    assert json.loads(wf.cli("plan", "--json").stdout) == estimate
 
 
 def test_a_damaged_fingerprint_cache_is_rebuilt_with_a_warning(built: Path, tmp_path: Path) -> None:

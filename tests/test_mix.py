@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,8 @@ def _one_at_a_time(lengths: list[int], target: float) -> list[int]:
         if used + n / 2 <= target * (1 + 1e-9):
             chosen.append(i)
             used += n
+    if not chosen and target > 0 and lengths:  # never empty: the shortest sample, first in rank order
+        chosen = [lengths.index(min(lengths))]
     return chosen
 
 
@@ -57,6 +60,55 @@ def test_vectorised_select_equals_the_one_at_a_time_rule(seed: int) -> None:
     if seed % 5 == 0:  # lengths that cluster around the gap left near the target: many skips
         lengths = rng.choice([99, 100, 101, 199, 200], size=size)
     assert np.flatnonzero(mix.select(lengths, target)).tolist() == _one_at_a_time(lengths.tolist(), target)
+
+
+def test_a_category_whose_target_is_under_half_its_shortest_sample_gets_that_one_sample() -> None:
+    """The demo at max_new_tokens 12: a target of 104 tokens, samples of 324 and more."""
+    assert np.flatnonzero(mix.select(np.array([400, 324, 500, 324]), 104)).tolist() == [1]
+    assert not mix.select(np.array([400, 324]), 0).any(), "no target, no sample"
+
+
+def _mixed(lengths: dict[str, list[int]], shares: dict[str, float], tolerance: float) -> tuple[Counter[str], str]:
+    """The real selection and check on categories of samples: tokens chosen, and the check's message."""
+    available = Counter({c: sum(v) for c, v in lengths.items()})
+    targets = mix.category_targets(shares, dict(available), None)
+    chosen = Counter({c: int(np.array(v)[mix.select(np.array(v), targets[c])].sum()) for c, v in lengths.items()})
+    checks = cfg.Checks(share_tolerance=tolerance)
+    plan = SimpleNamespace(sources={}, config=SimpleNamespace(checks=checks, logs=Path("logs")))
+    try:
+        mix.check(plan, shares, targets, chosen, available, Counter())  # type: ignore[arg-type]
+    except mix.MixError as e:
+        return chosen, str(e)
+    return chosen, ""
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_selection_and_its_check_agree_on_small_and_large_datasets(seed: int) -> None:
+    """Every category with samples gets some; a failed check says what is true, and its way out works."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.choice([1, 3, 8, 2000]))  # a handful of samples per category, or thousands
+    shares = dict(zip("abcde", np.array([46, 26, 11, 9, 7]) / 99, strict=True))
+    lengths = {c: rng.integers(20, int(rng.choice([60, 400])), size=max(1, int(size * rng.uniform(0.2, 1)))).tolist()
+               for c in shares}  # fmt: skip
+    tolerance = float(rng.choice([0.02, 0.05]))
+    chosen, message = _mixed(lengths, shares, tolerance)
+    assert all(chosen[c] > 0 for c in shares), "no category with samples is left empty"
+    total = sum(chosen.values())
+    for line in message.splitlines()[1:]:
+        c = line.split("'")[1]
+        assert shares[c] - chosen[c] / total > tolerance
+        if "all " in line and "of its tokens are used" in line:
+            assert chosen[c] == sum(lengths[c]) and f"all {sum(lengths[c])} of its tokens" in line
+            needed = int(line.split("it needs ")[1].split()[0])
+            floor = shares[c] - tolerance
+            assert needed > 0 and (chosen[c] + needed) / (total + needed) >= floor - 1e-9
+            assert (chosen[c] + needed - 1) / (total + needed - 1) < floor
+        else:
+            assert f"{chosen[c]} of its {sum(lengths[c])} tokens are taken" in line and chosen[c] < sum(lengths[c])
+        suggested = float(line.split("checks.share_tolerance: ")[1].split()[0])
+        assert f"'{c}'" not in _mixed(lengths, shares, suggested)[1], "the suggested tolerance lets it pass"
+    if size == 2000:
+        assert not message, "thousands of samples meet the mix within the tolerance"
 
 
 def test_ranks_follow_seed_prompt_and_sample_not_position() -> None:

@@ -158,6 +158,42 @@ def test_gc_deletes_only_unreferenced_entries(base: tuple[Path, dict[str, Any]],
 
 
 @pytest.mark.workflow
+def test_gc_with_an_edited_config_keeps_what_the_built_dataset_uses(
+    base: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The operator's move: edit a source's sampling, start that build (it registers, then fails before
+    its mix), run gc to reclaim disk. The dataset in dist/ was built from the first config's entries."""
+    wf, built_with = workflow_copy(base, tmp_path)
+    store = wf.workdir / "store"
+    kept = sorted(p for stage in ("prompts", "completions", "tokens", "journal") for p in store.glob(f"{stage}/**/"))
+    edited = copy.deepcopy(built_with)
+    edited["sources"]["objs"]["sampling"] = {"temperature": 0.5}
+    wf.write_config(edited)
+    before = wf.cli("configs").stdout
+    assert wf.cli("gc", "--yes").returncode == 0
+    assert wf.cli("configs").stdout == before, "gc registers nothing"
+    wf.run("--until", "prepare_objs")  # the edited build starts: its registration replaces the first one
+    listed = wf.cli("gc").stdout
+    completions = next(store.glob("completions/objs/*"))
+    assert f"keep {completions.relative_to(wf.workdir)}" in listed and "used by dataset dist/test-mix" in listed
+    wf.cli("gc", "--yes")
+    assert all(p.exists() for p in kept), "nothing the dataset was built from is deleted"
+    wf.write_config(built_with)
+    assert wf.dry_run() == {} and wf.cli("verify").returncode == 0
+    assert json.loads(wf.cli("plan", "--json").stdout)[0]["rows_to_generate"] == 0
+
+    # deleting it takes the flag and names the dataset it breaks, which goes too: then every command agrees
+    wf.write_config(edited)
+    broken = wf.cli("gc", "--yes", "--break-datasets").stdout
+    assert f"delete {completions.relative_to(wf.workdir)}" in broken and "breaks dataset dist/test-mix" in broken
+    assert "delete dist/test-mix" in broken and not (wf.workdir / "dist" / "test-mix").exists()
+    wf.write_config(built_with)
+    assert generate_jobs(wf) == ["objs/00000", "objs/00001"]
+    assert json.loads(wf.cli("plan", "--json").stdout)[0]["rows_to_generate"] == len(ROWS)
+    assert wf.cli("verify").returncode == 0, "nothing built is left to be bad"
+
+
+@pytest.mark.workflow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_verify_repair_rebuilds_exactly_the_damaged_shard(
     base: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
@@ -240,6 +276,25 @@ def test_a_rerun_generate_job_keeps_its_intact_shard_when_the_journal_is_gone(
         assert sidecar.read_text() == sidecars_before[path], "the sidecar of the run that generated it stays"
     logs = "".join(p.read_text() for p in (wf.workdir / "logs" / "completions").rglob("*.log"))
     assert logs.count("is intact; nothing generated") == len(shards)
+
+
+def test_plan_fails_on_a_source_its_prepare_would_lose_before_anything_runs(tmp_path: Path, tiny_model: Path) -> None:
+    write_jsonl(tmp_path / "good.jsonl", ROWS)
+    write_jsonl(tmp_path / "bad.jsonl", [{"question": f"no instruction field {i}"} for i in range(5)])
+    sources = {
+        "good": {"category": "general", "files": ["good.jsonl"], "format": "alpaca"},
+        "bad": {"category": "general", "files": ["bad.jsonl"], "format": "alpaca"},
+    }
+    wf = Workflow.at(tmp_path, base_config(tiny_model, sources))
+    planned = wf.cli("plan", check=False)
+    assert planned.returncode == 1, planned.stdout + planned.stderr
+    lost = "5 of 5 rows (100.0%) were dropped for defects, so the source yields no prompt at all"
+    assert f"error: sources.bad (bad.jsonl): {lost}" in planned.stderr
+    assert "missing_field: 5 rows" in planned.stderr and "good" in planned.stdout
+    as_json = wf.cli("plan", "--json", check=False)
+    assert as_json.returncode == 1
+    assert {e["source"]: e["errors"] != [] for e in json.loads(as_json.stdout)} == {"bad": True, "good": False}
+    assert not (tmp_path / "store" / "completions").exists(), "planning ran nothing"
 
 
 def test_configfile_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

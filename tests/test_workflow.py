@@ -354,6 +354,33 @@ def _reversed(value: Any) -> Any:
     return value
 
 
+def test_list_changes_names_only_what_changed(built: tuple[Workflow, dict[str, Any]]) -> None:
+    """Snakemake's `snakemake -R $(snakemake --list-changes params)` idiom reruns exactly what changed."""
+    wf, config = built
+
+    def listed(kind: str) -> list[str]:
+        out = wf.run("--list-changes", kind).stdout
+        return [line for line in out.splitlines() if line.strip() and (wf.workdir / line.strip()).exists()]
+
+    assert {kind: listed(kind) for kind in ("params", "code", "input")} == {"params": [], "code": [], "input": []}
+    changed = copy.deepcopy(config)
+    changed["mix"]["categories"]["coding"] += 0.1
+    wf.write_config(changed)
+    assert listed("params") == ["dist/test-mix"]
+    wf.write_config(config)
+    assert listed("params") == []
+
+
+def test_a_changed_mix_check_reruns_only_the_mix(built: tuple[Workflow, dict[str, Any]]) -> None:
+    """A tightened share tolerance is checked against the dataset again; nothing is regenerated."""
+    wf, config = built
+    for checks in ({"share_tolerance": 0.001}, {"allow_shortfall": ["general"]}):
+        wf.write_config({**config, "checks": {**config["checks"], **checks}})
+        assert set(wf.dry_run()) == {"mix"}, checks
+    wf.write_config(config)
+    assert wf.dry_run() == {}
+
+
 def test_reordering_the_config_reruns_nothing(built: tuple[Workflow, dict[str, Any]]) -> None:
     """Same key, same params: the components Snakemake records are canonical, whatever the YAML order."""
     wf, config = built
