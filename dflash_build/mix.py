@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, killpoints, report
+from dflash_build import atomic, hashing, killpoints, release, report
 from dflash_build import records as R
 from dflash_build.plan import Plan
 from dflash_build.report import length_stats
@@ -142,9 +142,13 @@ def _candidates(seed: int, inputs: list[Path], categories: list[str]) -> tuple[_
     return cand, available, available_by_source
 
 
-def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
+def run(plan: Plan, record: str | Path) -> dict[str, Any]:
     """Select the samples of every token shard and write the dataset, in memory that grows only with the
-    number of samples (about 25 bytes each), never with their size."""
+    number of samples (about 25 bytes each), never with their size.
+
+    The dataset is a new version of ``dataset.out/NAME``, swapped in only once it is whole and passed its
+    checks (:mod:`dflash_build.release`); ``record`` is the build record, the rule's output.
+    """
     cfg = plan.config
     # by source name and shard: the dataset's row order does not depend on the config's source order
     inputs = [(source, path) for source in sorted(plan.sources) for path in plan.token_shards(source)]
@@ -171,7 +175,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
     lengths: list[np.ndarray] = []
     loss_tokens = 0
     tally = report.Tally()
-    with atomic.atomic_dir(out_dir) as tmp:
+    with release.publish(cfg.dataset_dir, Path(record)) as tmp:
         writer = RollingWriter(tmp / "data", cfg.rows_per_file)
         for index, (source, path) in enumerate(inputs):
             rows = np.flatnonzero(chosen[offsets[index] : offsets[index + 1]])
@@ -244,7 +248,7 @@ def run(plan: Plan, out_dir: str | Path) -> dict[str, Any]:
         manifest["plots"] = report.write_plots(tmp, manifest, tally)
         atomic.write_json(tmp / "manifest.json", manifest)
         atomic.write_text(tmp / "README.md", dataset_card(manifest))
-    log.info("%s", summary(manifest, Path(out_dir)))
+    log.info("%s", summary(manifest, cfg.dataset_dir))
     return manifest
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, prepare, rowindex
+from dflash_build import atomic, hashing, prepare, release, rowindex
 from dflash_build.config import Config
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
 from dflash_build.plan import Plan, fingerprint_cache_file
@@ -295,6 +295,7 @@ def forget(store: Path, ident: str) -> Path:
 
 # -- gc ---------------------------------------------------------------------------------------
 TMP_AGE_SECONDS = 3600.0  # a temporary file or folder untouched this long belongs to a dead process
+DATASET_BROKEN = "dataset built from deleted entries"
 
 
 @dataclass(frozen=True)
@@ -364,13 +365,18 @@ def dataset_references(plan: Plan) -> dict[Path, list[str]]:
     return used
 
 
+def _dist_folders(plan: Plan) -> list[Path]:
+    return [plan.config.dataset_dir] + ([plan.config.packed_dir] if plan.config.packed_dir else [])
+
+
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
     """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
     now = time.time()
-    dists = [plan.config.dataset_dir] + ([plan.config.packed_dir] if plan.config.packed_dir else [])
     found = {*plan.config.store.rglob(".*.tmp"), *plan.config.store.rglob(".*.old")}
-    for dist in dists:
+    for dist in _dist_folders(plan):
         found |= {*dist.parent.glob(f".{dist.name}.*.tmp"), *dist.parent.glob(f".{dist.name}.*.old")}
+        versions = release.versions_dir(dist)
+        found |= {*versions.glob(".*.tmp"), *versions.glob(".*.old")}
     out = []
     for path in sorted(found):
         if any(parent in found for parent in path.parents):
@@ -412,12 +418,21 @@ def garbage(
     for entry in sorted(store.glob("journal/*")):
         if entry.is_dir() and entry not in refs:
             consider(entry, kept=any(entry.rglob(ROWS_FILE)) and not journals)
-    # A dataset whose store entries go goes with them (and its packed folders): left in place, Snakemake
-    # would call it up to date while plan and verify find its shards gone.
-    broken = sorted({folder for e in out if e.why.startswith("breaks") for folder in used[e.path]})
+    # A dataset whose store entries go goes with them (its versions and record, and its packed folders):
+    # left in place, Snakemake would call it up to date while plan and verify find its shards gone.
+    broken = sorted({Path(folder) for e in out if e.why.startswith("breaks") for folder in used[e.path]})
     for folder in broken:
-        for path in [Path(folder), *sorted(Path(folder).parent.glob(f"{Path(folder).name}-packed-*"))]:
-            out.append(Entry(path, _size(path, seen), kept=False, why="dataset built from deleted entries"))
+        for dist in [folder, *sorted(folder.parent.glob(f"{folder.name}-packed-*"))]:
+            for path in (dist, release.versions_dir(dist)):
+                if path.exists() or path.is_symlink():
+                    out.append(Entry(path, _size(path, seen), kept=False, why=DATASET_BROKEN))
+    # versions no dataset folder links to any more: this config's folders, and every registered one's
+    named = [*_dist_folders(plan), *(Path(e["dataset"]) for e in registrations(store).values())]
+    folders = {Path(os.path.relpath(os.path.abspath(f))) for f in named}
+    folders |= {p for f in list(folders) for p in f.parent.glob(f"{f.name}-packed-*") if p.is_symlink()}
+    for dist in sorted(folders):
+        why = f"superseded version of {os.path.relpath(dist)}"
+        out += [Entry(p, _size(p, seen), kept=False, why=why) for p in release.superseded(dist)]
     out += [Entry(p, _size(p, seen), kept=False, why="stray temporary") for p in stray_temporaries(plan, tmp_age)]
     return out
 
@@ -441,8 +456,10 @@ def collect(plan: Plan, entries: list[Entry]) -> int:
                 raise RuntimeError(f"refusing to delete {entry.path}: a registered config references it")
             for shard in entry.path.glob("*.parquet") if entry.path.is_dir() else ():
                 index.remove_shard(shard)
-            if entry.why == "dataset built from deleted entries":
-                atomic.remove_dir(entry.path)  # never a half dataset under its own name
+            if entry.path.is_symlink():
+                entry.path.unlink()
+            elif entry.why == DATASET_BROKEN:
+                atomic.remove_dir(entry.path)  # never half a dataset under its own name
             elif entry.path.is_dir():
                 shutil.rmtree(entry.path)
             else:
@@ -487,6 +504,9 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
     dist = plan.config.dataset_dir
     packed = plan.config.packed_dir
     dists = (dist,) if packed is None else (dist, packed)  # the packed folder derives from the dataset
+    # --repair removes a dataset's build record, so that Snakemake builds the folder again; the folder
+    # itself (a link to its last good version) stays until the new version replaces it
+    records = tuple(release.record_dir(d) for d in dists)
 
     def with_sidecar(path: Path) -> tuple[Path, Path]:
         return path, path.with_name(path.name.replace(".parquet", ".stats.json"))
@@ -507,15 +527,15 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
             published = plan.journal_dir(name, shard)
             copy = (published / PUBLISHED_DATA, published / PUBLISHED_STATS)
             if completion.exists():
-                derived = (*with_sidecar(completion), *copy, *with_sidecar(tokens), *dists)
+                derived = (*with_sidecar(completion), *copy, *with_sidecar(tokens), *records)
                 yield completion, expected(completion), derived
             if tokens.exists():
-                yield tokens, expected(tokens), (*with_sidecar(tokens), *dists)
+                yield tokens, expected(tokens), (*with_sidecar(tokens), *records)
     for folder in dists:
         manifest_file = folder / "manifest.json"
         if manifest_file.exists():
             for info in json.loads(manifest_file.read_text())["files"]:
-                yield folder / info["path"], info, dists[dists.index(folder) :]
+                yield folder / info["path"], info, records[dists.index(folder) :]
 
 
 def _journal_problems(store: Path) -> Iterator[Problem]:
@@ -586,6 +606,11 @@ def verify(plan: Plan) -> tuple[int, list[Problem]]:
     problems += _journal_problems(store)
     checked += 1
     problems += _derived_problems(plan)
+    for folder in _dist_folders(plan):
+        checked += 1
+        if release.recorded_but_missing(folder):
+            record = release.record_dir(folder)
+            problems.append(Problem(folder, f"missing, although {record} records it as built", (record,)))
     return checked, problems
 
 

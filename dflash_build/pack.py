@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing
+from dflash_build import atomic, hashing, release
 from dflash_build.config import PackSpec
 from dflash_build.mix import RollingWriter, card_header
 from dflash_build.report import length_stats
@@ -128,8 +128,14 @@ def pack_key(mix_manifest: dict[str, Any], spec: PackSpec) -> str:
     return hashing.digest({"mix": content, "pack": asdict(spec), "version": PACK_VERSION})[:16]
 
 
-def run(dataset_dir: str | Path, out_dir: str | Path, spec: PackSpec, rows_per_file: int) -> dict[str, Any]:
-    dataset_dir, out_dir = Path(dataset_dir), Path(out_dir)
+def run(
+    dataset_dir: str | Path, out_dir: str | Path, record: str | Path, spec: PackSpec, rows_per_file: int
+) -> dict[str, Any]:
+    """Pack the dataset in ``dataset_dir`` into a new version of ``out_dir`` (swapped in whole, like the
+    dataset: :mod:`dflash_build.release`); ``record`` is the build record, the rule's output."""
+    out_dir = Path(out_dir)
+    # the version in place now: a dataset swapped in meanwhile does not mix into this one
+    dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
     mix_manifest = json.loads((dataset_dir / "manifest.json").read_text())
     files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
     ids: list[tuple[str, int]] = []
@@ -141,7 +147,7 @@ def run(dataset_dir: str | Path, out_dir: str | Path, spec: PackSpec, rows_per_f
     ranks = [hashing.digest({"seed": spec.seed, "prompt_id": p, "sample_idx": s}) for p, s in ids]
     rows, counts = plan_rows(lengths, ranks, spec)
     window_of = {piece.sample: window for window, row in rows for piece in row}
-    with atomic.atomic_dir(out_dir) as tmp:
+    with release.publish(out_dir, Path(record)) as tmp:
         spill = tmp / "spill"
         _spill(files, window_of, spill)
         writer = RollingWriter(tmp / "data", rows_per_file, PACKED_SCHEMA)

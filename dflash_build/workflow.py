@@ -72,6 +72,20 @@ def fix_list_params_changes() -> None:
         ParamsChange.__iter__ = lambda self: iter(self.files if self else ())  # type: ignore[method-assign]
 
 
+def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
+    """Say so when a dataset folder was deleted by hand: its build record keeps Snakemake from rebuilding it."""
+    from dflash_build import release
+
+    for folder in (config.dataset_dir, config.packed_dir):
+        if folder is not None and release.recorded_but_missing(folder):
+            logging.getLogger("dflash_build").warning(
+                "%s is missing although its build is recorded in %s: `dflash-build verify --repair` (or "
+                "`snakemake --forcerun mix`) builds it again",
+                folder,
+                release.record_dir(folder),
+            )
+
+
 def plan_from(config: dict[str, Any], source: str | None = None) -> plan_mod.Plan:
     """The plan of ``config``; of its one source ``source`` only, when given (a shard job's)."""
     return plan_mod.build(config_mod.from_dict(config), only=source)
@@ -149,8 +163,9 @@ def run_rule(smk: Any, stage: str) -> None:
         elif stage == "pack":
             from dflash_build import pack
 
-            assert plan.config.pack is not None
-            pack.run(smk.input[0], smk.output[0], plan.config.pack, plan.config.rows_per_file)
+            cfg = plan.config
+            assert cfg.pack is not None and cfg.packed_dir is not None
+            pack.run(cfg.dataset_dir, cfg.packed_dir, smk.output[0], cfg.pack, cfg.rows_per_file)
         else:
             raise ValueError(f"unknown stage {stage}")
 

@@ -6,6 +6,7 @@ import dflash_build.config
 import dflash_build.engine_host
 import dflash_build.engines
 import dflash_build.plan
+import dflash_build.release
 import dflash_build.versions
 import dflash_build.workflow
 from dflash_build.hashing import canonical_json
@@ -27,6 +28,15 @@ STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
 PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
+# What the mix and pack rules output: the build record beside the dataset's versions; dist/NAME itself
+# is a link the stage swaps only when a build passed (dflash_build.release).
+DATASET_RECORD = str(dflash_build.release.record_dir(CONFIG.dataset_dir))
+PACKED_RECORD = (
+    str(dflash_build.release.record_dir(CONFIG.packed_dir))
+    if CONFIG.packed_dir
+    else None
+)
+dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # In the batch step of a SLURM allocation that generates: the broker that keeps its engines (engine_host).
 dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
 # A job on its own engine asks for gpu=1. With shared engines it asks for gpu_jobs=1 instead, and
@@ -54,7 +64,7 @@ wildcard_constraints:
 
 
 def get_final_targets():
-    return [DATASET_DIR] + ([PACKED_DIR] if PACKED_DIR else [])
+    return [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else [])
 
 
 # Input paths by source, made once: an input function runs for every job.

@@ -4,7 +4,7 @@ rule mix:
     output:
         # the card's plots and tables go into `snakemake --report report.html` too
         report(
-            directory(DATASET_DIR),
+            directory(DATASET_RECORD),
             patterns=["plots/{name}.png", "tables/{name}.csv"],
             caption="report/dataset.rst",
             category="Dataset",

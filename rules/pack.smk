@@ -1,8 +1,8 @@
 rule pack:
     input:
-        DATASET_DIR,
+        rules.mix.output,
     output:
-        directory(PACKED_DIR),
+        directory(PACKED_RECORD),
     log:
         f"{LOGS}/dist/{CONFIG.dataset_name}-packed.log",
     conda:

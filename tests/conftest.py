@@ -241,3 +241,9 @@ def completion_rows(store: Path) -> dict[tuple[str, int], tuple[Any, ...]]:
         for r in pq.read_table(path).to_pylist():
             out[(r["prompt_id"], r["sample_idx"])] = (r["seed"], r["prompt_ids"], r["output_ids"], r["finish_reason"])
     return out
+
+
+def loaded_rows(folder: Path) -> int:
+    """Rows of a dataset folder as `datasets` loads it, in a new process (nothing cached from an earlier load)."""
+    code = f"import datasets; print(len(datasets.load_dataset({str(folder)!r}, split='train')))"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)

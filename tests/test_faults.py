@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
-from tests.conftest import Workflow, base_config, write_jsonl
+from tests.conftest import Workflow, base_config, loaded_rows, write_jsonl
 from tests.standin_server import StandIn
 
 pytestmark = pytest.mark.workflow
@@ -34,8 +34,10 @@ PROMPTS = [f"question {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 
 
 
 def _config(
-    root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store", shard_size: int = 4
+    root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store", shard_size: int = 8
 ) -> dict[str, Any]:
+    """24 prompts in three shards: two jobs run at once and a third waits, so a kill finds shards
+    published, in flight and not started."""
     data = write_jsonl(root / "data" / "p.jsonl", [{"instruction": p} for p in PROMPTS])
     config = base_config(
         model,
@@ -517,16 +519,23 @@ def test_verify_finds_and_repairs_a_damaged_journal(built: Path, tmp_path: Path)
     assert len(Journal.read(journals[0])) == len(lines)
 
 
-def test_gc_removes_what_a_killed_mix_left(built: Path, tmp_path: Path) -> None:
+def test_a_killed_mix_keeps_the_last_good_dataset_and_gc_removes_what_it_left(built: Path, tmp_path: Path) -> None:
     wf = _copy(built, tmp_path)
     dist = wf.workdir / "dist"
+    good = dataset(wf)
     failed = wf.run("--forcerun", "mix", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "mix"})
     assert failed.returncode != 0
-    strays = list(dist.glob(".test-mix.*.tmp"))
+    assert dataset(wf) == good and loaded_rows(dist / "test-mix") == sum(f["rows"] for f in _files(wf)), "still there"
+    strays = list((dist / ".test-mix.versions").glob(".*.tmp"))
     assert strays, "the killed mix left its temporary folder"
     listed = wf.cli("gc", "--tmp-age", "0").stdout
     assert f"stray temporary {strays[0].relative_to(wf.workdir)}" in listed, listed
     wf.cli("gc", "--tmp-age", "0", "--yes")
-    assert not list(dist.glob(".test-mix.*"))
+    assert not list((dist / ".test-mix.versions").glob(".*.tmp"))
+    assert wf.dry_run() == {"mix": [{}]}, "the failed mix's record is gone: it runs again"
     wf.build()
-    assert (dist / "test-mix" / "manifest.json").exists()
+    assert dataset(wf) == good
+
+
+def _files(wf: Workflow) -> list[dict[str, Any]]:
+    return json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())["files"]

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, write_jsonl
+from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, loaded_rows, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -352,6 +352,43 @@ def _reversed(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _reversed(v) for k, v in reversed(list(value.items()))}
     return value
+
+
+def test_a_failed_rebuild_keeps_the_last_good_dataset_and_a_passing_one_swaps_in_whole(
+    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+) -> None:
+    wf = built[0].copy_to(tmp_path / "work", registration=True)
+    config = built[1]
+    folder = wf.workdir / "dist" / "test-mix"
+    good = json.loads((folder / "manifest.json").read_text())
+    rows = loaded_rows(folder)
+    missed = copy.deepcopy(config)
+    missed["mix"]["categories"] = {"coding": 0.98, "general": 0.01, "agent": 0.01}
+    missed["checks"]["share_tolerance"] = 0.001
+    wf.write_config(missed)
+    for attempt in ((), ("--forcerun", "mix")):  # a share edit that misses, and a forced rerun that fails
+        failed = wf.run(*attempt, check=False)
+        assert failed.returncode != 0 and "the mix misses the configured dataset" in failed.stdout + failed.stderr
+        assert json.loads((folder / "manifest.json").read_text()) == good
+        assert loaded_rows(folder) == rows, "the last good dataset still loads, whole"
+    assert set(wf.dry_run()) == {"mix"}, "the failed mix runs again"
+
+    # a passing edit swaps the new dataset in; the old version is superseded and gc takes it
+    reseeded = copy.deepcopy(config)
+    reseeded["mix"]["seed"] = 7
+    wf.write_config(reseeded)
+    before = (wf.workdir / "dist" / ".test-mix.versions" / good_version(folder)).resolve()
+    wf.build()
+    assert folder.resolve() != before and json.loads((folder / "manifest.json").read_text())["mix"]["seed"] == 7
+    listed = wf.cli("gc").stdout
+    assert f"superseded version of dist/test-mix {before.relative_to(wf.workdir.resolve())}" in listed, listed
+    wf.cli("gc", "--yes")
+    assert not before.exists() and loaded_rows(folder) > 0 and wf.cli("verify").returncode == 0
+    assert wf.dry_run() == {}
+
+
+def good_version(folder: Path) -> str:
+    return Path(os.readlink(folder)).name
 
 
 def test_list_changes_names_only_what_changed(built: tuple[Workflow, dict[str, Any]]) -> None:
