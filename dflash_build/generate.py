@@ -30,7 +30,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -832,15 +831,3 @@ def _error_summary(rows: list[dict[str, Any]]) -> dict[str, int]:
             reason = re.sub(r"\d+", "N", r["error"])[:200]
             counts[reason] = counts.get(reason, 0) + 1
     return counts
-
-
-def iter_turn_tokens(row: dict[str, Any]) -> Iterator[tuple[list[int], list[int]]]:
-    """(context ids, generated ids incl. stop token) for each turn of a completion row."""
-    if row.get("turns"):
-        for t in row["turns"]:
-            stop = [t["stop_token_id"]] if t["stop_token_id"] is not None else []
-            yield t["context_ids"], t["output_ids"] + stop
-        return
-    stopped = row["finish_reason"] == R.FINISH_STOP and row["stop_token_id"] is not None
-    stop = [row["stop_token_id"]] if stopped else []
-    yield row["prompt_ids"], row["output_ids"] + stop

@@ -9,6 +9,7 @@ the smallest seeded hash, and shards take contiguous runs of prompt ids.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import logging
 import re
@@ -768,6 +769,44 @@ def _duplicate_examples(
 
 class SourceLossError(RuntimeError):
     """A source lost too many rows (or all of them) in prepare; the message says why and what to change."""
+
+
+SAMPLE_ROWS = 1000
+
+
+def check_sample(plan: Plan, source: str, rows: int = SAMPLE_ROWS) -> None:
+    """Fail at planning when the first ``rows`` rows of a local source are all defects (a wrong
+    ``format`` or ``fields``), which its prepare job would find only after other jobs took the GPUs.
+
+    Reads one batch, so it costs milliseconds; a source that allows every loss (max_drop_fraction 1)
+    is not checked. The full check is prepare's (:func:`check_losses`), and ``dflash-build plan`` runs it.
+    """
+    spec = plan.sources[source].spec
+    if spec.hf is not None or spec.max_drop_fraction >= 1:
+        return
+    drops = DropCounter()
+    seen = 0
+    for row in itertools.islice(_raw_rows(plan, source), rows):
+        seen += 1
+        try:
+            to_prompt(row.value, spec)
+            return
+        except Drop as drop:
+            if drop.reason in INTENDED_DROPS:
+                return
+            drops.add(drop.reason, row.location, drop.detail)
+    if not seen:
+        return  # an empty input: prepare says so, with its own message
+    key = f"sources.{source}"
+    reasons = "; ".join(
+        f"{reason}: {n}" + (f", e.g. {drops.examples[reason][0]}" if drops.examples[reason] else "")
+        for reason, n in drops.counts.most_common(3)
+    )
+    raise SourceLossError(
+        f"{key} ({', '.join(spec.files)}): the first {seen} rows are all dropped for defects ({reasons}), so "
+        f"its prepare job would fail after the other sources' jobs took the GPUs. Fix {key}.format or "
+        f"{key}.fields; if only these first rows are bad, set {key}.max_drop_fraction: 1.0 to skip this check."
+    )
 
 
 def check_losses(spec: SourceSpec, selection: Selection) -> None:

@@ -5,6 +5,9 @@ Stat names are constants so the stages that write a sidecar and the commands tha
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pyarrow as pa
 
 PROMPT_SCHEMA = pa.schema(
@@ -95,3 +98,15 @@ STAT_CONTINUED = "continued"  # rows whose earlier truncated answer the engine c
 STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}, reused and continued
 STAT_GENERATED = "generated"  # rows the engine produced in the run that generated the shard
 STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's
+
+
+def iter_turn_tokens(row: dict[str, Any]) -> Iterator[tuple[list[int], list[int]]]:
+    """(context ids, generated ids incl. stop token) for each turn of a completion row."""
+    if row.get("turns"):
+        for t in row["turns"]:
+            stop = [t["stop_token_id"]] if t["stop_token_id"] is not None else []
+            yield t["context_ids"], t["output_ids"] + stop
+        return
+    stopped = row["finish_reason"] == FINISH_STOP and row["stop_token_id"] is not None
+    stop = [row["stop_token_id"]] if stopped else []
+    yield row["prompt_ids"], row["output_ids"] + stop

@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 
 from dflash_build import atomic
 from dflash_build import records as R
-from dflash_build.generate import iter_turn_tokens
 from dflash_build.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], li
         return DROP_TRUNCATED
     input_ids: list[int] = []
     loss_mask: list[int] = []
-    for context, generated in iter_turn_tokens(row):
+    for context, generated in R.iter_turn_tokens(row):
         input_ids += list(context) + list(generated)
         loss_mask += [0] * len(context) + [1] * len(generated)
     if not any(loss_mask):

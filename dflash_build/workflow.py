@@ -8,6 +8,7 @@ with its log file attached, on the paths Snakemake gave the job.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import sys
@@ -19,6 +20,7 @@ from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STAGE_MODULES = {stage: f"dflash_build.{stage}" for stage in ("prepare", "generate", "tokenize", "mix", "pack")}
 
 
 @contextlib.contextmanager
@@ -136,8 +138,8 @@ def run_rule(smk: Any, stage: str) -> None:
     Before any work (no tokenizer, no GPU), the job checks that its own plan gives the key Snakemake
     asked for, and it reads and writes the paths Snakemake gave it.
     """
-    from dflash_build import generate, mix, prepare, tokenize
-
+    # each job imports its own stage only: a CPU tokenize job never loads the GPU driver
+    module = importlib.import_module(STAGE_MODULES[stage])
     with logged(smk.log[0] if smk.log else None):
         source = smk.params.source if stage == "prepare" else getattr(smk.wildcards, "source", None)
         plan = plan_from(smk.config, source)
@@ -146,28 +148,24 @@ def run_rule(smk: Any, stage: str) -> None:
         elif stage in ("generate", "tokenize"):
             check_key(plan, stage, source, smk.wildcards.key)
         if stage == "prepare":
-            prepare.run(plan, source, Path(smk.output.manifest))
+            module.run(plan, source, Path(smk.output.manifest))
         elif stage == "generate":
             shard = smk.wildcards.shard
-            paths = generate.ShardPaths(
+            paths = module.ShardPaths(
                 prompt_shard(smk.input.prompts, shard),
                 Path(smk.output.data),
                 Path(smk.output.stats),
                 plan.journal_dir(source, shard),  # not a Snakemake output: it outlives failed jobs
             )
-            generate.run(plan, source, shard, paths)
+            module.run(plan, source, shard, paths)
         elif stage == "tokenize":
-            tokenize.run(plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data))
+            module.run(plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data))
         elif stage == "mix":
-            mix.run(plan, smk.output[0])
-        elif stage == "pack":
-            from dflash_build import pack
-
+            module.run(plan, smk.output[0])
+        else:
             cfg = plan.config
             assert cfg.pack is not None and cfg.packed_dir is not None
-            pack.run(cfg.dataset_dir, cfg.packed_dir, smk.output[0], cfg.pack, cfg.rows_per_file)
-        else:
-            raise ValueError(f"unknown stage {stage}")
+            module.run(cfg.dataset_dir, cfg.packed_dir, smk.output[0], cfg.pack, cfg.rows_per_file)
 
 
 def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:

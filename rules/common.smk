@@ -6,6 +6,7 @@ import dflash_build.config
 import dflash_build.engine_host
 import dflash_build.engines
 import dflash_build.plan
+import dflash_build.prepare
 import dflash_build.release
 import dflash_build.versions
 import dflash_build.workflow
@@ -49,6 +50,11 @@ GENERATE_GPU, GENERATE_GPU_JOBS, GPU_JOBS = dflash_build.workflow.generate_resou
 )
 if GPU_JOBS is not None:
     workflow.register_resource("gpu_jobs", GPU_JOBS)
+# A source whose first rows are all defects (a wrong format or fields) stops the run here, before any
+# job takes a GPU; its prepare job would find it only after the other sources' generation started.
+for source_name in PLAN.sources:
+    if not PLAN.prompt_manifest(source_name).exists():
+        dflash_build.prepare.check_sample(PLAN, source_name)
 # What each key is made of, kept in the store: a job whose own plan gives another key says what
 # changed (workflow.check_key) without a params function per job.
 dflash_build.plan.record_components(PLAN)

@@ -126,6 +126,10 @@ def test_a_share_without_a_source_is_an_error_unless_its_shortfall_is_allowed(
     shares = {"coding": 46, "math": 11, "agent": 9}
     with pytest.raises(cfg.ConfigError, match="no source has category 'agent', so the mix would fail"):
         build(edit(raw, "mix.categories", shares), tmp_path)
+    wf = Workflow(tmp_path)
+    wf.write_config(edit(raw, "mix.categories", shares))
+    dry = wf.run("-n", check=False)  # the workflow refuses it when it plans, before any job
+    assert dry.returncode != 0 and "config key 'mix.categories.agent'" in dry.stdout + dry.stderr
     allowed = edit(edit(raw, "mix.categories", shares), "checks", {"allow_shortfall": ["agent"]})
     assert set(build(allowed, tmp_path).config.mix_categories) == {"coding", "math", "agent"}
 

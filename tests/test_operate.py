@@ -294,6 +294,9 @@ def test_plan_fails_on_a_source_its_prepare_would_lose_before_anything_runs(tmp_
     as_json = wf.cli("plan", "--json", check=False)
     assert as_json.returncode == 1
     assert {e["source"]: e["errors"] != [] for e in json.loads(as_json.stdout)} == {"bad": True, "good": False}
+    dry = wf.run("-n", check=False)
+    assert dry.returncode != 0
+    assert "sources.bad (bad.jsonl): the first 5 rows are all dropped" in dry.stdout + dry.stderr
     assert not (tmp_path / "store" / "completions").exists(), "planning ran nothing"
 
 

@@ -205,6 +205,24 @@ def test_a_source_that_loses_too_many_rows_fails_naming_the_cause_and_the_key(tm
     assert prepare.run(plan, "s")["rows_out"] == 6
 
 
+def test_a_source_whose_first_rows_are_all_defects_fails_at_planning(tmp_path: Path) -> None:
+    """A wrong mapping (here: alpaca fields on prompt rows) is found from one batch, before any job."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"question": f"q{i}"} for i in range(30)])
+    source = {"category": "c", "format": "alpaca", "files": [str(path)]}
+    plan = _plan(tmp_path, {"s": source})
+    with pytest.raises(prepare.SourceLossError) as err:
+        prepare.check_sample(plan, "s", rows=20)
+    found = f"the first 20 rows are all dropped for defects (missing_field: 20, e.g. {path}:1"
+    assert f"sources.s ({path}): {found}" in str(err.value)
+    assert "sources.s.fields" in str(err.value)
+    mapped = _plan(tmp_path / "mapped", {"s": {**source, "format": "prompt", "fields": {"prompt": "question"}}})
+    prepare.check_sample(mapped, "s", rows=20)  # one good row is enough
+    good_later = write_jsonl(tmp_path / "later.jsonl", [{"question": "q"}] * 5 + [{"instruction": "a task"}])
+    prepare.check_sample(_plan(tmp_path / "later", {"s": {**source, "files": [str(good_later)]}}), "s", rows=20)
+    allowed = _plan(tmp_path / "allowed", {"s": {**source, "max_drop_fraction": 1.0}})
+    prepare.check_sample(allowed, "s", rows=20)
+
+
 def test_a_source_with_no_usable_row_fails_even_when_drops_are_allowed(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [{"instruction": "   "}, {"instruction": ""}])
     plan = _plan(

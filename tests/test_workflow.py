@@ -391,6 +391,29 @@ def good_version(folder: Path) -> str:
     return Path(os.readlink(folder)).name
 
 
+def test_a_category_whose_target_is_under_half_a_sample_gets_its_shortest_sample(
+    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The demo at max_new_tokens 12 had a category that took no sample and then failed its own check."""
+    wf = built[0].copy_to(tmp_path / "work", registration=True)
+    tiny = copy.deepcopy(built[1])
+    tiny["mix"]["categories"]["general"] = 0.0005
+    wf.write_config(tiny)
+    assert set(wf.dry_run()) == {"mix"}
+    wf.build()
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    general = manifest["mix"]["categories"]["general"]
+    assert general["target_tokens"] * 2 < general["tokens"] and general["rows"] == 1
+    sources = [name for name, src in manifest["sources"].items() if src["category"] == "general"]
+    lengths = [r["n_tokens"] for src in sources for p in _token_shards(wf, src) for r in pq.read_table(p).to_pylist()]
+    assert general["tokens"] == min(lengths), "the shortest sample: the closest the category can come"
+
+
+def _token_shards(wf: Workflow, source: str) -> list[Path]:
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    return [wf.workdir / p for p in manifest["sources"][source]["shards"]]
+
+
 def test_list_changes_names_only_what_changed(built: tuple[Workflow, dict[str, Any]]) -> None:
     """Snakemake's `snakemake -R $(snakemake --list-changes params)` idiom reruns exactly what changed."""
     wf, config = built
