@@ -29,7 +29,8 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,15 +105,42 @@ def _rank(cand: Candidate, max_new_tokens: int) -> tuple[bool, int]:
     return cand.use_for(max_new_tokens) != "continue", cand.n_output
 
 
+LOCK_WAIT_SECONDS = 60.0
+
+
+def _busy(error: sqlite3.OperationalError) -> bool:
+    """Another connection holds the lock: wait for it (it is no damage)."""
+    return "locked" in str(error) or "busy" in str(error)
+
+
+def _when_free(statement: Callable[[], object], seconds: float = LOCK_WAIT_SECONDS) -> None:
+    """Run ``statement``, waiting while another process holds the database's lock.
+
+    SQLite's busy timeout does not cover every statement: switching to WAL answers "database is
+    locked" at once while another connection writes (two builds starting on one store at once).
+    """
+    deadline = time.monotonic() + seconds
+    delay = 0.01
+    while True:
+        try:
+            statement()
+            return
+        except sqlite3.OperationalError as e:
+            if not _busy(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
 class RowIndex:
     def __init__(self, store: Path) -> None:
         """Connect without any check (use :meth:`open`)."""
         self.store = store
         self.path = store / INDEX_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, timeout=60)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.executescript(_SCHEMA)
+        self.db = sqlite3.connect(self.path, timeout=LOCK_WAIT_SECONDS)
+        _when_free(lambda: self.db.execute("PRAGMA journal_mode=WAL"))
+        _when_free(lambda: self.db.executescript(_SCHEMA))
 
     @classmethod
     @contextlib.contextmanager
@@ -141,6 +169,12 @@ class RowIndex:
             index = cls(store)
             layout = index.db.execute("PRAGMA user_version").fetchone()[0]
             has_rows = index.db.execute("SELECT 1 FROM shards LIMIT 1").fetchone() is not None
+        except sqlite3.OperationalError as e:
+            if _busy(e):  # held by another process past every wait: not damage, never rebuilt under it
+                raise
+            log.warning("row index %s is not readable (%s): rebuilding it from the store", store / INDEX_FILE, e)
+            rebuild(store, force=False)
+            return cls(store)
         except sqlite3.DatabaseError as e:
             log.warning("row index %s is not readable (%s): rebuilding it from the store", store / INDEX_FILE, e)
             rebuild(store, force=False)

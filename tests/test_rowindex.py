@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import sqlite3
+import threading
 from pathlib import Path
 
+import pytest
+
+from dflash_build import rowindex
 from dflash_build.rowindex import RowIndex
 
 ROWS_PER_SHARD = 300
@@ -75,3 +79,34 @@ def test_every_lookup_and_delete_uses_an_index(tmp_path: Path) -> None:
         checked += 1
     assert checked >= 3  # the lookup and both deletes
     index.close()
+
+
+def test_a_lock_held_by_another_process_is_waited_for_never_taken_for_damage(tmp_path: Path) -> None:
+    """Two builds starting on one store at once: the second waits for the first's write, and the
+    index (rows included) is not rebuilt under it."""
+    index = RowIndex(tmp_path)
+    index.db.execute(f"PRAGMA user_version = {rowindex.LAYOUT}")
+    index.add_shard("rk", "gk", _shard_path(tmp_path, 0, 0), _rows(0, 0), 16)
+    index.close()
+    holder = sqlite3.connect(tmp_path / "index" / "rows.sqlite", isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(1.0, lambda: holder.execute("COMMIT"))
+    release.start()
+    with RowIndex.open(tmp_path, sync=False) as waited:
+        found = waited.lookup("rk", [(r["prompt_id"], 0) for r in _rows(0, 0)], 16)
+    release.join()
+    assert len(found) == ROWS_PER_SHARD, "the rows written before are still there: nothing was rebuilt"
+
+
+def test_only_a_busy_database_is_retried() -> None:
+    calls: list[int] = []
+
+    def busy_twice() -> None:
+        calls.append(1)
+        if len(calls) < 3:
+            raise sqlite3.OperationalError("database is locked")
+
+    rowindex._when_free(busy_twice, seconds=5)
+    assert len(calls) == 3
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        rowindex._when_free(lambda: (_ for _ in ()).throw(sqlite3.OperationalError("no such table: x")))

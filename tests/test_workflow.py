@@ -426,7 +426,7 @@ def test_list_changes_names_only_what_changed(built: tuple[Workflow, dict[str, A
     changed = copy.deepcopy(config)
     changed["mix"]["categories"]["coding"] += 0.1
     wf.write_config(changed)
-    assert listed("params") == ["dist/test-mix"]
+    assert listed("params") == ["dist/.test-mix.versions/built"], "the mix's output: its build record"
     wf.write_config(config)
     assert listed("params") == []
 
