@@ -348,10 +348,14 @@ def _shortfalls(
                 f"{round(targets[category])} targeted; all of them are used"
             )
         elif abs(achieved - share) > SHARE_TOLERANCE:
+            target = round(targets[category])
             if achieved < share and got[category] >= available[category]:
                 why = "every one of its samples is used; others overshoot their targets by part of a sample"
+            elif (achieved > share) == (got[category] <= target):
+                # its own target is met; the total it is a share of is not the planned one
+                why = f"it meets its target of {target} tokens; the other categories' misses move its share"
             else:
-                why = f"its samples are too long to hit a target of {round(targets[category])} tokens closely"
+                why = f"its samples are too long to hit a target of {target} tokens closely (it has {got[category]})"
             notes.append(f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: {why}")
     return notes
 

@@ -137,6 +137,17 @@ def test_shortfalls_are_stated() -> None:
     assert mix._shortfalls(shares, {}, Counter(a=500, b=300, c=200), Counter(a=500, b=300, c=200), None) == []
 
 
+def test_a_share_note_never_contradicts_the_token_counts() -> None:
+    """The demo's note said a category's samples were "too long to hit a target of 1201 tokens" when it
+    had exactly 1201: its share moved because another category missed its own target."""
+    shares = {"coding": 0.465, "general": 0.263, "other": 0.272}
+    targets = {"coding": 1201.0, "general": 679.0, "other": 703.0}
+    got, available = Counter(coding=1201, general=695, other=600), Counter(coding=1201, general=900, other=900)
+    notes = {n.split("'")[1]: n for n in mix._shortfalls(shares, targets, got, available, None)}
+    assert "it meets its target of 1201 tokens; the other categories' misses move its share" in notes["coding"]
+    assert "too long to hit a target of 703 tokens closely (it has 600)" in notes["other"]
+
+
 def test_length_stats() -> None:
     assert report.length_stats([5, 1, 3, 2, 4]) == {"mean": 3.0, "p50": 3, "p90": 5, "max": 5}
     assert report.length_stats([]) == {"mean": 0, "p50": 0, "p90": 0, "max": 0}
