@@ -13,6 +13,9 @@ verify    re-read every referenced store and dist file against its manifest, eve
 reindex   rebuild the per-row reuse index from the store
 engines   the running shared engines (engine.shared): GPU, URL, identity, uptime, log; --stop
           stops those no job is using
+status    where the build stands, from the store alone (also while Snakemake runs): rows done / to
+          do per source, rows/s and output tok/s over the last minutes, ETA, failed and skipped
+          rows, the jobs running and how long since their last row, the engines; --watch, --json
 summary   the dataset summary of a built dist folder
 """
 
@@ -159,6 +162,17 @@ def cmd_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from dflash_build import status
+
+    plan = _plan(args)
+    if args.watch is None:
+        now = status.collect(plan, args.window)
+        print(json.dumps(now.as_dict(), indent=2) if args.json else status.text(now))
+        return 0
+    return status.watch(plan, args.watch, args.window, as_json=args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash-build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -208,6 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("engines", parents=[after], help="the running shared engines (engine.shared)")
     p.add_argument("--stop", action="store_true", help="stop those no job is using")
     p.set_defaults(func=cmd_engines)
+    p = sub.add_parser("status", parents=[after], help="where the build stands (reads only; any terminal)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (one object a line with --watch)")
+    p.add_argument(
+        "--watch", type=float, nargs="?", const=5.0, metavar="SECONDS", help="refresh every SECONDS (default 5)"
+    )
+    p.add_argument(
+        "--window",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="rates over the last SECONDS (default: %(default)s)",
+    )
+    p.set_defaults(func=cmd_status)
     p = sub.add_parser("summary", parents=[after], help="summary of a built dataset")
     p.add_argument("dataset", help="dist/NAME")
     p.set_defaults(func=cmd_summary)

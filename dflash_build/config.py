@@ -132,6 +132,7 @@ class EngineSpec:
     jobs_per_engine: int = 2
     idle_timeout: float = 600.0
     start_timeout: float = 1800.0
+    stall_timeout: float = 300.0  # no answer this long with requests in flight: the job warns
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
             jobs_per_engine=int(engine.get("jobs_per_engine", 2)),
             idle_timeout=float(engine.get("idle_timeout", 600)),
             start_timeout=float(engine.get("start_timeout", 1800)),
+            stall_timeout=float(engine.get("stall_timeout", 300)),
         ),
         shard_size=raw["shard_size"],
         truncated=raw["truncated"],

@@ -507,6 +507,9 @@ class ServedEngine:
             "started_here": attached.started,
             "engines": [{k: e[k] for k in ("slot", "url", "pid", "spawned_at", "ready_at")} for e in attached.engines],
         }
+        # how warnings name it: every engine the job feeds, with its server's pid
+        served = ", ".join(f"{e['slot']} (pid {e['pid']}, {e['url']})" for e in attached.engines)
+        self.name = f"the shared engine {served}"
 
     def generate(self, requests: Any) -> Any:
         return self.client.generate(requests)
@@ -595,6 +598,7 @@ class _Host:
             "identity_key": spec.identity_key,
             "pid": os.getpid(),
             "server_pid": self.child.pid,
+            "gpu": spec.env.get("CUDA_VISIBLE_DEVICES"),  # None: a CPU engine
             "spawned_at": round(self.spawned_at, 3),
             "ready_at": round(ready_at, 3),
             "idle_timeout": spec.idle_timeout,

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,13 +118,23 @@ class SignalStop:
 
 
 class Progress:
-    """Rows done/total, output tok/s, ETA and truncation rate: a bar on a terminal, else log lines."""
+    """Rows done/total, output tok/s, ETA and truncation rate: a bar on a terminal, else log lines.
 
-    def __init__(self, total: int, already: int, label: str) -> None:
-        self.total, self.label = total, label
+    While the engine works, a heartbeat (:meth:`watch`) writes the line every ``PROGRESS_EVERY_SECONDS``
+    whether or not a row finished, and warns, naming the engine, when no answer has come back for
+    ``engine.stall_timeout`` seconds while requests are in flight: a stopped or wedged engine is seen
+    in minutes, not at the per-request deadline.
+    """
+
+    def __init__(self, total: int, already: int, label: str, every: float = PROGRESS_EVERY_SECONDS) -> None:
+        self.total, self.label, self.every = total, label, every
         self.done, self.truncated, self.output_tokens = already, 0, 0
         self.new = 0
-        self.start = self.last = time.monotonic()
+        self.start = self.last = self.last_answer = time.monotonic()
+        self.stalls = 0  # warnings given (each names the engine)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -131,20 +142,54 @@ class Progress:
             self.bar = tqdm(total=total, initial=already, desc=label, unit="row")
 
     def update(self, result: Result, row_finished: bool) -> None:
-        self.output_tokens += len(result.output_ids)
-        if not row_finished:
-            return
-        self.done += 1
-        self.new += 1
-        self.truncated += result.finish_reason == R.FINISH_LENGTH
+        with self._lock:
+            self.last_answer = time.monotonic()
+            self.output_tokens += len(result.output_ids)
+            if not row_finished:
+                return
+            self.done += 1
+            self.new += 1
+            self.truncated += result.finish_reason == R.FINISH_LENGTH
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(self.rates())
             return
-        now = time.monotonic()
-        if now - self.last >= PROGRESS_EVERY_SECONDS or self.done == self.total:
-            self.last = now
-            log.info("%s: %d/%d rows, %s", self.label, self.done, self.total, self.rates())
+        if self.done == self.total:
+            self._line()
+
+    def watch(self, in_flight: Callable[[], int], engine: str, stall_timeout: float) -> None:
+        """Start the heartbeat: ``in_flight()`` says how many requests the engine holds now."""
+        tick = max(0.2, min(self.every, stall_timeout) / 4)
+
+        def beat() -> None:
+            warned_for = None  # the answer time the last warning was about
+            while not self._stop.wait(tick):
+                now = time.monotonic()
+                if self.bar is None and now - self.last >= self.every:
+                    self._line()
+                waiting, silent = in_flight(), now - self.last_answer
+                if waiting and silent >= stall_timeout and warned_for != self.last_answer:
+                    warned_for = self.last_answer
+                    self.stalls += 1
+                    log.warning(
+                        "%s: no answer from %s for %.0fs while %d requests are in flight (engine.stall_timeout "
+                        "%gs); it may be stopped, deadlocked or its GPU wedged. The job waits for it; "
+                        "stopping the job keeps every finished row, and a rerun generates only the rest",
+                        self.label,
+                        engine,
+                        silent,
+                        waiting,
+                        stall_timeout,
+                    )
+
+        self._heartbeat = threading.Thread(target=beat, name=f"heartbeat {self.label}", daemon=True)
+        self._heartbeat.start()
+
+    def _line(self) -> None:
+        with self._lock:
+            self.last = time.monotonic()
+            line = f"{self.label}: {self.done}/{self.total} rows, {self.rates()}"
+        log.info("%s", line)
 
     def rates(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
@@ -156,6 +201,9 @@ class Progress:
         )
 
     def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         if self.bar is not None:
             self.bar.close()
 
@@ -256,6 +304,7 @@ def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
         "drifted": turn.drifted,
         "reused_from": turn.reused_from,
         "continued": turn.continued,
+        "at": round(time.time(), 1),  # when it finished: `dflash-build status` reads rates from it
     }
 
 
@@ -311,6 +360,7 @@ class EngineRun:
 
     journaled: int = 0
     engine_tokens: int = 0
+    in_flight: int = 0  # requests sent in this round and not answered yet (the heartbeat reads it)
     served: Any = None  # what the engine says it serves (openai backend: per server), for the sidecar
 
 
@@ -568,6 +618,14 @@ def start_engine(work: ShardWork, lease: gpus.GpuLease | None) -> engines.Engine
     return engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
 
 
+def engine_name(engine: engines.Engine, backend: str, lease: gpus.GpuLease | None) -> str:
+    """How a warning names the engine: a server's own name (slot, URLs), else the backend and its GPU."""
+    name = getattr(engine, "name", None)
+    if name:
+        return str(name)
+    return f"the in-process {backend} engine" + (f" on GPU {lease.gpu}" if lease is not None else "")
+
+
 def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None) -> EngineRun:
     """Round after round (one turn each), send what is left to the engine and journal every answer.
 
@@ -587,11 +645,15 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                 if engine is None:
                     engine = stop.engine = start_engine(work, lease)
                     counts.served = getattr(engine, "identity", None)
+                    name = engine_name(engine, work.plan.config.engine.backend, lease)
+                    progress.watch(lambda: counts.in_flight, name, work.plan.config.engine.stall_timeout)
                     if kill_kind == "rows" and kill_rows == 0:
                         killpoints.die()
                     if stop.signum is not None:  # it came while the engine loaded
                         break
+                counts.in_flight = len(requests)
                 for generated in engine.generate(requests):
+                    counts.in_flight -= 1
                     counts.engine_tokens += len(generated.output_ids)
                     turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
                     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
@@ -599,6 +661,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     counts.journaled += 1
                     progress.update(generated, conv.finish_reason is not None)
                     killpoints.after_rows(counts.journaled, journal.sync)
+                counts.in_flight = 0
                 if contexts and stop.signum is None:
                     missing = list(contexts)[:3]
                     raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")

@@ -64,6 +64,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "engine.jobs_per_engine": _d(None, "how many jobs feed one engine: scheduling only"),
     "engine.idle_timeout": _d(None, "when an unused shared engine stops"),
     "engine.start_timeout": _d(None, "how long a job waits for an engine to start"),
+    "engine.stall_timeout": _d(None, "when a job warns that its engine stopped answering: fault handling"),
     "sampling.temperature": _d(GEN, _SAMPLING),
     "sampling.top_p": _d(GEN, _SAMPLING),
     "sampling.top_k": _d(GEN, _SAMPLING),

@@ -135,9 +135,13 @@ class Workflow:
             shutil.rmtree(dest / "store" / "configs", ignore_errors=True)
         return Workflow(dest, self.snakefile, self.pythonpath)
 
+    def cli_command(self, *args: str) -> list[str]:
+        """The command line of ``dflash-build ARGS`` with this workflow's config."""
+        return [sys.executable, "-m", "dflash_build", "--configfile", str(self.workdir / "config.yaml"), *args]
+
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """``dflash-build ARGS`` with this workflow's config, in its working directory."""
-        cmd = [sys.executable, "-m", "dflash_build", "--configfile", str(self.workdir / "config.yaml"), *args]
+        cmd = self.cli_command(*args)
         proc = subprocess.run(cmd, cwd=self.workdir, capture_output=True, text=True, timeout=300)
         if check and proc.returncode != 0:
             raise AssertionError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STOP_ID = 2  # SmolLM2's <|im_end|>
-FAULTS = ("http_503", "empty_choices", "not_json", "json_list", "cut_mid_body", "trickle", "too_long")
+FAULTS = ("http_503", "empty_choices", "not_json", "json_list", "cut_mid_body", "trickle", "too_long", "hang")
 
 
 def answer(body: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +38,7 @@ class StandIn:
     first: int = 1
     last: int = 0
     trickle_seconds: float = 0.4
+    hang_seconds: float = 3.0  # "hang": nothing at all this long (a stopped process), then the answer
     completions: int = 0
     faults_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,6 +102,12 @@ class StandIn:
                         except OSError:
                             return
                         time.sleep(standin.trickle_seconds)
+                elif fault == "hang":
+                    time.sleep(standin.hang_seconds)  # bounded: then it answers, if anyone still listens
+                    try:
+                        self._send(200, good)
+                    except OSError:
+                        return
                 elif fault == "too_long":
                     over = dict(answer({**body, "max_tokens": int(body["max_tokens"]) + 3}))
                     over["choices"][0]["token_ids"] = [7] * (int(body["max_tokens"]) + 3)

@@ -355,6 +355,23 @@ def test_a_passing_server_fault_is_retried_and_never_stored(
     assert sum(s["error"] for s in stats.values()) == 0
 
 
+def test_a_server_that_stops_answering_is_named_within_the_stall_timeout(
+    tmp_path: Path, tiny_model: Path, standin: StandIn, served_baseline: list[tuple[str, str]]
+) -> None:
+    """Every request in flight hangs (as a SIGSTOPped server does): the job's heartbeat names the server
+    after engine.stall_timeout, long before the per-request deadline; the retries then finish the build."""
+    standin.fault, standin.first, standin.last, standin.hang_seconds = "hang", 3, 4, 6.0
+    config = _server_config(tmp_path, tiny_model, standin.url)
+    config["engine"]["options"]["timeout"] = 4
+    config["engine"]["stall_timeout"] = 1.5
+    wf = Workflow.at(tmp_path / "work", config)
+    wf.build()
+    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    named = re.findall(rf"no answer from the server {re.escape(standin.url)} for (\d+)s while (\d+) requests", logs)
+    assert named and all(1 <= int(s) <= 4 and int(n) >= 1 for s, n in named), logs[-3000:]
+    assert dataset(wf) == served_baseline
+
+
 @pytest.mark.parametrize("fault", ["http_503"])
 def test_a_lasting_server_fault_fails_the_job_naming_the_server_and_keeps_its_rows(
     tmp_path: Path, tiny_model: Path, standin: StandIn, served_baseline: list[tuple[str, str]], fault: str

@@ -345,3 +345,27 @@ def test_paths_given_by_snakemake_are_the_ones_written(
     paths = generate.ShardPaths(own.prompts, tmp_path / "out" / "x.parquet", tmp_path / "out" / "x.json", own.journal)
     generate.run(plan, "s", "00000", paths)
     assert paths.data.exists() and paths.stats.exists() and not own.data.exists()
+
+
+def test_the_heartbeat_writes_progress_without_rows_and_names_a_silent_engine(caplog: pytest.LogCaptureFixture) -> None:
+    """No row finishes for 1.6 s while two requests are in flight: progress lines keep coming, and one
+    warning per silence names the engine; an answer ends the silence, a later one warns again."""
+    import logging
+    import time
+
+    in_flight = {"n": 2}
+    progress = generate.Progress(10, 3, "s/00000", every=0.3)
+    with caplog.at_level(logging.INFO, logger="dflash_build.generate"):
+        progress.watch(lambda: in_flight["n"], "the server http://127.0.0.1:9", stall_timeout=0.5)
+        time.sleep(1.6)
+        progress.update(Result("p", 0, [5, 6], "stop", 2), row_finished=True)
+        time.sleep(1.0)
+        in_flight["n"] = 0  # nothing asked: silence is no stall
+        time.sleep(1.0)
+        progress.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("s/00000: 3/10 rows" in line for line in lines) >= 3, "progress while nothing finishes"
+    stalls = [line for line in lines if "no answer from the server http://127.0.0.1:9" in line]
+    assert len(stalls) == 2 == progress.stalls, lines
+    assert all("while 2 requests are in flight (engine.stall_timeout 0.5s)" in s for s in stalls)
+    assert any("s/00000: 4/10 rows" in line for line in lines)

@@ -172,6 +172,7 @@ class OpenAIEngine:
         self.tokenizer = tokenizer  # for text prompts and re-tokenized answers
         self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
+        self.name = "the server " + ", ".join(self.opts["urls"])  # how warnings name it
         # One event loop in a thread of its own: the driver's loop stays synchronous.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="openai-backend", daemon=True)

@@ -1,0 +1,83 @@
+"""`dflash-build status` on a real build while it runs and after it finished, in text and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_build.journal import PUBLISHED_DATA, ROWS_FILE, Journal
+from tests.conftest import Workflow, base_config, write_jsonl
+
+pytestmark = pytest.mark.workflow
+
+PROMPTS = [f"Tell me about item {i} of the list." for i in range(24)]
+
+
+def _journaled(store: Path) -> int:
+    """Rows finished in the store right now: published shards and journals of unpublished ones."""
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for folder in store.glob("journal/*/*"):
+        if (folder / PUBLISHED_DATA).exists():
+            rows += pq.read_metadata(folder / PUBLISHED_DATA).num_rows
+        else:
+            rows += len({(r["prompt_id"], r["sample_idx"]) for r in Journal.read(folder / ROWS_FILE)})
+    return rows
+
+
+def _status(wf: Workflow, *args: str) -> dict[str, Any]:
+    return json.loads(wf.cli("status", "--json", *args).stdout)
+
+
+def test_status_follows_a_build_in_progress_and_says_done_at_the_end(tmp_path: Path, tiny_model: Path) -> None:
+    data = write_jsonl(tmp_path / "p.jsonl", [{"instruction": p} for p in PROMPTS])
+    config = base_config(tiny_model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}}, shard_size=8)
+    config["sampling"]["max_new_tokens"] = 96  # a few seconds a shard: time to look while it runs
+    config["engine"]["journal_flush_rows"] = 1
+    wf = Workflow.at(tmp_path / "work", config)
+    store = wf.workdir / "store"
+    cmd, env = wf.command()
+    build = subprocess.Popen(cmd, cwd=wf.workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    watch = subprocess.Popen(
+        [*wf.cli_command("status", "--watch", "0.3", "--json")], cwd=wf.workdir, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        seen = None
+        deadline = time.monotonic() + 300
+        while seen is None and time.monotonic() < deadline and build.poll() is None:
+            before = _journaled(store)
+            status = _status(wf)
+            after = _journaled(store)
+            if status["jobs"] and 0 < status["rows_done"] < len(PROMPTS):
+                seen = (before, status, after)
+            time.sleep(0.2)
+        assert seen is not None, "never caught the build in progress"
+        before, status, after = seen
+        assert before <= status["rows_done"] <= after, "the numbers are the journals' at that moment"
+        assert status["rows"] == len(PROMPTS) and not status["done"]
+        assert status["rows_per_second"] > 0 and status["eta_seconds"] > 0
+        for job in status["jobs"]:
+            assert Path(f"/proc/{job['pid']}").exists(), "a running job is a live process"
+            assert 0 <= job["rows_done"] <= job["rows"] == 8
+        assert build.wait(timeout=600) == 0
+        lines = [json.loads(line) for line in watch.communicate(timeout=120)[0].splitlines()]
+    finally:
+        build.kill()
+        watch.kill()
+    assert len(lines) >= 2 and lines[-1]["done"], "--watch refreshes until the build is done, then ends"
+    done = [line["rows_done"] for line in lines]
+    assert done == sorted(done), "rows done never go back"
+
+    final = _status(wf)
+    assert final["done"] and final["rows_done"] == final["rows"] == len(PROMPTS) == _journaled(store)
+    assert final["eta_seconds"] is None and final["jobs"] == []
+    assert [(s["source"], s["shards_done"], s["shards"]) for s in final["sources"]] == [("s", 3, 3)]
+    plain = wf.cli("status").stdout
+    assert plain.startswith(f"rows {len(PROMPTS)}/{len(PROMPTS)} (100.0%)") and "; done" in plain
+    assert "jobs running: 0" in plain and "engines running: 0" in plain
