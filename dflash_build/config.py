@@ -187,6 +187,11 @@ class Config:
         return self.dataset_out / f"{self.dataset_name}-packed-{self.pack.seq_len}"
 
     @property
+    def dist_folders(self) -> tuple[Path, ...]:
+        """The folders a build publishes: the dataset, then the packed folder derived from it."""
+        return (self.dataset_dir,) if self.packed_dir is None else (self.dataset_dir, self.packed_dir)
+
+    @property
     def backend(self) -> str:
         return self.engine.backend
 

@@ -348,12 +348,10 @@ def dataset_references(plan: Plan) -> dict[Path, list[str]]:
     config is current, so what it was built from is known even when its config was edited since.
     """
     store = plan.config.store
-    folders = {os.path.abspath(plan.config.dataset_dir)}
-    folders |= {entry["dataset"] for entry in registrations(store).values()}
     used: dict[Path, list[str]] = {}
-    for folder in sorted(folders):
+    for folder in sorted(_dataset_folders(plan)):
         try:
-            manifest = json.loads((Path(folder) / "manifest.json").read_text())
+            manifest = json.loads((folder / "manifest.json").read_text())
             sources = manifest["sources"]
         except (OSError, ValueError, KeyError):
             continue  # not built (yet), or not a dataset of ours
@@ -365,15 +363,18 @@ def dataset_references(plan: Plan) -> dict[Path, list[str]]:
     return used
 
 
-def _dist_folders(plan: Plan) -> list[Path]:
-    return [plan.config.dataset_dir] + ([plan.config.packed_dir] if plan.config.packed_dir else [])
+def _dataset_folders(plan: Plan) -> set[Path]:
+    """This config's dist folders and every registered config's dataset folder, relative to the working
+    directory (a packed folder's manifest names no sources: only the dataset's say what it uses)."""
+    named = [*plan.config.dist_folders, *(Path(e["dataset"]) for e in registrations(plan.config.store).values())]
+    return {Path(os.path.relpath(os.path.abspath(f))) for f in named}
 
 
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
     """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
     now = time.time()
     found = {*plan.config.store.rglob(".*.tmp"), *plan.config.store.rglob(".*.old")}
-    for dist in _dist_folders(plan):
+    for dist in plan.config.dist_folders:
         found |= {*dist.parent.glob(f".{dist.name}.*.tmp"), *dist.parent.glob(f".{dist.name}.*.old")}
         versions = release.versions_dir(dist)
         found |= {*versions.glob(".*.tmp"), *versions.glob(".*.old")}
@@ -427,8 +428,7 @@ def garbage(
                 if path.exists() or path.is_symlink():
                     out.append(Entry(path, _size(path, seen), kept=False, why=DATASET_BROKEN))
     # versions no dataset folder links to any more: this config's folders, and every registered one's
-    named = [*_dist_folders(plan), *(Path(e["dataset"]) for e in registrations(store).values())]
-    folders = {Path(os.path.relpath(os.path.abspath(f))) for f in named}
+    folders = _dataset_folders(plan)
     folders |= {p for f in list(folders) for p in f.parent.glob(f"{f.name}-packed-*") if p.is_symlink()}
     for dist in sorted(folders):
         why = f"superseded version of {os.path.relpath(dist)}"
@@ -501,9 +501,7 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
     that prepare runs again; its completions stay valid (generate depends on the manifest as ancient).
     A shard the manifest lists but the store lacks is reported missing.
     """
-    dist = plan.config.dataset_dir
-    packed = plan.config.packed_dir
-    dists = (dist,) if packed is None else (dist, packed)  # the packed folder derives from the dataset
+    dists = plan.config.dist_folders  # the packed folder derives from the dataset
     # --repair removes a dataset's build record, so that Snakemake builds the folder again; the folder
     # itself (a link to its last good version) stays until the new version replaces it
     records = tuple(release.record_dir(d) for d in dists)
@@ -606,7 +604,7 @@ def verify(plan: Plan) -> tuple[int, list[Problem]]:
     problems += _journal_problems(store)
     checked += 1
     problems += _derived_problems(plan)
-    for folder in _dist_folders(plan):
+    for folder in plan.config.dist_folders:
         checked += 1
         if release.recorded_but_missing(folder):
             record = release.record_dir(folder)

@@ -169,13 +169,9 @@ class RowIndex:
             index = cls(store)
             layout = index.db.execute("PRAGMA user_version").fetchone()[0]
             has_rows = index.db.execute("SELECT 1 FROM shards LIMIT 1").fetchone() is not None
-        except sqlite3.OperationalError as e:
-            if _busy(e):  # held by another process past every wait: not damage, never rebuilt under it
-                raise
-            log.warning("row index %s is not readable (%s): rebuilding it from the store", store / INDEX_FILE, e)
-            rebuild(store, force=False)
-            return cls(store)
         except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError) and _busy(e):
+                raise  # held by another process past every wait: not damage, never rebuilt under it
             log.warning("row index %s is not readable (%s): rebuilding it from the store", store / INDEX_FILE, e)
             rebuild(store, force=False)
             return cls(store)

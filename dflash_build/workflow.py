@@ -78,8 +78,8 @@ def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
     """Say so when a dataset folder was deleted by hand: its build record keeps Snakemake from rebuilding it."""
     from dflash_build import release
 
-    for folder in (config.dataset_dir, config.packed_dir):
-        if folder is not None and release.recorded_but_missing(folder):
+    for folder in config.dist_folders:
+        if release.recorded_but_missing(folder):
             logging.getLogger("dflash_build").warning(
                 "%s is missing although its build is recorded in %s: `dflash-build verify --repair` (or "
                 "`snakemake --forcerun mix`) builds it again",
