@@ -42,6 +42,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -51,6 +52,7 @@ from typing import Any
 from dflash_build import atomic, hashing
 from dflash_build.config import Config, EngineSpec
 from dflash_build.engines import EngineFailed
+from dflash_build.engines.openai_backend import PoolChange, ServerDown
 from dflash_build.engines.sglang_backend import OWN_OPTIONS
 from dflash_build.gpus import GpuLease, gpu_lock
 
@@ -224,17 +226,31 @@ def _allocation_task() -> int | None:
 # -- the job's side --------------------------------------------------------------------------------
 @dataclass
 class Attached:
-    """Engines one job uses: its own slot's first, then the others of the same identity."""
+    """Engines one job uses (its own slot's first, then others of the same identity), each held by a
+    shared lock on its use lock, by URL."""
 
-    urls: list[str]
-    engines: list[dict[str, Any]]
-    _fds: list[int]
+    members: dict[str, tuple[dict[str, Any], int]]  # url -> (the engine's state, its use-lock fd)
     started: bool  # this job started its own slot's engine
 
+    @property
+    def urls(self) -> list[str]:
+        return list(self.members)
+
+    @property
+    def engines(self) -> list[dict[str, Any]]:
+        return [state for state, _ in self.members.values()]
+
+    def leave(self, url: str) -> dict[str, Any] | None:
+        """Stop holding ``url``'s engine (so a job that replaces it is not kept waiting); its state."""
+        member = self.members.pop(url, None)
+        if member is None:
+            return None
+        os.close(member[1])
+        return member[0]
+
     def release(self) -> None:
-        for fd in self._fds:
-            os.close(fd)  # drops the shared use lock
-        self._fds.clear()
+        for url in list(self.members):
+            self.leave(url)  # drops the shared use lock
 
 
 def attach(spec: LaunchSpec, pool: bool = True) -> Attached:
@@ -252,17 +268,24 @@ def attach(spec: LaunchSpec, pool: bool = True) -> Attached:
         raise
     finally:
         os.close(start_fd)
-    attached = Attached([state["url"]], [state], [use_fd], started)
+    attached = Attached({state["url"]: (state, use_fd)}, started)
     if pool:
-        for other in running(spec.lock_dir):
-            if other["slot"] == spec.slot or other["identity_key"] != spec.identity_key:
-                continue
-            joined = _join(spec.lock_dir, other)
-            if joined is not None:
-                attached._fds.append(joined)
-                attached.urls.append(other["url"])
-                attached.engines.append(other)
+        join_others(spec, attached)
     return attached
+
+
+def join_others(spec: LaunchSpec, attached: Attached) -> list[str]:
+    """Join the running engines of ``spec``'s identity that ``attached`` does not hold yet; their URLs."""
+    joined = []
+    held = {state["slot"] for state in attached.engines}
+    for other in running(spec.lock_dir):
+        if other["slot"] in held or other["identity_key"] != spec.identity_key or other["url"] in attached.members:
+            continue
+        fd = _join(spec.lock_dir, other)
+        if fd is not None:
+            attached.members[other["url"]] = (other, fd)
+            joined.append(other["url"])
+    return joined
 
 
 def _ensure(spec: LaunchSpec, use_fd: int) -> dict[str, Any] | None:
@@ -425,11 +448,14 @@ def _join(lock_dir: str, state: dict[str, Any]) -> int | None:
     return None
 
 
+_STOP_SIGNALS = {"replaced": signal.SIGUSR1, "stalled": signal.SIGUSR2}  # else SIGTERM: "stopped"
+
+
 def _stop_host(state: dict[str, Any], reason: str, wait: float = STOP_GRACE_SECONDS + 30) -> None:
-    """SIGTERM a host (its users are gone: the caller holds the use lock) and wait until it exits."""
+    """Signal a host to stop (its users are gone, or its server stalled) and wait until it exits."""
     pid = int(state["pid"])
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGUSR1 if reason == "replaced" else signal.SIGTERM)
+        os.kill(pid, _STOP_SIGNALS.get(reason, signal.SIGTERM))
     deadline = time.monotonic() + wait
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -497,33 +523,106 @@ def concurrency(engine: EngineSpec) -> int:
     return 2  # llama-cpp-python's server answers one request at a time: one waits while one runs
 
 
-class ServedEngine:
-    """The Engine interface over the servers a job is attached to (the openai backend does the HTTP)."""
+STALLED_STOP_SECONDS = 20.0  # a stalled server is SIGKILLed by its host at once; then the host itself
 
-    def __init__(self, spec: LaunchSpec, attached: Attached, client: Any, stop_on_close: bool) -> None:
-        self.spec, self.attached, self.client, self.stop_on_close = spec, attached, client, stop_on_close
-        self.identity = {
+
+class ServedEngine:
+    """The Engine interface over the servers a job is attached to (the openai backend does the HTTP).
+
+    It owns the backend's pool (``PoolHooks``): a server that stalls is stopped (its host SIGKILLs it,
+    so the GPU is free) unless another job already replaced it, and the job's own slot gets one
+    replacement; a server that died is left; engines of the identity that start later are joined.
+    """
+
+    def __init__(self, spec: LaunchSpec, attached: Attached, stop_on_close: bool, pool: bool) -> None:
+        self.spec, self.attached, self.stop_on_close, self.pool = spec, attached, stop_on_close, pool
+        self.client: Any = None
+        self.replaced = self.closed = False
+        self._lock = threading.Lock()  # the pool's changes come from threads of their own
+        self.identity: dict[str, Any] = {
             "identity_key": spec.identity_key,
             "started_here": attached.started,
-            "engines": [{k: e[k] for k in ("slot", "url", "pid", "spawned_at", "ready_at")} for e in attached.engines],
+            "engines": [_described(e) for e in attached.engines],
         }
         # how warnings name it: every engine the job feeds, with its server's pid
         served = ", ".join(f"{e['slot']} (pid {e['pid']}, {e['url']})" for e in attached.engines)
         self.name = f"the shared engine {served}"
 
     def generate(self, requests: Any) -> Any:
-        return self.client.generate(requests)
+        try:
+            yield from self.client.generate(requests)
+        except ServerDown as e:
+            slots = sorted({engine["slot"] for engine in self.identity["engines"]})
+            logs = ", ".join(str(Path(self.spec.log_dir) / f"{slot}.log") for slot in slots)
+            e.add_note(
+                f"No engine of the pool is left (each job replaces its own GPU's engine once). Finished rows are "
+                f"journaled. See the engines' logs ({logs}) and the GPUs (nvidia-smi), then run the build again: "
+                "it generates only the rest."
+            )
+            raise
+
+    def lost(self, url: str, why: str, stalled: bool) -> PoolChange:
+        """A server left the backend's pool: stop it if it stalled, and replace our own slot's once."""
+        with self._lock:
+            state = self.attached.leave(url)
+        if state is None:
+            return PoolChange()
+        self.identity.setdefault("lost", []).append({**_described(state), "stalled": stalled, "why": why[:300]})
+        if stalled and read_state(self.spec.lock_dir, state["slot"]) == state:  # nobody replaced it yet
+            log.warning(
+                "stopping the stalled engine on %s (host pid %d, server pid %s, log %s)",
+                state["slot"],
+                state["pid"],
+                state.get("server_pid"),
+                state.get("log"),
+            )
+            _stop_host(state, "stalled", wait=STALLED_STOP_SECONDS)
+        if state["slot"] != self.spec.slot or self.replaced or self.closed:
+            return PoolChange()
+        self.replaced = True
+        log.warning("starting a replacement engine on %s", self.spec.slot)
+        attached = attach(self.spec, pool=False)  # or join the one another job started meanwhile
+        with self._lock:
+            if self.closed:
+                attached.release()
+                return PoolChange()
+            self.attached.members.update(attached.members)
+            self.identity["engines"] += [_described(e) for e in attached.engines]
+        return PoolChange(joined=attached.urls)
+
+    def refresh(self) -> PoolChange:
+        """Members whose engine stopped or was replaced leave; with ``pool``, newly started ones join."""
+        with self._lock:
+            if self.closed:
+                return PoolChange()
+            gone = [
+                url
+                for url, (state, _) in self.attached.members.items()
+                if read_state(self.spec.lock_dir, state["slot"]) != state
+            ]
+            for url in gone:
+                self.attached.leave(url)
+            joined = join_others(self.spec, self.attached) if self.pool else []
+            self.identity["engines"] += [_described(self.attached.members[url][0]) for url in joined]
+        return PoolChange(joined=joined, gone=gone)
 
     def interrupt(self) -> None:
         self.client.interrupt()
 
     def close(self) -> None:
         try:
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
         finally:
-            self.attached.release()
+            with self._lock:
+                self.closed = True
+                self.attached.release()
             if self.stop_on_close:
                 stop_idle(self.spec.lock_dir, [self.spec.slot])
+
+
+def _described(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: state[k] for k in ("slot", "url", "pid", "spawned_at", "ready_at")}
 
 
 def open_engine(
@@ -539,19 +638,22 @@ def open_engine(
 
     spec = launch_spec(cfg, stop_ids, lease, model_fingerprint, context)
     attached = attach(spec, pool=cfg.engine.shared)
+    served = ServedEngine(spec, attached, stop_on_close=not cfg.engine.shared, pool=cfg.engine.shared)
     try:
         options = {
             "urls": attached.urls,
             "api": "completions" if spec.backend == "llamacpp" else "generate",
             "concurrency": concurrency(cfg.engine),
-            "timeout": SHARED_REQUEST_TIMEOUT,
+            "timeout": SHARED_REQUEST_TIMEOUT,  # a last resort: stalls are caught by engine.stall_timeout
             "retries": int(cfg.engine.options.get("retries", 3)),
         }
-        client = OpenAIEngine(options, stop_ids, tokenizer, cfg.model.path)
+        served.client = OpenAIEngine(
+            options, stop_ids, tokenizer, cfg.model.path, cfg.engine.stall_timeout, spec.health_path, pool=served
+        )
     except BaseException:
-        attached.release()
+        served.close()
         raise
-    return ServedEngine(spec, attached, client, stop_on_close=not cfg.engine.shared)
+    return served
 
 
 # -- the host process ------------------------------------------------------------------------------
@@ -566,6 +668,7 @@ class _Host:
         self.child: subprocess.Popen[bytes] | None = None
         signal.signal(signal.SIGTERM, lambda *_: self._request_stop("stopped"))
         signal.signal(signal.SIGUSR1, lambda *_: self._request_stop("replaced"))
+        signal.signal(signal.SIGUSR2, lambda *_: self._request_stop("stalled"))
         signal.signal(signal.SIGINT, lambda *_: self._request_stop("interrupted"))
 
     def _request_stop(self, reason: str) -> None:
@@ -665,7 +768,8 @@ class _Host:
     def _finish(self, code: int, ready_at: float | None) -> int:
         child = self.child
         if child is not None and child.poll() is None:
-            _terminate_group(child)
+            # a stalled server may be stopped or deadlocked: it would never act on SIGTERM
+            _terminate_group(child, grace=0.0 if self.stop_reason == "stalled" else STOP_GRACE_SECONDS)
         stopped_at = time.time()
         life = stopped_at - self.spawned_at
         record = {
@@ -688,11 +792,12 @@ class _Host:
         return code
 
 
-def _terminate_group(child: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(timeout=STOP_GRACE_SECONDS)
+def _terminate_group(child: subprocess.Popen[bytes], grace: float = STOP_GRACE_SECONDS) -> None:
+    if grace:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=grace)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGKILL)  # its workers too
     with contextlib.suppress(subprocess.TimeoutExpired):

@@ -39,6 +39,9 @@ class StandIn:
     last: int = 0
     trickle_seconds: float = 0.4
     hang_seconds: float = 3.0  # "hang": nothing at all this long (a stopped process), then the answer
+    delay_seconds: float = 0.0  # every completion takes this long (a busy server)
+    freeze_after: int = 0  # from this completion on, nothing answers at all, /health neither (SIGSTOP)
+    frozen: threading.Event = field(default_factory=threading.Event)
     completions: int = 0
     faults_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -56,7 +59,13 @@ class StandIn:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
-                if self.path == "/v1/models":
+                standin.wait_while_frozen()
+                if standin.server is None:  # stopped: kept-alive connections die with it, as with a process
+                    self.close_connection = True
+                    return
+                if self.path == "/health":
+                    self._send(200, b"")
+                elif self.path == "/v1/models":
                     self._send(200, json.dumps({"data": [{"id": standin.model_id}]}).encode())
                 else:
                     self._send(404, b'{"error": "not found"}')
@@ -66,6 +75,13 @@ class StandIn:
                 with standin.lock:
                     standin.completions += 1
                     n = standin.completions
+                    if standin.freeze_after and n >= standin.freeze_after:
+                        standin.frozen.set()
+                standin.wait_while_frozen()
+                time.sleep(standin.delay_seconds)
+                if standin.server is None:
+                    self.close_connection = True
+                    return
                 faulty = standin.fault is not None and standin.first <= n and (not standin.last or n <= standin.last)
                 if not faulty:
                     self._send(200, json.dumps(answer(body)).encode())
@@ -131,7 +147,12 @@ class StandIn:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
+    def wait_while_frozen(self) -> None:
+        while self.frozen.is_set() and self.server is not None:
+            time.sleep(0.05)
+
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        server, self.server = self.server, None  # a frozen handler sees it and ends
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -142,7 +142,7 @@ def load(
     if engine.backend == "openai":
         from dflash_build.engines.openai_backend import OpenAIEngine
 
-        return OpenAIEngine(engine.options, stop_token_ids, tokenizer, model.path)
+        return OpenAIEngine(engine.options, stop_token_ids, tokenizer, model.path, engine.stall_timeout)
     if engine.backend == "llamacpp":
         raise ValueError("the llamacpp backend runs as a server: dflash_build.engine_host starts it")
     raise ValueError(f"config key 'engine.backend': unknown backend '{engine.backend}' (known: {', '.join(BACKENDS)})")

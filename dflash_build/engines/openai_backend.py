@@ -7,12 +7,19 @@ comes back as text, which is re-tokenized; each such row is marked, and rows who
 length differs from the server's own completion-token count are counted as drift in the stats.
 
 Requests are spread over the servers with a bounded number in flight per server (httpx, async, one
-pooled client). A server fault is never data: each attempt has a total deadline (``timeout``, from
-connecting to the last byte), and timeouts, broken connections, 408/429/5xx and answers that are not
-a well-formed completion (not JSON, no choices, no tokens, more tokens than ``max_tokens``) are
-retried with exponential backoff. When the retries run out the job fails with the server's address
-and its last answer; finished rows stay journaled. A request the server refuses (other 4xx) is an
-error row, and one it keeps aborting an abort row: both count against ``checks.max_failed_fraction``.
+pooled client). The servers are a pool: one that stops answering while it holds requests (no answer
+for ``stall_timeout`` seconds and its health check fails: a stopped process, a deadlocked scheduler, a
+wedged GPU) or that fails through every retry leaves it at once, and its requests go to the others;
+the pool's owner (``PoolHooks``: the shared engines of engine_host) may kill and replace it, and adds
+servers that start later. When no server is left, the job fails naming the last one.
+
+A server fault is never data: each attempt has a total deadline (``timeout``, from connecting to the
+last byte), and timeouts, broken connections, 408/429/5xx and answers that are not a well-formed
+completion (not JSON, no choices, no tokens, more tokens than ``max_tokens``) are retried with
+exponential backoff. When the retries run out, the server leaves the pool; with none left the job
+fails with the server's address and its last answer; finished rows stay journaled. A request the
+server refuses (other 4xx) is an error row, and one it keeps aborting an abort row: both count
+against ``checks.max_failed_fraction``.
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -42,10 +52,16 @@ _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # How servers refuse a token-id prompt (llama.cpp: a 500 validation error); busy answers are not refusals.
 _REFUSAL_STATUS = frozenset({400, 415, 422, 500})
 _SHOWN = 300  # characters of a server's answer quoted in errors
+PROBE_SECONDS = 30.0  # a health check's deadline: SGLang's /health_generate itself gives up after 20 s
+POOL_REFRESH_SECONDS = 10.0  # how often the pool's owner is asked for servers that started or went
 
 
 class ServerDown(RuntimeError):
     """A server did not answer usefully through every retry: the job fails, its journal stays."""
+
+
+class EngineStalled(ServerDown):
+    """A server held requests without answering for ``stall_timeout`` and failed its health check."""
 
 
 class HTTPFailure(Exception):
@@ -82,6 +98,37 @@ class Aborted(Exception):
     def __init__(self, result: Result) -> None:
         super().__init__(result.error)
         self.result = result
+
+
+@dataclass
+class PoolChange:
+    """What the pool's owner did: servers that joined (they serve this job's identity and passed their
+    own health check) and servers that are gone."""
+
+    joined: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+
+
+class PoolHooks(Protocol):
+    """The owner of a pool of servers (engine_host.ServedEngine). Called in threads of their own: they
+    may block (starting an engine takes minutes) while the other servers go on."""
+
+    def lost(self, url: str, why: str, stalled: bool) -> PoolChange:
+        """``url`` left the pool (``stalled``: it holds requests and does not answer); may replace it."""
+        ...
+
+    def refresh(self) -> PoolChange:
+        """Servers of the pool's identity that started since, and members that are gone."""
+        ...
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    in_flight: int = 0
+    quiet_since: float = 0.0  # its last answer, or when it was given work while it held none
+    probe: asyncio.Future[str | None] | None = None
+    probed_at: float = 0.0  # its last health check that answered
 
 
 def _options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,35 +213,64 @@ def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]
 
 
 class OpenAIEngine:
-    def __init__(self, options: Mapping[str, Any], stop_token_ids: list[int], tokenizer: Any, model_path: str) -> None:
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        stop_token_ids: list[int],
+        tokenizer: Any,
+        model_path: str,
+        stall_timeout: float | None = None,
+        health_path: str = "/v1/models",
+        pool: PoolHooks | None = None,
+    ) -> None:
         self.opts = _options(options)
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer  # for text prompts and re-tokenized answers
         self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
         self.name = "the server " + ", ".join(self.opts["urls"])  # how warnings name it
+        self.stall_timeout, self.health_path, self.pool = stall_timeout, health_path, pool
+        # a SIGSTOPped server accepts connections and never answers: checks made here wait this long
+        self.probe_seconds = min(PROBE_SECONDS, stall_timeout or PROBE_SECONDS)
+        self._servers = {url: _Server(url) for url in self.opts["urls"]}
+        self._changes: set[asyncio.Future[PoolChange]] = set()  # the pool owner's answers still to come
+        self._failure: ServerDown | None = None  # why the last server left
+        self._refreshed = time.monotonic()
         # One event loop in a thread of its own: the driver's loop stays synchronous.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="openai-backend", daemon=True)
         self._thread.start()
         self._client = self._run(self._open_client())
         try:
-            for url in self.opts["urls"]:
-                self._run(self._health(url))
             self._model_ids: dict[str, list[str]] = {}  # /v1/models ids per server, read once
-            self.identity = {url: self._run(self._check_identity(url, model_path)) for url in self.opts["urls"]}
+            self.identity: dict[str, list[str]] = {}
+            for url in self.opts["urls"]:
+                self._run(self._first_contact(url, model_path))
+            if not self._servers and pool is None:
+                raise self._failure or ServerDown("no server")
         except BaseException:
             self.close()
             raise
-        first = self._model_ids[self.opts["urls"][0]]
+        first = self._model_ids.get(self.opts["urls"][0]) or []
         self.model_name = self.opts["model"] or (first[0] if first else "default")
+
+    async def _first_contact(self, url: str, model_path: str) -> None:
+        """Health and identity of a configured server; in a pool, one that does not answer just leaves it."""
+        try:
+            await self._health(url)
+            self.identity[url] = await self._check_identity(url, model_path)
+        except ServerDown as e:
+            if self.pool is None:
+                raise
+            self._leave(self._servers[url], str(e), stalled=True, failure=e)
 
     def _run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     async def _open_client(self) -> httpx.AsyncClient:
         per_server = self.opts["concurrency"]
-        limits = httpx.Limits(max_connections=per_server * len(self.opts["urls"]) + 4, max_keepalive_connections=None)
+        del per_server  # the pool grows and shrinks: _generate bounds the requests in flight per server
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.opts["timeout"]), trust_env=False)
 
     async def _check_identity(self, url: str, model_path: str) -> list[str]:
@@ -202,7 +278,7 @@ class OpenAIEngine:
         answers = []
         for path in ("/v1/models", "/get_model_info"):
             try:
-                answers.append(await self._call(url, path, None, retries=1))
+                answers.append(await self._call(url, path, None, retries=1, deadline=self.probe_seconds))
             except (RequestRefused, ServerDown):
                 answers.append(None)
         self._model_ids[url] = [
@@ -243,14 +319,16 @@ class OpenAIEngine:
         body: dict[str, Any] | None,
         retries: int | None = None,
         parse: Callable[[Any], T] | None = None,
+        deadline: float | None = None,
     ) -> Any:
         """GET (no body) or POST, parsed by ``parse``; faults retried with backoff within a total deadline each."""
         attempts = (self.opts["retries"] if retries is None else retries) + 1
+        deadline = deadline or self.opts["timeout"]
         delay = self.opts["backoff"]
         last, status = "", 0
         for attempt in range(attempts):
             try:
-                answer = await asyncio.wait_for(self._attempt(url, path, body), self.opts["timeout"])
+                answer = await asyncio.wait_for(self._attempt(url, path, body), deadline)
                 return answer if parse is None else _parsed(parse, answer)
             except _Retry as e:
                 last, status = str(e), e.status
@@ -261,7 +339,7 @@ class OpenAIEngine:
                     return e.result  # the server keeps giving up on this request: an abort row
                 last, status = str(e), 0
             except (asyncio.TimeoutError, TimeoutError):
-                last, status = f"no complete answer within the deadline of {self.opts['timeout']:g}s", 0
+                last, status = f"no complete answer within the deadline of {deadline:g}s", 0
             except httpx.TransportError as e:  # refused, reset, closed mid-body, ...
                 last, status = f"{type(e).__name__}: {e}", 0
             if attempt + 1 < attempts:
@@ -275,7 +353,7 @@ class OpenAIEngine:
 
     async def _health(self, url: str) -> None:
         try:
-            await self._call(url, "/v1/models", None, retries=2)
+            await self._call(url, "/v1/models", None, retries=2, deadline=self.probe_seconds)
         except RequestRefused:
             pass  # it answers: some servers have no /v1/models
         except ServerDown as e:
@@ -416,32 +494,139 @@ class OpenAIEngine:
             running.cancel()  # thread-safe: the task is cancelled in the backend's loop
 
     async def _generate(self, todo: Iterator[Request], results: queue.Queue[Any], done: object) -> None:
-        in_flight = dict.fromkeys(self.opts["urls"], 0)
-        owner: dict[asyncio.Task[Result], str] = {}
+        owner: dict[asyncio.Task[Result], tuple[_Server, Request]] = {}
+        resend: deque[Request] = deque()  # requests of servers that left the pool go first
+        exhausted = False
 
         def fill() -> None:
-            while True:
-                url = min(in_flight, key=in_flight.__getitem__)
-                if in_flight[url] >= self.opts["concurrency"]:
+            nonlocal exhausted
+            while self._servers:
+                server = min(self._servers.values(), key=lambda s: s.in_flight)
+                if server.in_flight >= self.opts["concurrency"]:
                     return
-                request = next(todo, None)
+                request = resend.popleft() if resend else next(todo, None)
                 if request is None:
+                    exhausted = True
                     return
-                in_flight[url] += 1
-                owner[asyncio.ensure_future(self._one(url, request))] = url
+                if not server.in_flight:
+                    server.quiet_since = time.monotonic()
+                server.in_flight += 1
+                owner[asyncio.ensure_future(self._one(server.url, request))] = (server, request)
+
+        def leave(server: _Server, why: str, stalled: bool, failure: ServerDown) -> None:
+            for task, (held_by, request) in list(owner.items()):
+                if held_by is server:
+                    task.cancel()
+                    del owner[task]
+                    resend.append(request)
+            self._leave(server, why, stalled, failure)
 
         try:
             fill()
-            while owner:
-                finished, _ = await asyncio.wait(owner, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
-                    in_flight[owner.pop(task)] -= 1
-                    results.put(task.result())
+            while owner or resend or not exhausted:
+                if not self._servers and not self._changes:
+                    raise self._failure or ServerDown("no server is left in the pool")
+                probes = {s.probe for s in self._servers.values() if s.probe is not None}
+                waiting = set(owner) | self._changes | probes
+                finished = (await asyncio.wait(waiting, timeout=self._tick(), return_when=asyncio.FIRST_COMPLETED))[0]
+                for task in finished & owner.keys():
+                    server, request = owner.pop(task)
+                    server.in_flight -= 1
+                    try:
+                        result = task.result()
+                    except ServerDown as e:
+                        resend.appendleft(request)
+                        leave(server, str(e), stalled=False, failure=e)
+                        continue
+                    server.quiet_since = time.monotonic()
+                    results.put(result)
+                self._take_changes(leave)
+                self._watch_stalls(leave)
                 fill()
         finally:
             for task in owner:
                 task.cancel()
             results.put(done)
+
+    # -- the pool -----------------------------------------------------------------------------
+    def _tick(self) -> float:
+        return max(0.1, min(self.stall_timeout or POOL_REFRESH_SECONDS, POOL_REFRESH_SECONDS) / 4)
+
+    def _leave(self, server: _Server, why: str, stalled: bool, failure: ServerDown) -> None:
+        """``server`` leaves the pool (its requests were taken back); its owner hears of it."""
+        if self._servers.get(server.url) is not server:
+            return
+        del self._servers[server.url]
+        if server.probe is not None:
+            server.probe.cancel()
+        self._failure = failure
+        rest = ", ".join(self._servers) or "none"
+        log.warning("%s leaves the pool (%s); its requests go to the others (left: %s)", server.url, why, rest)
+        if self.pool is not None:
+            self._changes.add(_in_thread(self._loop, self.pool.lost, server.url, why, stalled))
+
+    def _take_changes(self, leave: Callable[[_Server, str, bool, ServerDown], None]) -> None:
+        """Apply what the pool's owner answered; ask it again every POOL_REFRESH_SECONDS."""
+        for change in [c for c in self._changes if c.done()]:
+            self._changes.discard(change)
+            try:
+                answer = change.result()
+            except Exception as e:  # a failed replacement leaves the rest of the pool working
+                log.warning("the engine pool could not change: %s: %s", type(e).__name__, e)
+                continue
+            for url in answer.gone:
+                if url in self._servers:
+                    leave(self._servers[url], "its engine is no longer running", False, ServerDown(f"{url} is gone"))
+            for url in answer.joined:
+                if url not in self._servers:
+                    log.info("%s joins the pool", url)
+                    self._servers[url] = _Server(url)
+        if self.pool is not None and time.monotonic() - self._refreshed >= POOL_REFRESH_SECONDS:
+            self._refreshed = time.monotonic()
+            if not self._changes:
+                self._changes.add(_in_thread(self._loop, self.pool.refresh))
+
+    def _watch_stalls(self, leave: Callable[[_Server, str, bool, ServerDown], None]) -> None:
+        """A server silent for ``stall_timeout`` while it holds requests is health-checked; failing, it leaves."""
+        if not self.stall_timeout:
+            return
+        now = time.monotonic()
+        for server in list(self._servers.values()):
+            silent = now - server.quiet_since
+            if server.probe is not None and server.probe.done():
+                failed, server.probe = server.probe.result(), None
+                if failed is None:
+                    server.probed_at = now
+                    log.warning(
+                        "%s: no answer for %.0fs with %d requests in flight, but its health check %s answers: "
+                        "busy with long answers, not stalled",
+                        server.url,
+                        silent,
+                        server.in_flight,
+                        self.health_path,
+                    )
+                    continue
+                why = (
+                    f"stalled: no answer for {silent:.0f}s while it held {server.in_flight} requests "
+                    f"(engine.stall_timeout {self.stall_timeout:g}s), and its health check {self.health_path} {failed}"
+                )
+                leave(server, why, True, EngineStalled(f"server {server.url} {why}"))
+            elif (
+                server.in_flight
+                and server.probe is None
+                and now - max(server.quiet_since, server.probed_at) >= (self.stall_timeout)
+            ):
+                server.probe = asyncio.ensure_future(self._probe(server.url))
+
+    async def _probe(self, url: str) -> str | None:
+        """None if ``url`` answers its health check (twice within the deadline each), else how it failed."""
+        try:
+            await self._call(url, self.health_path, None, retries=1, deadline=self.probe_seconds)
+        except RequestRefused as e:
+            return f"refused ({e})"
+        except ServerDown as e:
+            return f"failed ({str(e).split('last answer: ')[-1]})"
+        return None
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -459,6 +644,24 @@ class _Retry(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` in a daemon thread, as a future of ``loop`` (a pending replacement never holds up
+    the job's exit, as the default executor's threads would)."""
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as e:  # handed to the loop, which decides
+            error = e
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
+
+    threading.Thread(target=run, name=f"pool {getattr(fn, '__name__', 'change')}", daemon=True).start()
+    return future
 
 
 def _parsed(parse: Callable[[Any], T], answer: Any) -> T:
