@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import platform
 import signal
 import sys
@@ -157,30 +158,45 @@ class Progress:
         if self.done == self.total:
             self._line()
 
-    def watch(self, in_flight: Callable[[], int], engine: str, stall_timeout: float) -> None:
-        """Start the heartbeat: ``in_flight()`` says how many requests the engine holds now."""
+    def watch(
+        self,
+        in_flight: Callable[[], int],
+        engine: str,
+        stall_timeout: float,
+        then: str,
+        steps: Callable[[], int] | None = None,
+        on_stall: Callable[[str], None] | None = None,
+    ) -> None:
+        """Start the heartbeat: ``in_flight()`` says how many requests the engine holds now; ``steps()``
+        (an in-process engine's decoding steps) counts as progress too; ``then`` says in the warning what
+        happens next. With ``on_stall``, an engine that made no progress for ``stall_timeout`` while it
+        holds requests is handed to it, once."""
         tick = max(0.2, min(self.every, stall_timeout) / 4)
 
         def beat() -> None:
-            warned_for = None  # the answer time the last warning was about
+            warned_for = None  # the progress time the last warning was about
+            seen, stepped_at = (steps() if steps else 0), time.monotonic()
             while not self._stop.wait(tick):
                 now = time.monotonic()
                 if self.bar is None and now - self.last >= self.every:
                     self._line()
-                waiting, silent = in_flight(), now - self.last_answer
-                if waiting and silent >= stall_timeout and warned_for != self.last_answer:
-                    warned_for = self.last_answer
-                    self.stalls += 1
-                    log.warning(
-                        "%s: no answer from %s for %.0fs while %d requests are in flight (engine.stall_timeout "
-                        "%gs); it may be stopped, deadlocked or its GPU wedged. The job waits for it; "
-                        "stopping the job keeps every finished row, and a rerun generates only the rest",
-                        self.label,
-                        engine,
-                        silent,
-                        waiting,
-                        stall_timeout,
-                    )
+                if steps is not None and steps() != seen:
+                    seen, stepped_at = steps(), now
+                progressed = max(self.last_answer, stepped_at)
+                waiting, silent = in_flight(), now - progressed
+                if not (waiting and silent >= stall_timeout) or warned_for == progressed:
+                    continue
+                warned_for = progressed
+                self.stalls += 1
+                message = (
+                    f"{self.label}: no answer from {engine} for {silent:.0f}s while {waiting} requests are in flight "
+                    f"(engine.stall_timeout {stall_timeout:g}s); it may be stopped, deadlocked or its GPU wedged: "
+                    f"{then}"
+                )
+                log.warning("%s", message)
+                if on_stall is not None:
+                    on_stall(message)
+                    return
 
         self._heartbeat = threading.Thread(target=beat, name=f"heartbeat {self.label}", daemon=True)
         self._heartbeat.start()
@@ -626,6 +642,69 @@ def engine_name(engine: engines.Engine, backend: str, lease: gpus.GpuLease | Non
     return f"the in-process {backend} engine" + (f" on GPU {lease.gpu}" if lease is not None else "")
 
 
+STALL_STOP_GRACE_SECONDS = 10.0  # an interrupted engine returns within this, or the job exits at once
+STALLED_EXIT_CODE = 75  # EX_TEMPFAIL: a rerun finishes the shard
+
+
+class StallStop:
+    """An in-process engine that makes no progress cannot be replaced: stop the job, keeping the journal.
+
+    The engine is interrupted; if it returns, the job fails with :class:`engines.EngineStalled`. A hung
+    one (a wedged GPU, a kernel that never returns) never does, so after a grace the journal is synced
+    and the process exits, as a kill would (the fault tests prove a rerun loses nothing then).
+    """
+
+    def __init__(self, engine: engines.Engine, journal: Journal, grace: float = STALL_STOP_GRACE_SECONDS) -> None:
+        self.engine, self.journal, self.grace = engine, journal, grace
+        self.message: str | None = None
+        self.returned = threading.Event()  # the job's thread is out of the engine
+
+    def __call__(self, message: str) -> None:
+        self.message = (
+            f"{message}. It runs in this job, so it cannot be replaced: the rows finished so far are kept in "
+            f"{self.journal.path}; check the GPU (nvidia-smi) and the job's log, then run the build again"
+        )
+        log.error("%s", self.message)
+        self.engine.interrupt()
+        if self.returned.wait(self.grace):
+            return
+        self.journal.sync()
+        log.error("the engine did not return within %gs of its interrupt: exiting now", self.grace)
+        logging.shutdown()
+        os._exit(STALLED_EXIT_CODE)
+
+    def check(self) -> None:
+        self.returned.set()
+        if self.message is not None:
+            raise engines.EngineStalled(self.message)
+
+
+def watch_engine(
+    engine: engines.Engine,
+    work: ShardWork,
+    lease: gpus.GpuLease | None,
+    journal: Journal,
+    progress: Progress,
+    counts: EngineRun,
+) -> StallStop | None:
+    """Start the shard's heartbeat for ``engine``; for an in-process engine that counts its steps, the
+    stop it makes when the engine stalls."""
+    stall_timeout = work.plan.config.engine.stall_timeout
+    name = engine_name(engine, work.plan.config.engine.backend, lease)
+    if isinstance(engine, engine_host.ServedEngine) or work.plan.config.engine.backend == "openai":
+        then = "its health check decides: a stalled server leaves the pool (a shared engine is replaced)"
+        progress.watch(lambda: counts.in_flight, name, stall_timeout, then)
+        return None
+    if getattr(engine, "steps", None) is None:  # its scheduler is out of sight: warn only
+        then = "the job waits for it; stopping the job keeps every finished row, and a rerun generates the rest"
+        progress.watch(lambda: counts.in_flight, name, stall_timeout, then)
+        return None
+    stall = StallStop(engine, journal)
+    steps = lambda: int(engine.steps)  # type: ignore[attr-defined]  # noqa: E731
+    progress.watch(lambda: counts.in_flight, name, stall_timeout, "the job stops", steps, stall)
+    return stall
+
+
 def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None) -> EngineRun:
     """Round after round (one turn each), send what is left to the engine and journal every answer.
 
@@ -635,7 +714,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
     counts = EngineRun()
     done = sum(c.finish_reason is not None for c in work.convs.values())
     progress = Progress(len(work.convs), done, work.label)
-    engine = None
+    engine = stall = None
     try:
         with SignalStop() as stop:
             while stop.signum is None:
@@ -645,8 +724,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                 if engine is None:
                     engine = stop.engine = start_engine(work, lease)
                     counts.served = getattr(engine, "identity", None)
-                    name = engine_name(engine, work.plan.config.engine.backend, lease)
-                    progress.watch(lambda: counts.in_flight, name, work.plan.config.engine.stall_timeout)
+                    stall = watch_engine(engine, work, lease, journal, progress, counts)
                     if kill_kind == "rows" and kill_rows == 0:
                         killpoints.die()
                     if stop.signum is not None:  # it came while the engine loaded
@@ -662,6 +740,8 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     progress.update(generated, conv.finish_reason is not None)
                     killpoints.after_rows(counts.journaled, journal.sync)
                 counts.in_flight = 0
+                if stall is not None:
+                    stall.check()
                 if contexts and stop.signum is None:
                     missing = list(contexts)[:3]
                     raise RuntimeError(f"engine returned no result for {len(contexts)} requests, e.g. {missing}")

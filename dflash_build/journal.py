@@ -25,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,7 @@ class Journal:
         self._file: IO[str] | None = None
         self._unsynced = 0
         self._last_sync = time.monotonic()
+        self._lock = threading.RLock()  # the heartbeat of a stalled job syncs from its own thread
 
     @property
     def path(self) -> Path:
@@ -127,6 +129,10 @@ class Journal:
         return parse(data[: data.rfind(b"\n") + 1])[0]
 
     def append(self, row: dict[str, Any]) -> None:
+        with self._lock:
+            self._append(row)
+
+    def _append(self, row: dict[str, Any]) -> None:
         if self._file is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             new = not self.path.exists()
@@ -139,11 +145,12 @@ class Journal:
             self.sync()
 
     def sync(self) -> None:
-        if self._file is not None and self._unsynced:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        self._unsynced = 0
-        self._last_sync = time.monotonic()
+        with self._lock:
+            if self._file is not None and self._unsynced:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            self._unsynced = 0
+            self._last_sync = time.monotonic()
 
     def close(self) -> None:
         self.sync()

@@ -18,8 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dflash_build.engines import Request, Result, SamplingParams
-from dflash_build.engines import openai_backend
+from dflash_build.engines import Request, Result, SamplingParams, openai_backend
 from dflash_build.engines.openai_backend import EngineStalled, OpenAIEngine, PoolChange
 from tests.standin_server import STOP_ID, StandIn
 

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
+from dflash_build.killpoints import KILL_AT_ENV
 from tests.conftest import Workflow, base_config, loaded_rows, write_jsonl
 from tests.standin_server import StandIn
 
@@ -191,6 +192,34 @@ def check_recovered_sidecars(
         else:
             assert "restored" not in stats
             assert stats["generated"] == stats["input_rows"] - rows_before, f"{key}: {rows_before} rows were finished"
+
+
+# -- a hung engine ---------------------------------------------------------------------------------
+def test_a_hung_in_process_engine_stops_its_job_cleanly_and_a_rerun_gives_the_same_dataset(
+    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float]
+) -> None:
+    """The transformers engine hangs inside its decoding loop (as on a wedged GPU): the job's heartbeat
+    sees no step for engine.stall_timeout, names the engine, and stops the job, keeping its journal;
+    the rerun generates only the rest, and the dataset is the uninterrupted one."""
+    config = _config(tmp_path, tiny_model)
+    config["engine"]["stall_timeout"] = 1.5  # not keyed: the same keys, so the same dataset
+    wf = Workflow.at(tmp_path / "work", config)
+    start = time.monotonic()
+    failed = wf.run("--until", "generate", check=False, env_extra={KILL_AT_ENV: "hang:14"})
+    elapsed = time.monotonic() - start
+    assert failed.returncode != 0
+    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    assert "hanging at decoding step 14" in logs, "the engine hung in its second batch of 4"
+    assert re.search(r"no answer from the in-process transformers engine for \d+s while \d+ requests", logs)
+    assert "It runs in this job, so it cannot be replaced: the rows finished so far are kept in" in logs
+    assert elapsed < 120, f"stall_timeout 1.5 s and a 10 s grace held the build {elapsed:.0f}s"
+    store = wf.workdir / "store"
+    before, sidecars_before = finished_rows(store), sidecars(store)
+    assert sum(rows for rows, _ in before.values()) > 0, "rows that stopped before the hang are journaled"
+
+    wf.build()
+    assert dataset(wf) == uninterrupted[0]
+    check_recovered_sidecars(store, before, sidecars_before)
 
 
 # -- signals: Snakemake's shutdown, SLURM preemption ----------------------------------------------

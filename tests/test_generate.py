@@ -356,7 +356,7 @@ def test_the_heartbeat_writes_progress_without_rows_and_names_a_silent_engine(ca
     in_flight = {"n": 2}
     progress = generate.Progress(10, 3, "s/00000", every=0.3)
     with caplog.at_level(logging.INFO, logger="dflash_build.generate"):
-        progress.watch(lambda: in_flight["n"], "the server http://127.0.0.1:9", stall_timeout=0.5)
+        progress.watch(lambda: in_flight["n"], "the server http://127.0.0.1:9", 0.5, then="it is looked at")
         time.sleep(1.6)
         progress.update(Result("p", 0, [5, 6], "stop", 2), row_finished=True)
         time.sleep(1.0)
@@ -368,4 +368,22 @@ def test_the_heartbeat_writes_progress_without_rows_and_names_a_silent_engine(ca
     stalls = [line for line in lines if "no answer from the server http://127.0.0.1:9" in line]
     assert len(stalls) == 2 == progress.stalls, lines
     assert all("while 2 requests are in flight (engine.stall_timeout 0.5s)" in s for s in stalls)
+    assert all(s.endswith(": it is looked at") for s in stalls), "the warning says what happens next"
     assert any("s/00000: 4/10 rows" in line for line in lines)
+
+
+def test_an_in_process_engine_is_stalled_only_when_its_decoding_steps_stop() -> None:
+    """Long answers (steps going on, no row finishing) are no stall; steps that stop for stall_timeout
+    while requests are in flight hand the engine to the stop, once."""
+    import time
+
+    steps, stalls = {"n": 0}, []
+    progress = generate.Progress(10, 0, "s/00000", every=60)
+    progress.watch(lambda: 4, "the in-process engine", 0.6, "stop", lambda: steps["n"], stalls.append)
+    for _ in range(12):  # 1.2 s of steps and no finished row
+        steps["n"] += 1
+        time.sleep(0.1)
+    assert stalls == [], "an engine that still decodes is not stalled"
+    time.sleep(1.2)
+    progress.close()
+    assert len(stalls) == 1 and stalls[0].startswith("s/00000: no answer from the in-process engine for ")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from dflash_build import config as config_mod
 from dflash_build import engine_host, workflow
@@ -128,6 +129,57 @@ def test_kill_9_of_everything_leaves_no_engine_behind_and_a_rerun_finishes(
     wf.run("--unlock")
     wf.run("--resources", "gpu=2", "--until", "generate", "--rerun-incomplete", cores=6)
     assert completion_rows(wf.workdir / "store") == per_job_rows
+
+
+@pytest.mark.workflow
+def test_a_stopped_shared_engine_is_replaced_and_the_build_writes_what_an_undisturbed_one_does(
+    tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
+) -> None:
+    """SIGSTOP of the one GPU's server once it served a shard: within stall_timeout and a health check,
+    the jobs that send it requests name it, its host kills it, one job starts a replacement that the
+    other joins, the stalled requests are sent again, and the rows are exactly the undisturbed build's
+    (which ran on two GPUs: which engine answers changes nothing)."""
+    stall_timeout = 2.0
+    wf = _workflow(tmp_path, tiny_model, shared=True, stall_timeout=stall_timeout)
+    config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
+    config["engine"]["gpus"] = ["0"]  # nowhere else to go: the build goes on only if the engine is replaced
+    wf.write_config(config)
+    locks, stopped = tmp_path / "locks", {}
+
+    def stop_the_server() -> None:
+        store = wf.workdir / "store"
+        _wait(lambda: any(store.glob("completions/*/*/*.parquet")), 180, "a shard is published")
+        state = engine_host.read_state(locks, "gpu-0")
+        assert state is not None
+        os.kill(state["server_pid"], signal.SIGSTOP)
+        stopped.update(state, stopped_at=time.time())
+
+    stopper = threading.Thread(target=stop_the_server)
+    stopper.start()
+    wf.run("--resources", "gpu=1", "--until", "generate", cores=4)
+    stopper.join()
+    assert completion_rows(wf.workdir / "store") == per_job_rows, "the healed build lost or changed no row"
+
+    history = _history(wf.workdir / "logs")
+    [stall] = [h for h in history if h["reason"] == "stalled"]
+    assert stall["host_pid"] == stopped["pid"] and stall["slot"] == "gpu-0"
+    # a job's next request or its first health check, then stall_timeout and a check of two attempts
+    handled = stall["stopped_at"] - stopped["stopped_at"]
+    assert handled < 3 * stall_timeout + 15, f"the stopped engine was handled after {handled:.1f}s"
+    assert not _alive(stopped["server_pid"]), "the stopped server was killed, not left holding its GPU"
+    replacements = [h for h in history if h["host_pid"] != stopped["pid"]]
+    assert [h["reason"] for h in replacements] == ["stopped"], "one replacement, stopped with the workflow"
+    assert replacements[0]["spawned_at"] >= stall["stopped_at"] - 1
+
+    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    assert f"{stopped['url']} leaves the pool (stalled: no answer " in logs
+    pids = f"host pid {stopped['pid']}, server pid {stopped['server_pid']}"
+    assert f"stopping the stalled engine on gpu-0 ({pids}" in logs
+    assert "starting a replacement engine on gpu-0" in logs
+    stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").rglob("*.stats.json")]
+    lost = [e for s in stats for e in s["engine"]["served"].get("lost", [])]
+    assert lost and all(e["slot"] == "gpu-0" and e["pid"] == stopped["pid"] for e in lost), lost
+    assert not engine_host.running(locks)
 
 
 # -- the host itself ---------------------------------------------------------------------------------

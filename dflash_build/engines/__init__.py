@@ -55,6 +55,10 @@ class EngineFailed(RuntimeError):
     """The engine itself failed (not one request): the job fails, its journal stays."""
 
 
+class EngineStalled(EngineFailed):
+    """The engine held requests and made no progress for ``engine.stall_timeout``."""
+
+
 class Engine(Protocol):
     """What a backend implements."""
 
@@ -74,6 +78,9 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the engine (GPU memory, worker processes)."""
         ...
+
+    # Optional: ``steps``, a count of the engine's decoding steps so far. An in-process engine that has it
+    # is stopped when it stays unchanged for engine.stall_timeout while requests are in flight.
 
 
 BACKENDS = ("transformers", "sglang", "openai", "llamacpp")

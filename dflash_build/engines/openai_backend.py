@@ -38,6 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from dflash_build.engines import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines import Request, Result, check_options
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ POOL_REFRESH_SECONDS = 10.0  # how often the pool's owner is asked for servers t
 class ServerDown(RuntimeError):
     """A server did not answer usefully through every retry: the job fails, its journal stays."""
 
+    timed_out = False  # its last attempt got no answer at all within the deadline (a stopped process)
 
-class EngineStalled(ServerDown):
+
+class EngineStalled(ServerDown, EngineMadeNoProgress):
     """A server held requests without answering for ``stall_timeout`` and failed its health check."""
 
 
@@ -262,7 +265,9 @@ class OpenAIEngine:
         except ServerDown as e:
             if self.pool is None:
                 raise
-            self._leave(self._servers[url], str(e), stalled=True, failure=e)
+            # accepted the connection, never answered: stopped or deadlocked, so its owner may kill it
+            how = "stalled: no answer to its first health check" if e.timed_out else "not answering"
+            self._leave(self._servers[url], f"{how} ({e})", stalled=e.timed_out, failure=e)
 
     def _run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
@@ -349,7 +354,9 @@ class OpenAIEngine:
         message = f"server {url} failed {path} after {attempts} attempts; last answer: {last}"
         if status:
             raise ServerError(status, message)
-        raise ServerDown(message)
+        down = ServerDown(message)
+        down.timed_out = last.startswith("no complete answer within the deadline")
+        raise down
 
     async def _health(self, url: str) -> None:
         try:
@@ -357,6 +364,8 @@ class OpenAIEngine:
         except RequestRefused:
             pass  # it answers: some servers have no /v1/models
         except ServerDown as e:
+            if self.pool is not None:
+                raise
             raise ServerDown(f"config key 'engine.options.urls': {e}") from e
 
     # -- one request --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash_build import killpoints
 from dflash_build.engines import Request, Result, check_options, position_seed
 from dflash_build.keys import transformers_dtype
 
@@ -77,6 +78,7 @@ class TransformersEngine:
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else stop_token_ids[0]
         self.stopping = False
+        self.steps = 0  # decoding steps so far: the job's heartbeat sees an engine that makes no progress
 
     def interrupt(self) -> None:
         self.stopping = True  # checked between decoding steps
@@ -118,6 +120,8 @@ class TransformersEngine:
         cache = getattr(out, self.cache_arg)
         logits = out.logits[:, -1, :]
         while active and not self.stopping:
+            self.steps += 1
+            killpoints.hang_at_step(self.steps)
             # the draw for each row depends only on its seed and the position being sampled
             seeds = [position_seed(batch[i].seed, len(batch[i].prompt_ids) + len(outputs[i])) for i in active]
             tokens = self._sample(logits, params, seeds)
