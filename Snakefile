@@ -21,6 +21,11 @@ if CONFIG.pack:
     include: "rules/pack.smk"
 
 
+if CONFIG.exports:
+
+    include: "rules/export.smk"
+
+
 rule all:
     default_target: True
     input:

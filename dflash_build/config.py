@@ -157,6 +157,31 @@ class PackSpec:
     window: int = 100_000
 
 
+EXPORT_FORMATS = ("specforge", "speculators", "conversations")
+LONG_POLICIES = ("warn", "cut", "drop", "split")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """One trainer-handoff export (dflash_build.export); config key `export.<format>`."""
+
+    format: str
+    max_length: int | None = None  # the trainer's window (SpecForge max_length, speculators seq_length)
+    long: str = "warn"  # a sample longer than max_length: warn (kept whole), cut, drop, split
+    min_loss_tokens: int = 1  # fewer after the length policy: dropped, as the trainer's loader would
+    consecutive: bool = False  # SpecForge DFlash: at least two adjacent supervised tokens
+    shard_rows: int = 100_000
+    think: tuple[str, str] = ("<think>", "</think>")  # conversations: the reasoning's markers
+
+
+# The trainers' own loaders drop these (SpecForge's DFlash recipe: 2 loss tokens, two of them adjacent).
+EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "specforge": {"min_loss_tokens": 2, "consecutive": True},
+    "speculators": {"min_loss_tokens": 1},
+    "conversations": {},
+}
+
+
 @dataclass(frozen=True)
 class Config:
     store: Path
@@ -174,6 +199,7 @@ class Config:
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
     checks: Checks = field(default_factory=Checks)
     pack: PackSpec | None = None
+    exports: Mapping[str, ExportSpec] = field(default_factory=dict)
 
     @property
     def dataset_dir(self) -> Path:
@@ -186,10 +212,15 @@ class Config:
             return None
         return self.dataset_out / f"{self.dataset_name}-packed-{self.pack.seq_len}"
 
+    def export_dir(self, fmt: str) -> Path:
+        """Beside the dataset, named by the trainer's format."""
+        return self.dataset_out / f"{self.dataset_name}-{fmt}"
+
     @property
     def dist_folders(self) -> tuple[Path, ...]:
-        """The folders a build publishes: the dataset, then the packed folder derived from it."""
-        return (self.dataset_dir,) if self.packed_dir is None else (self.dataset_dir, self.packed_dir)
+        """The folders a build publishes: the dataset, then what is derived from it (packed, exports)."""
+        derived = [] if self.packed_dir is None else [self.packed_dir]
+        return (self.dataset_dir, *derived, *(self.export_dir(fmt) for fmt in self.exports))
 
     @property
     def backend(self) -> str:
@@ -317,6 +348,19 @@ def _static_prefix(pattern: str) -> str:
     return str(Path(*parts)) if parts else "."
 
 
+def _exports(raw: Mapping[str, Any]) -> dict[str, ExportSpec]:
+    exports = {}
+    for fmt, settings in raw.items():
+        settings = {**EXPORT_DEFAULTS[fmt], **(settings or {})}
+        if "think" in settings:
+            settings["think"] = tuple(settings["think"])
+        spec = ExportSpec(format=fmt, **settings)
+        if spec.long != "warn" and spec.max_length is None:
+            raise ConfigError(f"export.{fmt}.max_length", f"long: {spec.long} needs the trainer's max_length")
+        exports[fmt] = spec
+    return exports
+
+
 def _check_dataset_dir(config: Config) -> None:
     """The mix replaces its folder whole: it must hold no input, no store, no logs and no model."""
     dataset = Path(os.path.abspath(config.dataset_dir))
@@ -410,6 +454,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         sources=sources,
         checks=checks,
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
+        exports=_exports(raw.get("export") or {}),
     )
     _check_dataset_dir(config)
     from dflash_build import engines  # engines import config's types

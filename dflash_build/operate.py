@@ -477,11 +477,17 @@ class Problem:
     heal: Callable[[], object] | None = None  # what --repair does instead, for derived state
 
 
+def _count_lines(path: Path) -> int:
+    """Rows of a JSONL file (an export's): its lines."""
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
 def _check(path: Path, expected: dict[str, Any] | None) -> str | None:
     if expected is None:
         return "no manifest entry or stats sidecar describes it"
     try:
-        rows = pq.read_metadata(path).num_rows
+        rows = _count_lines(path) if path.suffix == ".jsonl" else pq.read_metadata(path).num_rows
     except Exception as e:
         return f"unreadable parquet footer ({type(e).__name__}: {e})"
     if rows != expected["rows"]:

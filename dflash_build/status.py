@@ -268,30 +268,42 @@ def watch(plan: Plan, every: float, window: float = WINDOW_SECONDS, as_json: boo
 
 
 def _watch_bars(plan: Plan, every: float, window: float) -> None:
-    from rich.console import Group
     from rich.live import Live
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    columns = (
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[note]}"),
-    )
-    bars = Progress(*columns)
-    tasks: dict[str, Any] = {}
+    screen = Screen()
     with Live(refresh_per_second=2) as live:
         while True:
             now = collect(plan, window)
-            eta = "done" if now.done else f"ETA {_duration(now.eta_seconds)}"
-            for s in [*now.sources, SourceStatus("total", now.rows, True, now.rows_done)]:
-                note = eta if s.source == "total" else f"{s.shards_done}/{s.shards} shards"
-                if s.source not in tasks:
-                    tasks[s.source] = bars.add_task(s.source, total=max(s.rows, 1), note=note)
-                bars.update(tasks[s.source], completed=s.rows_done, total=max(s.rows, 1), note=note)
-            lines = text(now).split("\n")
-            # the rate line, then the jobs and engines (the per-source table is the bars)
-            live.update(Group(bars, lines[0], *lines[2 + len(now.sources) :]))
+            live.update(screen.frame(now))
             if now.done:
                 return
             time.sleep(every)
+
+
+class Screen:
+    """The ``--watch`` screen: a bar per source and the total (rich), then the rate, jobs and engines."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        columns = (
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[note]}"),
+        )
+        self.bars = Progress(*columns)
+        self.tasks: dict[str, Any] = {}
+
+    def frame(self, now: Status) -> Any:
+        from rich.console import Group
+
+        eta = "done" if now.done else f"ETA {_duration(now.eta_seconds)}"
+        for s in [*now.sources, SourceStatus("total", now.rows, True, now.rows_done)]:
+            note = eta if s.source == "total" else f"{s.shards_done}/{s.shards} shards"
+            if s.source not in self.tasks:
+                self.tasks[s.source] = self.bars.add_task(s.source, total=max(s.rows, 1), note=note)
+            self.bars.update(self.tasks[s.source], completed=s.rows_done, total=max(s.rows, 1), note=note)
+        lines = text(now).split("\n")
+        # the rate line, then the jobs and engines (the per-source table is the bars)
+        return Group(self.bars, lines[0], *lines[2 + len(now.sources) :])

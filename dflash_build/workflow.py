@@ -20,7 +20,9 @@ from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-STAGE_MODULES = {stage: f"dflash_build.{stage}" for stage in ("prepare", "generate", "tokenize", "mix", "pack")}
+STAGE_MODULES = {
+    stage: f"dflash_build.{stage}" for stage in ("prepare", "generate", "tokenize", "mix", "pack", "export")
+}
 
 
 @contextlib.contextmanager
@@ -162,6 +164,12 @@ def run_rule(smk: Any, stage: str) -> None:
             module.run(plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data))
         elif stage == "mix":
             module.run(plan, smk.output[0])
+        elif stage == "export":
+            cfg, fmt = plan.config, smk.wildcards.fmt
+            stores = {
+                s: {"prompts": plan.prompt_shards(s), "completions": plan.completion_shards(s)} for s in plan.sources
+            }
+            module.run(cfg.dataset_dir, cfg.export_dir(fmt), smk.output[0], cfg.exports[fmt], stores)
         else:
             cfg = plan.config
             assert cfg.pack is not None and cfg.packed_dir is not None

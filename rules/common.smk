@@ -37,6 +37,8 @@ PACKED_RECORD = (
     if CONFIG.packed_dir
     else None
 )
+# Each export's record, by format (rules/export.smk); dist/NAME-FORMAT links to its version.
+EXPORT_RECORD = str(dflash_build.release.record_dir(CONFIG.export_dir("{fmt}")))
 dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # In the batch step of a SLURM allocation that generates: the broker that keeps its engines (engine_host).
 dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
@@ -67,10 +69,12 @@ wildcard_constraints:
     source=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
     key=r"[0-9a-f]{16}",
     shard=r"\d{5}",
+    fmt="|".join(CONFIG.exports) or "none",
 
 
 def get_final_targets():
-    return [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else [])
+    exports = [EXPORT_RECORD.format(fmt=fmt) for fmt in CONFIG.exports]
+    return [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else []) + exports
 
 
 # Input paths by source, made once: an input function runs for every job.
@@ -102,6 +106,26 @@ def get_prompt_components(source):
 def get_token_shards():
     # not ancient() either, for the same reason (see get_completion_shard)
     return [str(p) for p in sorted(PLAN.all_token_shards())]
+
+
+def get_export_store(wildcards):
+    # conversations read each source's messages and answer texts: its prompts and completions
+    if wildcards.fmt != "conversations":
+        return []
+    return [
+        *PROMPT_MANIFESTS.values(),
+        *(str(p) for s in PLAN.sources for p in PLAN.completion_shards(s)),
+    ]
+
+
+def get_export_params(wildcards):
+    # the export depends on these and on the dataset (the input folder); canonical, as above
+    import dataclasses
+
+    spec = CONFIG.exports[wildcards.fmt]
+    return canonical_json(
+        {**dataclasses.asdict(spec), "scheme": dflash_build.versions.EXPORT_VERSION}
+    )
 
 
 def get_generate_threads():
@@ -172,3 +196,12 @@ def print_summary():
         print(
             dflash_build.pack.summary(json.loads(packed.read_text()), Path(PACKED_DIR))
         )
+    import dflash_build.export
+
+    for fmt in CONFIG.exports:
+        folder = CONFIG.export_dir(fmt)
+        if (folder / "manifest.json").exists():
+            exported = json.loads((folder / "manifest.json").read_text())
+            print(dflash_build.export.summary(exported, folder))
+            for line in dflash_build.export.warnings(exported):
+                print(f"warning: {line}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -35,6 +36,19 @@ def _status(wf: Workflow, *args: str) -> dict[str, Any]:
     return json.loads(wf.cli("status", "--json", *args).stdout)
 
 
+def _screen(status: dict[str, Any]) -> str:
+    """The --watch screen (rich) for a status, as text."""
+    from rich.console import Console
+
+    from dflash_build.status import Job, Screen, SourceStatus, Status
+
+    sources = [SourceStatus(**s) for s in status["sources"]]
+    jobs = [Job(**j) for j in status["jobs"]]
+    console = Console(record=True, width=100, force_terminal=False, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(Screen().frame(Status(**{**status, "sources": sources, "jobs": jobs})))
+    return console.export_text()
+
+
 def test_status_follows_a_build_in_progress_and_says_done_at_the_end(tmp_path: Path, tiny_model: Path) -> None:
     data = write_jsonl(tmp_path / "p.jsonl", [{"instruction": p} for p in PROMPTS])
     config = base_config(tiny_model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}}, shard_size=8)
@@ -65,6 +79,9 @@ def test_status_follows_a_build_in_progress_and_says_done_at_the_end(tmp_path: P
         for job in status["jobs"]:
             assert Path(f"/proc/{job['pid']}").exists(), "a running job is a live process"
             assert 0 <= job["rows_done"] <= job["rows"] == 8
+        screen = _screen(status)  # what --watch draws on a terminal for these numbers
+        assert f"{status['rows_done']}/{len(PROMPTS)}" in screen and "ETA " in screen, screen
+        assert f"jobs running: {len(status['jobs'])}" in screen
         assert build.wait(timeout=600) == 0
         lines = [json.loads(line) for line in watch.communicate(timeout=120)[0].splitlines()]
     finally:

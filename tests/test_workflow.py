@@ -445,3 +445,38 @@ def test_reordering_the_config_reruns_nothing(built: tuple[Workflow, dict[str, A
     """Same key, same params: the components Snakemake records are canonical, whatever the YAML order."""
     wf, config = built
     assert _dry_run_with(wf, config, _reversed(config)) == {}
+
+
+def test_exports_are_build_targets_and_an_export_edit_reruns_only_that_export(
+    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Adding exports to a built config plans the export jobs and nothing else; an export's settings
+    rerun only it; gc and verify know the export folders. (Each export read by its trainer's loader:
+    tests/test_demo_smollm2.py.)"""
+    wf = built[0].copy_to(tmp_path / "work", registration=True)
+    config = copy.deepcopy(built[1])
+    config["export"] = {"specforge": {"max_length": 64}, "speculators": {"max_length": 64, "long": "cut"}}
+    config["export"]["conversations"] = {}  # all defaults
+    wf.write_config(config)
+    planned = wf.dry_run()
+    assert set(planned) == {"export"}, planned
+    assert sorted(job["fmt"] for job in planned["export"]) == ["conversations", "specforge", "speculators"]
+    summary = wf.build().stdout
+    dataset_rows = loaded_rows(wf.workdir / "dist" / "test-mix")
+    for fmt in ("specforge", "speculators", "conversations"):
+        manifest = json.loads((wf.workdir / "dist" / f"test-mix-{fmt}" / "manifest.json").read_text())
+        assert manifest["samples_in"] == dataset_rows and f"export {fmt}: dist/test-mix-{fmt}" in summary
+        dropped = sum((manifest.get("dropped") or {}).values())
+        assert manifest["rows"] + dropped == dataset_rows or manifest["export"]["long"] == "split"
+    before = {fmt: (wf.workdir / "dist" / f"test-mix-{fmt}").resolve() for fmt in ("conversations", "speculators")}
+
+    config["export"]["specforge"]["long"] = "drop"
+    wf.write_config(config)
+    assert wf.dry_run() == {"export": [{"fmt": "specforge"}]}, "only the edited export reruns"
+    wf.build()
+    after = {fmt: (wf.workdir / "dist" / f"test-mix-{fmt}").resolve() for fmt in before}
+    assert after == before
+    dropped = json.loads((wf.workdir / "dist" / "test-mix-specforge" / "manifest.json").read_text())["dropped"]
+    assert dropped.get("longer_than_max_length", 0) > 0, "the tool rows (~200 tokens) are over 64"
+    assert "superseded version of dist/test-mix-specforge" in wf.cli("gc").stdout
+    assert wf.cli("verify").returncode == 0 and wf.dry_run() == {}

@@ -1,0 +1,360 @@
+"""Export stage (optional): the mixed dataset in the form a drafter trainer reads, beside the dataset.
+
+- ``specforge``: JSONL rows ``{id, input_ids, loss_mask}`` for SpecForge's ``data.prompts_path``
+  (``specforge/data/prompt_builder.py``: the first record decides that the file is pre-tokenized; rows
+  are cut to ``max_length``; rows with fewer than ``min_loss_tokens`` supervised tokens are dropped, and
+  for DFlash those without two adjacent ones, ``specforge/data/loss_mask.py``).
+- ``speculators``: the same rows, which vLLM speculators' ``prepare_data`` passes through
+  (``data_generation/preprocessing.py``, ``_passthrough_pretokenized``: cut to ``seq_length``, rows with
+  no supervised token in the window dropped) from a folder of ``.jsonl`` files.
+- ``conversations``: ``{id, conversations: [{role, content, reasoning_content?}], tools}``, the source's
+  messages with every regenerated answer as text (its reasoning, between the template's think markers,
+  in ``reasoning_content``), for trainers that render and mask themselves.
+
+A trainer cuts every sample at its window, silently. With ``max_length`` set, the export says what that
+costs and applies a policy (``long``): ``warn`` keeps samples whole and reports the samples and loss
+tokens the trainer will cut, ``cut`` cuts them as the trainer would, ``drop`` leaves them out, ``split``
+writes ``max_length`` pieces (``id`` gets ``#k``). The trainer's own filters are applied to what the
+trainer will see, so the rows its loader yields are exactly the rows written (cut at its window), and
+every sample left out is counted with its reason. Each export is a folder version like the dataset's
+(:mod:`dflash_build.release`): ``data/*.jsonl``, ``manifest.json`` and a card, swapped in whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow.parquet as pq
+
+from dflash_build import atomic, hashing, release
+from dflash_build.config import ExportSpec
+from dflash_build.versions import EXPORT_VERSION
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = "data"  # the trainers read this folder (a folder of the version also holds manifest.json)
+DROP_LONG = "longer_than_max_length"
+DROP_FEW_LOSS = "few_loss_tokens"  # fewer than min_loss_tokens in the whole sample
+DROP_FEW_IN_WINDOW = "few_loss_tokens_within_max_length"  # enough in all, too few in the trainer's window
+DROP_NOT_CONSECUTIVE = "no_adjacent_loss_tokens"
+
+
+def sample_id(prompt_id: str, sample_idx: int) -> str:
+    return f"{prompt_id}:{sample_idx}"
+
+
+def shape(ids: Sequence[int], mask: Sequence[int], spec: ExportSpec) -> tuple[list[tuple[int, int]], str | None]:
+    """The rows one sample becomes, as (start, end) spans of it, or the reason it is left out.
+
+    The trainer's filters look at what the trainer sees: the row cut at ``max_length``.
+    """
+    limit = spec.max_length
+    if limit is None or len(ids) <= limit or spec.long == "warn":
+        spans = [(0, len(ids))]
+    elif spec.long == "drop":
+        return [], DROP_LONG
+    elif spec.long == "cut":
+        spans = [(0, limit)]
+    else:  # split
+        spans = [(start, min(start + limit, len(ids))) for start in range(0, len(ids), limit)]
+    kept, why = [], None
+    for start, end in spans:
+        seen = mask[start : end if limit is None else min(end, start + limit)]
+        why = _filtered(seen, spec)
+        if why == DROP_FEW_LOSS and _filtered(mask[start:end], spec) is None:
+            why = DROP_FEW_IN_WINDOW
+        if why is None:
+            kept.append((start, end))
+    return kept, (why if not kept else None)
+
+
+def _filtered(mask: Sequence[int], spec: ExportSpec) -> str | None:
+    if sum(mask) < max(spec.min_loss_tokens, 1):  # a row with no supervised token teaches nothing
+        return DROP_FEW_LOSS
+    if spec.consecutive and not any(a and b for a, b in itertools.pairwise(mask)):
+        return DROP_NOT_CONSECUTIVE
+    return None
+
+
+def export_key(mix_manifest: dict[str, Any], spec: ExportSpec) -> str:
+    """What decides an export: the dataset's content, the export's settings, the scheme."""
+    content = [f["sha256"] for f in mix_manifest["files"]]
+    return hashing.digest({"mix": content, "export": asdict(spec), "version": EXPORT_VERSION})[:16]
+
+
+class JsonlShards:
+    """JSONL files of ``shard_rows`` rows each, named ``train-00000-of-0000N.jsonl`` once all are written."""
+
+    def __init__(self, folder: Path, shard_rows: int) -> None:
+        self.folder, self.shard_rows = folder, shard_rows
+        folder.mkdir(parents=True, exist_ok=True)
+        self.paths: list[Path] = []
+        self.rows_in: list[int] = []
+        self._file: IO[str] | None = None
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        if self._file is None or self.rows_in[-1] >= self.shard_rows:
+            self._next()
+        assert self._file is not None
+        self._file.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self.rows_in[-1] += 1
+
+    def _next(self) -> None:
+        self._close_one()
+        self.paths.append(self.folder / f".part-{len(self.paths):05d}.jsonl")
+        self.rows_in.append(0)
+        self._file = open(self.paths[-1], "w", encoding="utf-8")  # noqa: SIM115 (held across writes)
+
+    def _close_one(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # the version becomes visible by one rename: durable before it
+            self._file.close()
+            self._file = None
+
+    def close(self, base: Path) -> list[dict[str, Any]]:
+        """Name the files (an empty export is one empty file: the trainer's path exists) and list them."""
+        if not self.paths:
+            self._next()
+        self._close_one()
+        files = []
+        for i, (path, rows) in enumerate(zip(self.paths, self.rows_in, strict=True)):
+            final = self.folder / f"train-{i:05d}-of-{len(self.paths):05d}.jsonl"
+            path.rename(final)
+            files.append({"path": str(final.relative_to(base)), "rows": rows, "sha256": hashing.sha256_file(final)})
+        atomic.fsync_dir(self.folder)
+        return files
+
+
+def run(
+    dataset_dir: str | Path,
+    out_dir: str | Path,
+    record: str | Path,
+    spec: ExportSpec,
+    stores: Mapping[str, Mapping[str, list[str]]] | None = None,
+) -> dict[str, Any]:
+    """Write ``spec.format``'s export of the dataset in ``dataset_dir`` as a new version of ``out_dir``;
+    ``record`` is the build record (the rule's output). ``stores`` (conversations): each source's prompt
+    and completion shards, ``{"prompts": [...], "completions": [...]}``, in shard order."""
+    out_dir = Path(out_dir)
+    dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
+    mix_manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
+    with release.publish(out_dir, Path(record)) as tmp:
+        shards = JsonlShards(tmp / DATA_DIR, spec.shard_rows)
+        if spec.format == "conversations":
+            counts = _conversations(files, stores or {}, spec, shards)
+        else:
+            counts = _token_rows(files, spec, shards)
+        manifest = {
+            "stage": "export",
+            "format": spec.format,
+            "scheme": EXPORT_VERSION,
+            "export_key": export_key(mix_manifest, spec),
+            "dataset": out_dir.name,
+            "exported_from": mix_manifest["dataset"],
+            "export": asdict(spec),
+            "files": shards.close(tmp),
+            **counts,
+        }
+        atomic.write_json(tmp / "manifest.json", manifest)
+        atomic.write_text(tmp / "README.md", card(manifest))
+    log.info("%s", summary(manifest, out_dir))
+    for line in warnings(manifest):
+        log.warning("%s", line)
+    return manifest
+
+
+def _samples(files: list[Path], columns: list[str]) -> Iterator[dict[str, Any]]:
+    for path in files:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=2048, columns=columns):
+            yield from batch.to_pylist()
+
+
+def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[str, Any]:
+    counts: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    for row in _samples(files, ["input_ids", "loss_mask", "prompt_id", "sample_idx"]):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        counts["samples_in"] += 1
+        counts["loss_tokens_in"] += sum(mask)
+        long = spec.max_length is not None and len(ids) > spec.max_length
+        spans, why = shape(ids, mask, spec)
+        if why is not None:
+            dropped[why] += 1
+            counts["dropped_loss_tokens"] += sum(mask)
+            continue
+        counts["long"] += long
+        base = sample_id(row["prompt_id"], row["sample_idx"])
+        for k, (start, end) in enumerate(spans):
+            piece_id = base if len(spans) == 1 and start == 0 else f"{base}#{k}"
+            out.write({"id": piece_id, "input_ids": ids[start:end], "loss_mask": mask[start:end]})
+            counts["rows"] += 1
+            counts["tokens"] += end - start
+            counts["loss_tokens"] += sum(mask[start:end])
+            if spec.max_length is not None and end - start > spec.max_length:  # warn: the trainer cuts it
+                counts["trainer_cuts_loss_tokens"] += sum(mask[start + spec.max_length : end])
+        if long and spec.long in ("cut", "split"):
+            counts["cut_loss_tokens"] += sum(mask) - sum(sum(mask[s:e]) for s, e in spans)
+    return {
+        "samples_in": counts["samples_in"],
+        "rows": counts["rows"],
+        "tokens": counts["tokens"],
+        "loss_tokens": counts["loss_tokens"],
+        "loss_tokens_in": counts["loss_tokens_in"],
+        "longer_than_max_length": counts["long"] + dropped[DROP_LONG],
+        "trainer_cuts_loss_tokens": counts["trainer_cuts_loss_tokens"],  # long: warn, lost in the trainer
+        "cut_loss_tokens": counts["cut_loss_tokens"],  # long: cut/split, lost here (split loses none it keeps)
+        "dropped": dict(sorted(dropped.items())),
+        "dropped_loss_tokens": counts["dropped_loss_tokens"],
+    }
+
+
+# -- conversations ---------------------------------------------------------------------------------
+def split_reasoning(text: str, think: tuple[str, str]) -> tuple[str | None, str]:
+    """(reasoning, answer) of a generated text. The generation prompt may have opened the think block
+    already (Qwen3.5/3.6 write ``<think>\\n`` into it), so the closing marker decides."""
+    opening, closing = think
+    if closing not in text:
+        return None, text.strip()
+    reasoning, _, answer = text.partition(closing)
+    return reasoning.strip().removeprefix(opening).strip(), answer.strip()
+
+
+def conversation(messages: list[dict[str, Any]], answers: list[str], think: tuple[str, str]) -> list[dict[str, Any]]:
+    """The source's messages with its assistant turns replaced, in order, by the regenerated answers; a
+    conversation that ended early (a truncated or failed turn) ends after its last regenerated answer."""
+    out: list[dict[str, Any]] = []
+    pending = list(answers)
+
+    def answer() -> None:
+        reasoning, content = split_reasoning(pending.pop(0), think)
+        out.append({"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})})
+
+    for message in messages:
+        if message.get("role") == "assistant":
+            if not pending:
+                break
+            answer()
+            continue
+        if not pending and out and out[-1]["role"] == "assistant":
+            break  # what follows the last regenerated answer was never answered
+        out.append({k: v for k, v in message.items() if v is not None})
+    while pending:
+        answer()
+    return out
+
+
+def _conversations(
+    files: list[Path], stores: Mapping[str, Mapping[str, list[str]]], spec: ExportSpec, out: JsonlShards
+) -> dict[str, Any]:
+    """Shard by shard of each source's prompts and completions (memory holds one shard), the rows of the
+    dataset they hold."""
+    wanted: dict[str, set[tuple[str, int]]] = {}
+    for row in _samples(files, ["source", "prompt_id", "sample_idx"]):
+        wanted.setdefault(row["source"], set()).add((row["prompt_id"], row["sample_idx"]))
+    counts: Counter[str] = Counter()
+    for source in sorted(wanted):
+        paths = stores.get(source)
+        if paths is None:
+            raise ValueError(f"the dataset has rows of source '{source}', which the config no longer has")
+        todo = wanted[source]
+        for prompts_path, completions_path in zip(paths["prompts"], paths["completions"], strict=True):
+            prompts = {
+                r["prompt_id"]: r
+                for r in pq.read_table(prompts_path, columns=["prompt_id", "messages", "tools"]).to_pylist()
+            }
+            columns = ["prompt_id", "sample_idx", "text", "turns"]
+            for done in pq.read_table(completions_path, columns=columns).to_pylist():
+                key = (done["prompt_id"], done["sample_idx"])
+                if key not in todo:
+                    continue
+                todo.discard(key)
+                prompt = prompts[done["prompt_id"]]
+                answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
+                tools = json.loads(prompt["tools"]) if prompt["tools"] else None
+                turns = conversation(json.loads(prompt["messages"]), answers, spec.think)
+                out.write({"id": sample_id(*key), "conversations": turns, "tools": tools})
+                counts["rows"] += 1
+                counts["turns"] += len(answers)
+                counts["with_reasoning"] += any("reasoning_content" in t for t in turns)
+        if todo:
+            example = sorted(todo)[0]
+            raise ValueError(
+                f"{len(todo)} rows of source '{source}' are in the dataset but not in its completion shards "
+                f"(e.g. prompt {example[0]}, sample {example[1]}): the store changed under the dataset; rebuild it"
+            )
+    return {
+        "samples_in": counts["rows"],
+        "rows": counts["rows"],
+        "regenerated_turns": counts["turns"],
+        "rows_with_reasoning": counts["with_reasoning"],
+    }
+
+
+# -- what it says ----------------------------------------------------------------------------------
+def warnings(manifest: dict[str, Any]) -> list[str]:
+    """What the trainer loses: said loudly in the log, the card and the build summary."""
+    spec = manifest["export"]
+    lines = []
+    long = manifest.get("longer_than_max_length", 0)
+    lost = _share(manifest.get("trainer_cuts_loss_tokens", 0), manifest.get("loss_tokens", 0))
+    if long and spec["long"] == "warn":
+        lines.append(
+            f"{manifest['dataset']}: {long} of {manifest['samples_in']} samples are longer than max_length "
+            f"{spec['max_length']}; the trainer cuts them and loses {manifest['trainer_cuts_loss_tokens']} of "
+            f"{manifest['loss_tokens']} loss tokens ({lost}). "
+            f"Set export.{spec['format']}.long to cut, drop or split to decide here"
+        )
+    dropped = manifest.get("dropped") or {}
+    if dropped:
+        reasons = ", ".join(f"{n} {why}" for why, n in dropped.items())
+        lines.append(
+            f"{manifest['dataset']}: {sum(dropped.values())} samples left out ({reasons}), "
+            f"{manifest['dropped_loss_tokens']} loss tokens, as the trainer's loader would leave them out"
+        )
+    return lines
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.1%}" if whole else "0%"
+
+
+def summary(manifest: dict[str, Any], where: Path) -> str:
+    rows, fmt = manifest["rows"], manifest["format"]
+    if fmt == "conversations":
+        return f"export {fmt}: {where} ({rows} conversations, {manifest['regenerated_turns']} regenerated turns)"
+    limit = manifest["export"]["max_length"]
+    window = f", max_length {limit} ({manifest['export']['long']})" if limit else ""
+    tokens = f"{manifest['tokens']} tokens, {manifest['loss_tokens']} loss tokens"
+    return f"export {fmt}: {where} ({rows} rows, {tokens}{window})"
+
+
+def card(manifest: dict[str, Any]) -> str:
+    fmt, spec = manifest["format"], manifest["export"]
+    lines = [f"# {manifest['dataset']}", "", f"The `{fmt}` export of `{manifest['exported_from']}` (dflash-build).", ""]
+    lines += [f"- files: {len(manifest['files'])} JSONL in `{DATA_DIR}/`, {manifest['rows']} rows"]
+    if fmt == "conversations":
+        lines += [
+            f"- regenerated turns: {manifest['regenerated_turns']}; "
+            f"rows with reasoning: {manifest['rows_with_reasoning']}",
+            f"- reasoning markers: `{spec['think'][0]}` … `{spec['think'][1]}` → `reasoning_content`",
+        ]
+    else:
+        lines += [
+            f"- tokens: {manifest['tokens']}, loss tokens: {manifest['loss_tokens']} of {manifest['loss_tokens_in']}",
+            f"- max_length: {spec['max_length']} (long samples: {spec['long']}); longer samples: "
+            f"{manifest['longer_than_max_length']}",
+            f"- filters: min_loss_tokens {spec['min_loss_tokens']}, two adjacent loss tokens: {spec['consecutive']}",
+        ]
+    lines += [f"- warning: {line}" for line in warnings(manifest)]
+    lines += ["", f"export key `{manifest['export_key']}`, scheme {manifest['scheme']}", ""]
+    return "\n".join(lines)
