@@ -38,13 +38,15 @@ LLAMA_WHEELS ?= $(HOME)/.cache/dflash-build/llama-cpp-python-0.3.36-avx2
 # contract tests (envs/sglang-contract.txt says what its modules need on CPU).
 SGLANG_PIN := $(shell grep -o 'sglang==[0-9.a-z]*' pyproject.toml)
 
-$(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt
+$(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt envs/trainers.txt envs/trainers-deps.txt
 	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		$(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS) "$(LLAMA_CPP)"
 	$(BIN)/pip install --quiet --find-links $(LLAMA_WHEELS) -e ".[test]"
 	$(BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VENV)/constraints.txt
 	$(BIN)/pip install --quiet --no-deps "$(SGLANG_PIN)"
 	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/sglang-contract.txt
+	$(BIN)/pip install --quiet --no-deps -r envs/trainers.txt
+	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/trainers-deps.txt
 	touch $@
 
 $(DEMO_MODEL): $(VENV)/.demo

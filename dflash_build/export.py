@@ -69,7 +69,8 @@ def shape(ids: Sequence[int], mask: Sequence[int], spec: ExportSpec) -> tuple[li
     for start, end in spans:
         seen = mask[start : end if limit is None else min(end, start + limit)]
         why = _filtered(seen, spec)
-        if why == DROP_FEW_LOSS and _filtered(mask[start:end], spec) is None:
+        whole = mask[start:end] if spec.long == "split" else mask  # a cut sample: the window is the cause
+        if why == DROP_FEW_LOSS and _filtered(whole, spec) is None:
             why = DROP_FEW_IN_WINDOW
         if why is None:
             kept.append((start, end))
@@ -188,11 +189,12 @@ def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[s
         counts["loss_tokens_in"] += sum(mask)
         long = spec.max_length is not None and len(ids) > spec.max_length
         spans, why = shape(ids, mask, spec)
+        counts["long"] += long
         if why is not None:
             dropped[why] += 1
             counts["dropped_loss_tokens"] += sum(mask)
             continue
-        counts["long"] += long
+        counts["long_kept"] += long
         base = sample_id(row["prompt_id"], row["sample_idx"])
         for k, (start, end) in enumerate(spans):
             piece_id = base if len(spans) == 1 and start == 0 else f"{base}#{k}"
@@ -210,7 +212,8 @@ def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[s
         "tokens": counts["tokens"],
         "loss_tokens": counts["loss_tokens"],
         "loss_tokens_in": counts["loss_tokens_in"],
-        "longer_than_max_length": counts["long"] + dropped[DROP_LONG],
+        "longer_than_max_length": counts["long"],
+        "kept_longer_than_max_length": counts["long_kept"],  # long: warn, the trainer cuts these
         "trainer_cuts_loss_tokens": counts["trainer_cuts_loss_tokens"],  # long: warn, lost in the trainer
         "cut_loss_tokens": counts["cut_loss_tokens"],  # long: cut/split, lost here (split loses none it keeps)
         "dropped": dict(sorted(dropped.items())),
@@ -305,11 +308,11 @@ def warnings(manifest: dict[str, Any]) -> list[str]:
     """What the trainer loses: said loudly in the log, the card and the build summary."""
     spec = manifest["export"]
     lines = []
-    long = manifest.get("longer_than_max_length", 0)
+    long = manifest.get("kept_longer_than_max_length", 0)
     lost = _share(manifest.get("trainer_cuts_loss_tokens", 0), manifest.get("loss_tokens", 0))
     if long and spec["long"] == "warn":
         lines.append(
-            f"{manifest['dataset']}: {long} of {manifest['samples_in']} samples are longer than max_length "
+            f"{manifest['dataset']}: {long} of the {manifest['rows']} rows are longer than max_length "
             f"{spec['max_length']}; the trainer cuts them and loses {manifest['trainer_cuts_loss_tokens']} of "
             f"{manifest['loss_tokens']} loss tokens ({lost}). "
             f"Set export.{spec['format']}.long to cut, drop or split to decide here"
@@ -317,8 +320,9 @@ def warnings(manifest: dict[str, Any]) -> list[str]:
     dropped = manifest.get("dropped") or {}
     if dropped:
         reasons = ", ".join(f"{n} {why}" for why, n in dropped.items())
+        left_out = sum(dropped.values())
         lines.append(
-            f"{manifest['dataset']}: {sum(dropped.values())} samples left out ({reasons}), "
+            f"{manifest['dataset']}: {left_out} sample{'s' * (left_out != 1)} left out ({reasons}), "
             f"{manifest['dropped_loss_tokens']} loss tokens, as the trainer's loader would leave them out"
         )
     return lines
