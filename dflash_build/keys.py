@@ -37,6 +37,7 @@ _MIX = "the dataset folder is not content-addressed: Snakemake's params trigger 
 _CHECK = "decides whether a build passes, never what it writes"
 _PACK = "only the packed folder: its name carries seq_len, the params trigger reruns it, pack_key names it"
 _WHERE = "where files go or how jobs are scheduled, not what they hold"
+_EXPORT = "only that export's folder: the params trigger reruns it, export_key names it"
 _SAMPLING = "changes the distribution of answers"
 
 # Every field of config/schema.yaml; `sources.*` stands for each source.
@@ -83,6 +84,18 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "pack.pad_token_id": _d(None, _PACK),
     "pack.seed": _d(None, _PACK),
     "pack.window": _d(None, _PACK),
+    "export.specforge.max_length": _d(None, _EXPORT),
+    "export.specforge.long": _d(None, _EXPORT),
+    "export.specforge.min_loss_tokens": _d(None, _EXPORT),
+    "export.specforge.consecutive": _d(None, _EXPORT),
+    "export.specforge.shard_rows": _d(None, _EXPORT),
+    "export.speculators.max_length": _d(None, _EXPORT),
+    "export.speculators.long": _d(None, _EXPORT),
+    "export.speculators.min_loss_tokens": _d(None, _EXPORT),
+    "export.speculators.consecutive": _d(None, _EXPORT),
+    "export.speculators.shard_rows": _d(None, _EXPORT),
+    "export.conversations.shard_rows": _d(None, _EXPORT),
+    "export.conversations.think": _d(None, _EXPORT),
     "checks.max_drop_fraction": _d(None, _CHECK),
     "checks.max_failed_fraction": _d(None, _CHECK),
     "checks.share_tolerance": _d(None, _CHECK),
