@@ -183,6 +183,14 @@ EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
+class TrainerSpec:
+    """The trainer's window (config key `trainer`): no token is generated past it."""
+
+    max_length: int | None = None
+    min_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
 class Config:
     store: Path
     logs: Path
@@ -200,6 +208,7 @@ class Config:
     checks: Checks = field(default_factory=Checks)
     pack: PackSpec | None = None
     exports: Mapping[str, ExportSpec] = field(default_factory=dict)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
 
     @property
     def dataset_dir(self) -> Path:
@@ -348,10 +357,11 @@ def _static_prefix(pattern: str) -> str:
     return str(Path(*parts)) if parts else "."
 
 
-def _exports(raw: Mapping[str, Any]) -> dict[str, ExportSpec]:
+def _exports(raw: Mapping[str, Any], window: int | None) -> dict[str, ExportSpec]:
+    """The exports; their max_length is the trainer's window unless they name their own."""
     exports = {}
     for fmt, settings in raw.items():
-        settings = {**EXPORT_DEFAULTS[fmt], **(settings or {})}
+        settings = {**EXPORT_DEFAULTS[fmt], **({"max_length": window} if fmt != "conversations" else {}), **settings}
         if "think" in settings:
             settings["think"] = tuple(settings["think"])
         spec = ExportSpec(format=fmt, **settings)
@@ -417,6 +427,9 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     engine = raw["engine"]
     if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
         raise ConfigError("engine.gpus", f"lists a GPU twice: {engine['gpus']}")
+    trainer = TrainerSpec(**(raw.get("trainer") or {}))
+    if trainer.max_length is not None and trainer.min_new_tokens >= trainer.max_length:
+        raise ConfigError("trainer.min_new_tokens", f"must be below trainer.max_length ({trainer.max_length})")
     config = Config(
         store=Path(raw["store"]),
         logs=Path(raw["logs"]),
@@ -454,7 +467,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         sources=sources,
         checks=checks,
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
-        exports=_exports(raw.get("export") or {}),
+        exports=_exports(raw.get("export") or {}, trainer.max_length),
+        trainer=trainer,
     )
     _check_dataset_dir(config)
     from dflash_build import engines  # engines import config's types

@@ -369,6 +369,19 @@ class ShardWork:
     def pending(self) -> list[Conversation]:
         return [c for c in self.convs.values() if c.finish_reason is None]
 
+    def budget(self, prompt_tokens: int) -> int:
+        """New tokens an answer after ``prompt_tokens`` may have: max_new_tokens, or what is left of the
+        trainer's window (trainer.max_length) when that is less, so no token is generated past it."""
+        limit = self.spec.sampling.max_new_tokens
+        window = self.plan.config.trainer.max_length
+        return limit if window is None else min(limit, window - prompt_tokens)
+
+    @property
+    def min_new_tokens(self) -> int:
+        """Fewer new tokens than this in the window: the prompt is skipped (1 without a window)."""
+        trainer = self.plan.config.trainer
+        return 1 if trainer.max_length is None else trainer.min_new_tokens
+
 
 @dataclass
 class EngineRun:
@@ -547,17 +560,19 @@ def reuse(work: ShardWork, journal: Journal) -> int:
                 ids = work.renderer.next_context(conv)
                 if ids != old["prompt_ids"]:
                     continue  # rendered differently (should not happen under one reuse_key): generate it
-                if not fits_context(len(ids), limit, work.context):
+                budget = work.budget(len(ids))
+                if not fits_context(len(ids), budget, work.context) or budget < work.min_new_tokens:
                     continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
                 output = list(old["output_ids"])
-                use = cand.use_for(limit)
+                use = cand.use_for(budget)
                 if use == "continue":
                     conv.prefix, conv.prefix_from = output, origin  # the engine generates the rest
                     continue
                 if use == "whole":
                     result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
-                else:  # a prefix of a longer sample is this limit's truncated sample
-                    result = Result(conv.prompt_id, conv.sample_idx, output[:limit], R.FINISH_LENGTH)
+                else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
+                    reason = R.FINISH_WINDOW if budget < limit else R.FINISH_LENGTH
+                    result = Result(conv.prompt_id, conv.sample_idx, output[:budget], reason)
                 turn = _apply(conv, ids, result)
                 turn.reused_from = origin
                 journal.append(_journal_row(conv, turn))
@@ -568,11 +583,15 @@ def reuse(work: ShardWork, journal: Journal) -> int:
         return count
 
 
-def next_requests(work: ShardWork, progress: Progress) -> tuple[list[Request], dict[tuple[str, int], list[int]]]:
-    """One request per unfinished conversation's next turn, and the context ids each one added.
+def next_requests(
+    work: ShardWork, progress: Progress
+) -> tuple[list[Request], dict[tuple[str, int], tuple[list[int], int]]]:
+    """One request per unfinished conversation's next turn, and the context ids each one added with its
+    budget (:meth:`ShardWork.budget`).
 
-    Conversations the template refuses, and prompts that leave no room for ``max_new_tokens`` in the
-    context, are finished here, before any engine call.
+    Conversations the template refuses, prompts that leave no room for their budget in the context, and
+    prompts that leave fewer than trainer.min_new_tokens in the trainer's window are finished here,
+    before any engine call.
     """
     sampling = work.spec.sampling
     requests, contexts = [], {}
@@ -584,11 +603,19 @@ def next_requests(work: ShardWork, progress: Progress) -> tuple[list[Request], d
             progress.update(Result(conv.prompt_id, conv.sample_idx, [], R.FINISH_ERROR), True)
             continue
         prompt_ids = conv.all_ids + ids
-        if not fits_context(len(prompt_ids), sampling.max_new_tokens, work.context):
+        budget = work.budget(len(prompt_ids))
+        reason = None
+        if not fits_context(len(prompt_ids), budget, work.context):
             reason = (
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {sampling.max_new_tokens} "
-                f"exceeds the context of {work.context}"
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {budget} exceeds the context of {work.context}"
             )
+        elif budget < work.min_new_tokens:
+            window = work.plan.config.trainer
+            reason = (
+                f"prompt of {len(prompt_ids)} tokens leaves {max(budget, 0)} new tokens in the trainer's window of "
+                f"{window.max_length} (trainer.min_new_tokens {window.min_new_tokens})"
+            )
+        if reason is not None:
             if conv.turns:  # later turns: the conversation ends with what it has
                 conv.finish(conv.turns[-1].finish_reason, reason)
             else:
@@ -596,23 +623,26 @@ def next_requests(work: ShardWork, progress: Progress) -> tuple[list[Request], d
             progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
             continue
         seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns))
-        params = work.params
-        if conv.prefix:  # continue an earlier truncated answer with what is left of the limit
-            prompt_ids = prompt_ids + conv.prefix
-            params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(conv.prefix))
+        # continue an earlier truncated answer with what is left of the budget
+        params = dataclasses.replace(work.params, max_new_tokens=budget - len(conv.prefix))
+        prompt_ids = prompt_ids + conv.prefix
         requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, params, seed))
-        contexts[conv.key] = ids
+        contexts[conv.key] = (ids, budget)
     return requests, contexts
 
 
-def take_result(work: ShardWork, generated: Result, context_ids: list[int]) -> Turn:
-    """Record one engine answer on its conversation (a continued answer keeps its old prefix)."""
+def take_result(work: ShardWork, generated: Result, context: tuple[list[int], int]) -> Turn:
+    """Record one engine answer on its conversation (a continued answer keeps its old prefix); an
+    answer that ran out of a budget the trainer's window shortened ended at the window."""
     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
+    context_ids, budget = context
     result = generated
+    if result.finish_reason == R.FINISH_LENGTH and budget < work.spec.sampling.max_new_tokens:
+        result = dataclasses.replace(result, finish_reason=R.FINISH_WINDOW)
     if conv.prefix:  # the answer is the old prefix + what the engine added (its count too)
         counted = generated.engine_output_tokens
         result = dataclasses.replace(
-            generated,
+            result,
             output_ids=conv.prefix + list(generated.output_ids),
             engine_output_tokens=None if counted is None else counted + len(conv.prefix),
         )
@@ -737,7 +767,9 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
                     journal.append(_journal_row(conv, turn))
                     counts.journaled += 1
-                    progress.update(generated, conv.finish_reason is not None)
+                    progress.update(
+                        dataclasses.replace(generated, finish_reason=turn.finish_reason), conv.finish_reason is not None
+                    )
                     killpoints.after_rows(counts.journaled, journal.sync)
                 counts.in_flight = 0
                 if stall is not None:
@@ -946,6 +978,7 @@ def _stats(
         R.STAT_INPUT_ROWS: len(rows),
         R.STAT_OK: count(R.FINISH_STOP),
         R.STAT_TRUNCATED: count(R.FINISH_LENGTH),
+        R.STAT_WINDOW: count(R.FINISH_WINDOW),
         R.STAT_ERROR: count(R.FINISH_ERROR, R.FINISH_ABORT),
         R.STAT_SKIPPED: count(R.FINISH_SKIPPED),
         R.STAT_RESUMED_TURNS: resumed_turns,
@@ -958,7 +991,7 @@ def _stats(
         "finished_at": round(time.time(), 3),
         "errors": _error_summary(rows),
     }
-    accounted = sum(stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED))
+    accounted = sum(stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED))
     if accounted != stats[R.STAT_INPUT_ROWS]:
         raise RuntimeError(f"{source}/{shard}: {accounted} rows accounted for, {len(rows)} in the shard")
     return stats

@@ -73,6 +73,8 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sampling.max_new_tokens": _d(GEN, "the answer limit (rows reuse across it by prefix, see rowindex)"),
     "sampling.seed": _d(GEN, "every row's seed derives from it"),
     "sampling.samples_per_prompt": _d(GEN, "how many answers each prompt gets"),
+    "trainer.max_length": _d(GEN, "each row's budget: no token past the window (rows reuse across it by prefix)"),
+    "trainer.min_new_tokens": _d(GEN, "decides which prompts the window skips"),
     "shard_size": _d(PROMPT, "fixes the shard count, so which prompts share a shard"),
     "truncated": _d(TOK, "whether truncated answers become samples"),
     "mix.categories": _d(None, _MIX),

@@ -12,7 +12,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +305,9 @@ def build(config: Config, only: str | None = None) -> Plan:
         if config.model.context_length is not None:
             # an explicit window changes which prompts are skipped; the model's own is fingerprinted
             gen_components["context_length"] = config.model.context_length
+        if config.trainer.max_length is not None:
+            # each row's budget; absent without a window, so configs without one keep their keys
+            gen_components["trainer_window"] = asdict(config.trainer)
         tok_components = {
             "scheme": TOK_VERSION,
             "gen_key": hashing.content_key(gen_components),

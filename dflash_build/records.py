@@ -73,12 +73,14 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 FINISH_SKIPPED = "skipped"  # never sent: the prompt does not fit the context with max_new_tokens
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_SKIPPED)
+FINISH_WINDOW = "window"  # ended at the trainer's window (trainer.max_length): a complete training sample
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_WINDOW, FINISH_ABORT, FINISH_ERROR, FINISH_SKIPPED)
 
 # Stats sidecar names.
 STAT_INPUT_ROWS = "input_rows"
 STAT_OK = "ok"
 STAT_TRUNCATED = "truncated"
+STAT_WINDOW = "window"  # rows that ended at the trainer's window (kept: complete samples)
 STAT_ERROR = "error"
 STAT_SKIPPED = "skipped"
 STAT_RESUMED_TURNS = "resumed_turns"

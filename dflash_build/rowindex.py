@@ -65,7 +65,8 @@ class IndexCorrupt(RuntimeError):
 
 def _indexed(rows: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """The rows worth indexing: single-turn rows that stopped or ran out (multi-turn rows are not reused)."""
-    return [(i, r) for i, r in enumerate(rows) if r["finish_reason"] in ("stop", "length") and not r.get("turns")]
+    reusable = ("stop", "length", "window")  # a row that ended at a trainer's window continues like a truncated one
+    return [(i, r) for i, r in enumerate(rows) if r["finish_reason"] in reusable and not r.get("turns")]
 
 
 def _outcome(row: dict[str, Any], max_new_tokens: int) -> tuple[str, int, int]:
@@ -73,8 +74,9 @@ def _outcome(row: dict[str, Any], max_new_tokens: int) -> tuple[str, int, int]:
 
 
 def reuse_key(gen_components: dict[str, Any]) -> str:
-    """gen_key without the prompt set and max_new_tokens: rows under one reuse_key are interchangeable."""
-    parts = {k: v for k, v in gen_components.items() if k != "prompt_key"}
+    """gen_key without the prompt set, max_new_tokens and the trainer's window (a budget, like
+    max_new_tokens): rows under one reuse_key are interchangeable."""
+    parts = {k: v for k, v in gen_components.items() if k not in ("prompt_key", "trainer_window")}
     parts["sampling"] = {
         k: v for k, v in parts["sampling"].items() if k not in ("max_new_tokens", "samples_per_prompt")
     }
