@@ -361,7 +361,9 @@ def _exports(raw: Mapping[str, Any], window: int | None) -> dict[str, ExportSpec
     """The exports; their max_length is the trainer's window unless they name their own."""
     exports = {}
     for fmt, settings in raw.items():
-        settings = {**EXPORT_DEFAULTS[fmt], **({"max_length": window} if fmt != "conversations" else {}), **settings}
+        settings = {**EXPORT_DEFAULTS[fmt], **settings}
+        if fmt != "conversations" and settings.get("max_length") is None:
+            settings["max_length"] = window  # null: the trainer's
         if "think" in settings:
             settings["think"] = tuple(settings["think"])
         spec = ExportSpec(format=fmt, **settings)

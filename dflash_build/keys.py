@@ -74,7 +74,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sampling.seed": _d(GEN, "every row's seed derives from it"),
     "sampling.samples_per_prompt": _d(GEN, "how many answers each prompt gets"),
     "trainer.max_length": _d(GEN, "each row's budget: no token past the window (rows reuse across it by prefix)"),
-    "trainer.min_new_tokens": _d(GEN, "decides which prompts the window skips"),
+    "trainer.min_new_tokens": _d(GEN, "decides which prompts the window skips (keyed with the window only)"),
     "shard_size": _d(PROMPT, "fixes the shard count, so which prompts share a shard"),
     "truncated": _d(TOK, "whether truncated answers become samples"),
     "mix.categories": _d(None, _MIX),

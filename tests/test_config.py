@@ -342,3 +342,21 @@ def test_a_dataset_folder_over_a_globbed_input_folder_is_refused(raw: dict[str, 
     changed = edit(raw, "sources.a.files", ["data/*.jsonl"])
     with pytest.raises(cfg.ConfigError, match=r"sources\.a\.files"):
         build(edit(changed, "dataset", {"out": ".", "name": "data"}), tmp_path)
+
+
+def test_the_trainer_window_keys_generation_only_when_set_and_is_the_exports_default(
+    raw: dict[str, Any], tmp_path: Path
+) -> None:
+    base = build(raw, tmp_path)
+    assert "trainer_window" not in base.sources["a"].gen_components, "configs without a window keep their keys"
+    windowed = build(edit(raw, "trainer", {"max_length": 4096}), tmp_path)
+    assert windowed.sources["a"].gen_components["trainer_window"] == {"max_length": 4096, "min_new_tokens": 32}
+    assert all(windowed.sources[s].gen_key != base.sources[s].gen_key for s in base.sources)
+    assert windowed.sources["a"].prompt_key == base.sources["a"].prompt_key, "the prompts stay"
+    exported = edit(raw, "trainer", {"max_length": 4096})
+    exported["export"] = {"specforge": {}, "speculators": {"max_length": 2048}, "conversations": {}}
+    exports = build(exported, tmp_path).config.exports
+    assert (exports["specforge"].max_length, exports["speculators"].max_length) == (4096, 2048)
+    assert exports["conversations"].max_length is None
+    with pytest.raises(cfg.ConfigError, match=r"trainer\.min_new_tokens"):
+        build(edit(raw, "trainer", {"max_length": 64, "min_new_tokens": 64}), tmp_path)

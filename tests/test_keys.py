@@ -197,6 +197,9 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "sampling.max_new_tokens": (_set("sampling.max_new_tokens", 77), keys.GEN),
     "sampling.seed": (_set("sampling.seed", lambda v: v + 1), keys.GEN),
     "sampling.samples_per_prompt": (_set("sampling.samples_per_prompt", 2), keys.GEN),
+    "trainer.max_length": (lambda c, ws: c.update(trainer={"max_length": 4096}), keys.GEN),
+    # without a window it decides nothing: the edit sets one, with another minimum than the default
+    "trainer.min_new_tokens": (lambda c, ws: c.update(trainer={"max_length": 4096, "min_new_tokens": 8}), keys.GEN),
     "shard_size": (_shard_count, keys.PROMPT),
     "truncated": (_set("truncated", "keep"), keys.TOK),
     "mix.seed": (_set("mix.seed", 5), None),
