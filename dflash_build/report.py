@@ -91,8 +91,8 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
     for path in sorted(plan.completion_dir(source).glob("*.stats.json")):
         stats = json.loads(path.read_text())
         shards += 1
-        for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED, R.STAT_REUSED,
-                    R.STAT_CONTINUED, R.STAT_GENERATED):  # fmt: skip
+        for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED,
+                    R.STAT_REUSED, R.STAT_CONTINUED, R.STAT_GENERATED):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
         # a restored shard's sidecar keeps the numbers of the one run that generated it
         seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
@@ -101,8 +101,12 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
     rows = total[R.STAT_INPUT_ROWS]
     return {
         "shards": shards,
-        **{k: total[k] for k in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED)},
+        **{
+            k: total[k]
+            for k in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED)
+        },
         "truncation_rate": round(total[R.STAT_TRUNCATED] / rows, 6) if rows else 0.0,
+        "window_rate": round(total[R.STAT_WINDOW] / rows, 6) if rows else 0.0,  # ended at trainer.max_length
         "error_rate": round((total[R.STAT_ERROR] + total[R.STAT_SKIPPED]) / rows, 6) if rows else 0.0,
         "reuse_rate": round((total[R.STAT_REUSED] + total[R.STAT_CONTINUED]) / rows, 6) if rows else 0.0,
         "job_hours": round(wall / 3600, 4),
@@ -138,6 +142,7 @@ def tables(plan: Plan, tally: Tally) -> dict[str, dict[str, dict[str, Any]]]:
             "completion_tokens": int(lengths.sum(dtype=np.int64)),
             "completion_length": length_stats(lengths),
             "truncation_rate": round(sum(g[R.STAT_TRUNCATED] for g in gens) / rows, 6) if rows else 0.0,
+            "window_rate": round(sum(g[R.STAT_WINDOW] for g in gens) / rows, 6) if rows else 0.0,
             "error_rate": round(sum(g[R.STAT_ERROR] + g[R.STAT_SKIPPED] for g in gens) / rows, 6) if rows else 0.0,
             "gpu_hours": round(sum(g["gpu_hours"] for g in gens), 4),
         }
@@ -152,11 +157,13 @@ _SIZE_COLUMNS = (
     ("completion tok", lambda n, s: s["completion_tokens"]),
     *((k, lambda n, s, k=k: s["completion_length"][k]) for k in ("mean", "p50", "p90", "max")),
 )
+WINDOW_COLUMN = "at window"
 _SOURCE_COLUMNS = (
     ("source", lambda n, s: n),
     ("category", lambda n, s: s["category"]),
     *_SIZE_COLUMNS,
     ("truncated", lambda n, s: f"{s['generation']['truncation_rate']:.1%}"),
+    (WINDOW_COLUMN, lambda n, s: f"{s['generation'].get('window_rate', 0.0):.1%}"),
     ("failed", lambda n, s: f"{s['generation']['error_rate']:.1%}"),
     ("reused", lambda n, s: f"{s['generation']['reuse_rate']:.1%}"),
     ("GPU-h", lambda n, s: f"{s['generation']['gpu_hours']:.2f}"),
@@ -166,9 +173,16 @@ _CATEGORY_COLUMNS = (
     ("category", lambda n, s: n),
     *_SIZE_COLUMNS,
     ("truncated", lambda n, s: f"{s['truncation_rate']:.1%}"),
+    (WINDOW_COLUMN, lambda n, s: f"{s.get('window_rate', 0.0):.1%}"),
     ("failed", lambda n, s: f"{s['error_rate']:.1%}"),
     ("GPU-h", lambda n, s: f"{s['gpu_hours']:.2f}"),
 )
+
+
+def _shown(report: dict[str, Any], columns: Any) -> Any:
+    """The columns worth showing: "at window" only in a build with rows that ended at trainer.max_length."""
+    windowed = any(s["generation"].get("window_rate") for s in report["by_source"].values())
+    return columns if windowed else tuple(c for c in columns if c[0] != WINDOW_COLUMN)
 
 
 def _rows(table: dict[str, dict[str, Any]], columns: Any) -> list[list[str]]:
@@ -179,6 +193,7 @@ def markdown(report: dict[str, Any]) -> str:
     out = []
     for title, key, columns in (("By source", "by_source", _SOURCE_COLUMNS), ("By category", "by_category",
                                                                               _CATEGORY_COLUMNS)):  # fmt: skip
+        columns = _shown(report, columns)
         head = [c for c, _ in columns]
         out += [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(r) + " |" for r in _rows(report[key], columns)]
@@ -188,8 +203,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plain(report: dict[str, Any]) -> str:
     """The per-source table as aligned text (the end-of-build summary)."""
-    head = [c for c, _ in _SOURCE_COLUMNS]
-    rows = [head, *_rows(report["by_source"], _SOURCE_COLUMNS)]
+    columns = _shown(report, _SOURCE_COLUMNS)
+    head = [c for c, _ in columns]
+    rows = [head, *_rows(report["by_source"], columns)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join(
         "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
@@ -204,6 +220,7 @@ def write_tables(folder: Path, report: dict[str, Any]) -> None:
         (TABLES[0], "by_source", _SOURCE_COLUMNS),
         (TABLES[1], "by_category", _CATEGORY_COLUMNS),
     ):
+        columns = _shown(report, columns)
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         with atomic.atomic_open(folder / name) as f:
             writer = csv.writer(f)
@@ -266,8 +283,8 @@ def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[st
 
     # finish reasons per source (generation outcomes, as fractions of the source's rows)
     sources = list(report["by_source"])
-    kinds = (("ok", R.STAT_OK), ("truncated", R.STAT_TRUNCATED), ("error/abort", R.STAT_ERROR),
-             ("skipped", R.STAT_SKIPPED))  # fmt: skip
+    kinds = (("ok", R.STAT_OK), ("truncated", R.STAT_TRUNCATED), ("at window", R.STAT_WINDOW),
+             ("error/abort", R.STAT_ERROR), ("skipped", R.STAT_SKIPPED))  # fmt: skip
     height = max(2.5, 0.35 * len(sources) + 1.2)
     fig, ax = plt.subplots(figsize=(8, height))
     left = [0.0] * len(sources)
@@ -275,14 +292,14 @@ def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[st
         values = []
         for s in sources:
             gen = report["by_source"][s]["generation"]
-            values.append(100 * gen[key] / gen[R.STAT_INPUT_ROWS] if gen[R.STAT_INPUT_ROWS] else 0.0)
+            values.append(100 * gen.get(key, 0) / gen[R.STAT_INPUT_ROWS] if gen[R.STAT_INPUT_ROWS] else 0.0)
         ax.barh(sources, values, left=left, label=label)
         left = [a + b for a, b in zip(left, values, strict=True)]
     ax.set_xlabel("share of generated rows (%)")
     ax.set_xlim(0, 100)
     ax.invert_yaxis()
     ax.set_title("finish reasons per source")
-    ax.legend(ncols=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
+    ax.legend(ncols=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
     save(fig, "finish_reasons_by_source.png")
 
     # mean prompt vs completion tokens per source

@@ -62,7 +62,7 @@ def test_the_trainer_window_bounds_every_row_and_a_later_window_continues_or_cut
 ) -> None:
     small, large, smaller = 56, 64, 50  # the prompts are about 42 tokens
     wf = Workflow.at(tmp_path / "a" / "work", _config(tmp_path / "a", tiny_model, small))
-    wf.build()
+    summary = wf.build().stdout
     rows = _rows(wf)
     assert len(rows) == len(PROMPTS) + 1
     [skipped] = [r for r in rows.values() if r["finish_reason"] == "skipped"]
@@ -89,6 +89,10 @@ def test_the_trainer_window_bounds_every_row_and_a_later_window_continues_or_cut
     assert len(dataset) == len(rows) - 1, "truncated: drop keeps the rows that ended at the window"
     assert all(len(r["input_ids"]) <= small for r in dataset)
     assert sum(r["finish_reason"] == "window" for r in dataset) == windowed
+    [header] = [line for line in summary.splitlines() if line.startswith("source ")]
+    assert "truncated  at window" in header, "the card and the summary show the rows that ended at the window"
+    card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
+    assert f"| {windowed / len(rows):.1%} |" in card
 
     # a larger window continues the rows that ended at the smaller one; a smaller one cuts them
     for window in (large, smaller):
