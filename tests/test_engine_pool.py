@@ -140,7 +140,8 @@ def test_a_dead_server_leaves_the_pool_at_once(
 ) -> None:
     dies, healthy = _standin(servers, delay_seconds=0.05), _standin(servers, delay_seconds=0.05)
     owner, dead_url = Owner(), dies.url
-    engine = _engine([dies.url, healthy.url], pool=owner)
+    # four in flight on the server that dies: their failures come back together, in one wait
+    engine = _engine([dies.url, healthy.url], pool=owner, concurrency=4)
     got = {}
     try:
         for r in engine.generate(_requests()):
@@ -167,3 +168,35 @@ def test_the_owner_replaces_a_lost_server_and_the_pool_grows_with_servers_that_s
     assert owner.lost_calls == [(stalls.url, True)]
     assert replacement.completions > 0, "the replacement took the stalled server's place"
     assert later.completions > 0, "a server that started during the run joined it"
+
+
+def test_requests_that_fail_together_on_a_dying_server_are_all_sent_again(servers: list[StandIn]) -> None:
+    """Every request in flight on a server fails in the same turn of the event loop (its process died
+    with them): each is sent again exactly once, none is lost. (The engine's HTTP is replaced by a
+    function here: what is tested is the pool's bookkeeping around it.)"""
+    import asyncio
+
+    from dflash_build.engines.openai_backend import ServerDown
+
+    dying, healthy = _standin(servers), _standin(servers)
+    engine = _engine([dying.url, healthy.url], pool=Owner(), concurrency=4)
+    died = asyncio.Event()
+    sent: list[tuple[str, str]] = []
+
+    async def one(url: str, request: Request) -> Result:
+        sent.append((url, request.prompt_id))
+        if url == dying.url:
+            await died.wait()  # released all at once
+            raise ServerDown(f"server {url} failed /v1/completions after 1 attempts; last answer: ConnectError")
+        if len(sent) >= 4 and not died.is_set():
+            asyncio.get_running_loop().call_soon(died.set)
+        return Result(request.prompt_id, request.sample_idx, [5], "stop", STOP_ID)
+
+    engine._one = one  # type: ignore[method-assign]
+    try:
+        got = [r.prompt_id for r in engine.generate(_requests())]
+    finally:
+        engine.close()
+    assert sorted(got) == sorted(r.prompt_id for r in _requests()), "every row once"
+    on_dying = [p for u, p in sent if u == dying.url]
+    assert len(on_dying) == 4 and all((healthy.url, p) in sent for p in on_dying), "each failed one sent again"

@@ -524,7 +524,7 @@ class OpenAIEngine:
 
         def leave(server: _Server, why: str, stalled: bool, failure: ServerDown) -> None:
             for task, (held_by, request) in list(owner.items()):
-                if held_by is server:
+                if held_by is server and not task.done():  # a finished one is taken as it finished
                     task.cancel()
                     del owner[task]
                     resend.append(request)
@@ -538,7 +538,9 @@ class OpenAIEngine:
                 probes = {s.probe for s in self._servers.values() if s.probe is not None}
                 waiting = set(owner) | self._changes | probes
                 finished = (await asyncio.wait(waiting, timeout=self._tick(), return_when=asyncio.FIRST_COMPLETED))[0]
-                for task in finished & owner.keys():
+                for task in finished:
+                    if task not in owner:  # a change, a probe, or taken back when its server left
+                        continue
                     server, request = owner.pop(task)
                     server.in_flight -= 1
                     try:
