@@ -537,7 +537,12 @@ class OpenAIEngine:
                     raise self._failure or ServerDown("no server is left in the pool")
                 probes = {s.probe for s in self._servers.values() if s.probe is not None}
                 waiting = set(owner) | self._changes | probes
-                finished = (await asyncio.wait(waiting, timeout=self._tick(), return_when=asyncio.FIRST_COMPLETED))[0]
+                if not waiting:  # nothing to wait for this turn (asyncio.wait refuses an empty set)
+                    await asyncio.sleep(self._tick())
+                    finished: set[Any] = set()
+                else:
+                    first = asyncio.FIRST_COMPLETED
+                    finished = (await asyncio.wait(waiting, timeout=self._tick(), return_when=first))[0]
                 for task in finished:
                     if task not in owner:  # a change, a probe, or taken back when its server left
                         continue
