@@ -183,6 +183,7 @@ ENGINE_OPTIONS: dict[str, dict[str, Decision]] = {
         "retries": _d(None, "fault handling only"),
         "backoff": _d(None, "fault handling only"),
         "max_backoff": _d(None, "fault handling only"),
+        "health": _d(None, "fault handling only: the path a stalled server is checked on"),
     },
     "llamacpp": {
         "threads": _d(None, _SPEED),

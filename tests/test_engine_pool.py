@@ -112,10 +112,10 @@ def test_a_busy_server_whose_health_check_answers_stays_in_the_pool(
     busy = _standin(servers, fault="hang", first=2, last=3, hang_seconds=2.5 * STALL)
     owner = Owner()
     with caplog.at_level(logging.WARNING, logger=openai_backend.__name__):
-        got = _run(_engine([busy.url], pool=owner))
+        got = _run(_engine([busy.url], pool=owner, health="/health"))  # engine.options.health
     assert got == undisturbed
     assert owner.lost_calls == [], "long answers are not a stall while the server's health check answers"
-    assert any("busy with long answers, not stalled" in r.getMessage() for r in caplog.records)
+    assert any("its health check /health answers: busy with long answers" in r.getMessage() for r in caplog.records)
     assert busy.completions == ROWS, "nothing was sent twice"
 
 

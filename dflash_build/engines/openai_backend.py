@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 KNOWN_OPTIONS = frozenset(
-    {"urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff", "expect_model"}
+    {
+        *("urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff"),
+        *("expect_model", "health"),
+    }
 )
 APIS = ("completions", "generate")
 PROMPT_MODES = ("auto", "ids", "text")
@@ -152,6 +155,8 @@ def _options(options: Mapping[str, Any]) -> dict[str, Any]:
         "backoff": float(options.get("backoff", 0.5)),
         "max_backoff": float(options.get("max_backoff", 30)),
         "expect_model": options.get("expect_model"),
+        # where a silent server is checked: SGLang's /health generates a token through its scheduler
+        "health": options.get("health"),
     }
     if out["api"] not in APIS:
         raise ValueError(f"config key 'engine.options.api': '{out['api']}' is not one of {APIS}")
@@ -232,7 +237,8 @@ class OpenAIEngine:
         self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
         self.name = "the server " + ", ".join(self.opts["urls"])  # how warnings name it
-        self.stall_timeout, self.health_path, self.pool = stall_timeout, health_path, pool
+        self.stall_timeout, self.pool = stall_timeout, pool
+        self.health_path = self.opts["health"] or health_path
         # a SIGSTOPped server accepts connections and never answers: checks made here wait this long
         self.probe_seconds = min(PROBE_SECONDS, stall_timeout or PROBE_SECONDS)
         self._servers = {url: _Server(url) for url in self.opts["urls"]}
