@@ -641,14 +641,21 @@ class OpenAIEngine:
                 server.probe = asyncio.ensure_future(self._probe(server.url))
 
     async def _probe(self, url: str) -> str | None:
-        """None if ``url`` answers its health check (twice within the deadline each), else how it failed."""
-        try:
-            await self._call(url, self.health_path, None, retries=1, deadline=self.probe_seconds)
-        except RequestRefused as e:
-            return f"refused ({e})"
-        except ServerDown as e:
-            return f"failed ({str(e).split('last answer: ')[-1]})"
-        return None
+        """None if ``url`` answers its health check with a 2xx (an empty body is an answer: SGLang's
+        /health has none), at the first or second attempt within the deadline each; else how it failed."""
+        last = ""
+        for _ in range(2):
+            try:
+                response = await asyncio.wait_for(self._client.get(url + self.health_path), self.probe_seconds)
+            except (asyncio.TimeoutError, TimeoutError):
+                last = f"no answer within {self.probe_seconds:g}s"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if response.status_code < 400:
+                    return None
+                last = f"HTTP {response.status_code}: {response.text[:_SHOWN]}"
+        return f"failed ({last})"
 
     def close(self) -> None:
         if self._loop.is_closed():
