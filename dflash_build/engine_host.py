@@ -238,7 +238,7 @@ class Attached:
 
     @property
     def engines(self) -> list[dict[str, Any]]:
-        return [state for state, _ in self.members.values()]
+        return [state for state, _ in list(self.members.values())]  # a snapshot: the pool changes in threads
 
     def leave(self, url: str) -> dict[str, Any] | None:
         """Stop holding ``url``'s engine (so a job that replaces it is not kept waiting); its state."""
@@ -544,9 +544,12 @@ class ServedEngine:
             "started_here": attached.started,
             "engines": [_described(e) for e in attached.engines],
         }
-        # how warnings name it: every engine the job feeds, with its server's pid
-        served = ", ".join(f"{e['slot']} (pid {e['pid']}, {e['url']})" for e in attached.engines)
-        self.name = f"the shared engine {served}"
+
+    @property
+    def name(self) -> str:
+        """How warnings name it: every engine the job feeds now, with its host's pid."""
+        served = ", ".join(f"{e['slot']} (pid {e['pid']}, {e['url']})" for e in self.attached.engines)
+        return f"the shared engine {served or '(none left in the pool; a replacement may be starting)'}"
 
     def generate(self, requests: Any) -> Any:
         try:

@@ -161,7 +161,7 @@ class Progress:
     def watch(
         self,
         in_flight: Callable[[], int],
-        engine: str,
+        engine: str | Callable[[], str],
         stall_timeout: float,
         then: str,
         steps: Callable[[], int] | None = None,
@@ -188,8 +188,9 @@ class Progress:
                     continue
                 warned_for = progressed
                 self.stalls += 1
+                who = engine() if callable(engine) else engine  # a pool's members change
                 message = (
-                    f"{self.label}: no answer from {engine} for {silent:.0f}s while {waiting} requests are in flight "
+                    f"{self.label}: no answer from {who} for {silent:.0f}s while {waiting} requests are in flight "
                     f"(engine.stall_timeout {stall_timeout:g}s); it may be stopped, deadlocked or its GPU wedged: "
                     f"{then}"
                 )
@@ -720,7 +721,10 @@ def watch_engine(
     """Start the shard's heartbeat for ``engine``; for an in-process engine that counts its steps, the
     stop it makes when the engine stalls."""
     stall_timeout = work.plan.config.engine.stall_timeout
-    name = engine_name(engine, work.plan.config.engine.backend, lease)
+
+    def name() -> str:
+        return engine_name(engine, work.plan.config.engine.backend, lease)
+
     if isinstance(engine, engine_host.ServedEngine) or work.plan.config.engine.backend == "openai":
         then = "its health check decides: a stalled server leaves the pool (a shared engine is replaced)"
         progress.watch(lambda: counts.in_flight, name, stall_timeout, then)
