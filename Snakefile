@@ -1,6 +1,6 @@
 # dflash-build: the target model's own answers to a prompt mix, as a content-addressed build.
-# Every store path carries the hash of what determines its content; see README.md and DESIGN notes
-# in dflash_build/plan.py. `snakemake -n` lists every shard job that would run.
+# Every store path carries the hash of what determines its content (docs/architecture.md);
+# `snakemake -n` lists every shard job that would run.
 from snakemake.utils import min_version
 
 min_version("9.0")

@@ -137,7 +137,7 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Checks:
-    """When a build fails instead of losing data quietly (README: "Loud failure")."""
+    """When a build fails instead of losing data quietly (docs/configuration.md: "Loud failure")."""
 
     max_drop_fraction: float = 0.2
     max_failed_fraction: float = 0.5

@@ -20,7 +20,7 @@ against that installed package.
   charge, a SIGQUIT from a failing SGLang child fails the job cleanly, and ``close`` stops only the
   processes this engine started (``Engine.shutdown`` kills every child of the driver).
 
-SGLang cannot run on a CPU-only machine; the engine call itself is the untested surface (README).
+SGLang cannot run on a CPU-only machine; the engine call itself is the untested surface (docs/generation.md).
 """
 
 from __future__ import annotations
