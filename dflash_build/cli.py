@@ -22,6 +22,7 @@ summary   the dataset summary of a built dist folder
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,9 +37,10 @@ def _plan(args: argparse.Namespace) -> plan_mod.Plan:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    estimates = operate.estimate(_plan(args), args.tokens_per_second)
+    plan = _plan(args)
+    estimates = operate.estimate(plan, args.tokens_per_second)
     if args.json:
-        print(json.dumps([e.__dict__ for e in estimates], indent=2))
+        print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=2))
         return _errors(estimates)
     header = (
         f"{'source':<28}{'prompts':>10}{'shards':>8}{'built':>7}{'todo':>6}{'rows':>9}{'reused':>8}{'generate':>10}"
@@ -56,11 +58,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hours = sum(e.gpu_hours for e in estimates)
     jobs = sum(len(e.generate_jobs) for e in estimates)
     print(f"total: {jobs} generate jobs, {total} rows to generate, {tokens:.0f} output tokens, {hours:.2f} GPU-hours")
+    window = plan.config.trainer.max_length if total else None
+    if window is not None:
+        print(_window_line(window, estimates, hours / tokens if tokens else 0.0))
     if args.jobs:
         for e in estimates:
             for job in e.generate_jobs:
                 print(f"generate {job}")
     return _errors(estimates)
+
+
+def _window_line(window: int, estimates: list[operate.SourceEstimate], hours_per_token: float) -> str:
+    """What trainer.max_length saves on the rows to generate, with and without it."""
+    effects = [e.window for e in estimates if e.window is not None]
+    if not effects:
+        return (
+            f"trainer.max_length {window}: no answer of this model in the store to estimate its effect from "
+            "(bench/trainer_window.py models it)"
+        )
+    sample = sum(w.sample_rows for w in effects) // len(effects)
+    with_window = sum(w.output_tokens for w in effects)
+    without = sum(w.output_tokens_without for w in effects)
+    past = sum(w.past_window_tokens for w in effects)
+    dropped = sum(w.dropped_rows for w in effects)
+    skipped = sum(w.skipped_rows for w in effects)
+    return (
+        f"trainer.max_length {window} (estimated from {sample} answers of this model in the store): "
+        f"{with_window:.0f} output tokens, {with_window * hours_per_token:.2f} GPU-hours, {skipped:.0f} prompts "
+        f"skipped; without it {without:.0f} tokens, {without * hours_per_token:.2f} GPU-hours, of which "
+        f"{past:.0f} tokens past the window (the trainer cuts them) and {dropped:.0f} rows dropped at "
+        "max_new_tokens (truncated: drop)"
+    )
 
 
 def _errors(estimates: list[operate.SourceEstimate]) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build import atomic, hashing, prepare, release, rowindex
-from dflash_build.config import Config
+from dflash_build.config import Config, TrainerSpec
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
 from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.rowindex import RowIndex, reuse_key
@@ -46,6 +46,66 @@ class SourceEstimate:
     output_tokens: float = 0.0
     gpu_hours: float = 0.0
     errors: list[str] = field(default_factory=list)  # what would fail the build before any GPU work
+    window: WindowEffect | None = None  # with trainer.max_length: its effect on the rows to generate
+
+
+WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
+
+
+@dataclass
+class WindowEffect:
+    """What trainer.max_length does to the rows a source still has to generate, estimated from the
+    prompt and answer lengths of this model's answers in the store that no window cut."""
+
+    sample_rows: int
+    output_tokens: float  # with the window
+    output_tokens_without: float  # without it: each answer up to max_new_tokens
+    past_window_tokens: float  # without it: generated past the window, so cut by the trainer
+    dropped_rows: float  # without it: answers at max_new_tokens that `truncated: drop` throws away whole
+    skipped_rows: float  # with it: prompts that leave fewer than trainer.min_new_tokens
+
+
+def window_effect(
+    lengths: list[tuple[int, int]], rows: int, max_new_tokens: int, trainer: TrainerSpec, drop: bool
+) -> WindowEffect | None:
+    """The window's effect on ``rows`` answers drawn like ``lengths`` ((prompt, answer) token counts);
+    ``drop``: `truncated: drop`."""
+    if trainer.max_length is None or not lengths:
+        return None
+    window = trainer.max_length
+    scale = rows / len(lengths)
+    with_window = without = past = dropped = skipped = 0.0
+    for prompt, answer in lengths:
+        generated = min(answer, max_new_tokens)
+        without += generated
+        room = window - prompt
+        if answer >= max_new_tokens and drop:
+            dropped += 1
+        else:
+            past += max(0, generated - max(room, 0))
+        if room < trainer.min_new_tokens:
+            skipped += 1
+        else:
+            with_window += min(generated, room)
+    return WindowEffect(
+        len(lengths), with_window * scale, without * scale, past * scale, dropped * scale, skipped * scale
+    )
+
+
+def _answer_lengths(plan: Plan) -> list[tuple[int, int]]:
+    """(prompt, answer) token counts of this model's answers in the store that no trainer window cut."""
+    lengths: list[tuple[int, int]] = []
+    stats_files = sorted((plan.config.store / "completions").glob("*/*/*.stats.json"))
+    for stats_file in stats_files[:WINDOW_SAMPLE_SHARDS]:
+        stats = json.loads(stats_file.read_text())
+        data = stats_file.with_name(stats_file.name.removesuffix(".stats.json") + ".parquet")
+        if stats.get("components", {}).get("model") != plan.model_fingerprint["digest"] or not data.exists():
+            continue
+        table = pq.read_table(data, columns=["n_prompt_tokens", "n_output_tokens", "finish_reason"]).to_pylist()
+        lengths += [
+            (r["n_prompt_tokens"], r["n_output_tokens"]) for r in table if r["finish_reason"] in ("stop", "length")
+        ]
+    return lengths
 
 
 def _measured(plan: Plan) -> tuple[float | None, float | None]:
@@ -76,6 +136,7 @@ def _estimate(
     plan: Plan, index: RowIndex, mean_tokens: float | None, rate: float | None, default_tokens_per_second: float
 ) -> list[SourceEstimate]:
     out = []
+    lengths = functools.cache(lambda: _answer_lengths(plan) if plan.config.trainer.max_length else [])
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
         manifest_file = plan.prompt_dir(name) / "manifest.json"
@@ -135,6 +196,10 @@ def _estimate(
             est.rows_to_generate += len(wanted)
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
+        drop = plan.config.truncated == "drop"
+        est.window = window_effect(lengths(), est.rows_to_generate, sampling.max_new_tokens, plan.config.trainer, drop)
+        if est.window is not None:
+            est.output_tokens = est.window.output_tokens
         est.gpu_hours = est.output_tokens / (rate or default_tokens_per_second) / 3600
         out.append(est)
     return out

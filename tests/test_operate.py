@@ -307,3 +307,22 @@ def test_configfile_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixt
     for argv in (["--configfile", missing, "plan"], ["plan", "--configfile", missing]):
         assert cli.main(argv) == 2
         assert "not-there.yaml" in capsys.readouterr().err
+
+
+def test_the_trainer_windows_effect_on_the_rows_to_generate() -> None:
+    """A worked pair, then the limits: a window no answer reaches changes nothing, one no prompt fits
+    skips every row; the estimate scales with the rows to generate."""
+    from dflash_build.config import TrainerSpec
+    from dflash_build.operate import WindowEffect, window_effect
+
+    trainer = TrainerSpec(max_length=40, min_new_tokens=4)
+    # 10 + 100 runs out at max_new_tokens 50: dropped without the window, 30 tokens with it; 10 + 5 stops
+    assert window_effect([(10, 100), (10, 5)], 2, 50, trainer, drop=True) == WindowEffect(2, 35, 55, 0, 1, 0)
+    kept = window_effect([(10, 100), (10, 5)], 2, 50, trainer, drop=False)
+    assert kept is not None and (kept.past_window_tokens, kept.dropped_rows) == (20, 0)
+    lengths = [(p, a) for p in (5, 50, 200) for a in (1, 30, 400)]
+    wide = window_effect(lengths, len(lengths), 512, TrainerSpec(max_length=10_000), drop=True)
+    assert wide is not None and wide.output_tokens == wide.output_tokens_without and wide.past_window_tokens == 0
+    narrow = window_effect(lengths, 3 * len(lengths), 512, TrainerSpec(max_length=8, min_new_tokens=4), drop=True)
+    assert narrow is not None and narrow.output_tokens == 0 and narrow.skipped_rows == 3 * len(lengths)
+    assert window_effect(lengths, 9, 512, TrainerSpec(), drop=True) is None, "no window, no estimate"

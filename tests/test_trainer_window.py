@@ -97,6 +97,11 @@ def test_the_trainer_window_bounds_every_row_and_a_later_window_continues_or_cut
     # a larger window continues the rows that ended at the smaller one; a smaller one cuts them
     for window in (large, smaller):
         wf.write_config(_config(tmp_path / "a", tiny_model, window))
+        # the window's line (its numbers: tests/test_operate.py); an answer a window cut says nothing about
+        # the answer without it, so only answers that stopped count, and the tiny model seldom stops
+        planned = [line for line in wf.cli("plan").stdout.splitlines() if line.startswith("trainer.max_length")]
+        assert len(planned) == 1 and planned[0].startswith(f"trainer.max_length {window}")
+        assert "no answer of this model in the store" in planned[0] or "tokens past the window" in planned[0]
         wf.run("--until", "generate")
         expected = _fresh(tmp_path / f"fresh-{window}", tiny_model, window)
         got = _rows(wf)
