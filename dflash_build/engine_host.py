@@ -589,8 +589,12 @@ class ServedEngine:
             if self.closed:
                 attached.release()
                 return PoolChange()
-            self.attached.members.update(attached.members)
-            self.identity["engines"] += [_described(e) for e in attached.engines]
+            for joined_url, (joined, fd) in attached.members.items():
+                if joined_url in self.attached.members:  # a refresh joined it meanwhile: hold it once
+                    os.close(fd)
+                    continue
+                self.attached.members[joined_url] = (joined, fd)
+                self.identity["engines"].append(_described(joined))
         return PoolChange(joined=attached.urls)
 
     def refresh(self) -> PoolChange:
