@@ -76,7 +76,7 @@ def _window_line(window: int, estimates: list[operate.SourceEstimate], hours_per
             f"trainer.max_length {window}: no answer of this model in the store to estimate its effect from "
             "(bench/trainer_window.py models it)"
         )
-    sample = sum(w.sample_rows for w in effects) // len(effects)
+    sample = effects[0].sample_rows  # one sample of this model's answers serves every source
     with_window = sum(w.output_tokens for w in effects)
     without = sum(w.output_tokens_without for w in effects)
     past = sum(w.past_window_tokens for w in effects)

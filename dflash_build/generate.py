@@ -377,6 +377,11 @@ class ShardWork:
         window = self.plan.config.trainer.max_length
         return limit if window is None else min(limit, window - prompt_tokens)
 
+    def ran_out(self, budget: int) -> str:
+        """How an answer that used up ``budget`` ended: at the trainer's window when the window made the
+        budget shorter than max_new_tokens, else truncated."""
+        return R.FINISH_WINDOW if budget < self.spec.sampling.max_new_tokens else R.FINISH_LENGTH
+
     @property
     def min_new_tokens(self) -> int:
         """Fewer new tokens than this in the window: the prompt is skipped (1 without a window)."""
@@ -572,8 +577,7 @@ def reuse(work: ShardWork, journal: Journal) -> int:
                 if use == "whole":
                     result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
                 else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
-                    reason = R.FINISH_WINDOW if budget < limit else R.FINISH_LENGTH
-                    result = Result(conv.prompt_id, conv.sample_idx, output[:budget], reason)
+                    result = Result(conv.prompt_id, conv.sample_idx, output[:budget], work.ran_out(budget))
                 turn = _apply(conv, ids, result)
                 turn.reused_from = origin
                 journal.append(_journal_row(conv, turn))
@@ -638,8 +642,8 @@ def take_result(work: ShardWork, generated: Result, context: tuple[list[int], in
     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
     context_ids, budget = context
     result = generated
-    if result.finish_reason == R.FINISH_LENGTH and budget < work.spec.sampling.max_new_tokens:
-        result = dataclasses.replace(result, finish_reason=R.FINISH_WINDOW)
+    if result.finish_reason == R.FINISH_LENGTH:
+        result = dataclasses.replace(result, finish_reason=work.ran_out(budget))
     if conv.prefix:  # the answer is the old prefix + what the engine added (its count too)
         counted = generated.engine_output_tokens
         result = dataclasses.replace(

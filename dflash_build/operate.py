@@ -92,14 +92,22 @@ def window_effect(
     )
 
 
-def _answer_lengths(plan: Plan) -> list[tuple[int, int]]:
-    """(prompt, answer) token counts of this model's answers in the store that no trainer window cut."""
-    lengths: list[tuple[int, int]] = []
-    stats_files = sorted((plan.config.store / "completions").glob("*/*/*.stats.json"))
-    for stats_file in stats_files[:WINDOW_SAMPLE_SHARDS]:
+def _model_sidecars(plan: Plan) -> list[tuple[Path, dict[str, Any]]]:
+    """The completion sidecars in the store of this config's model, with their paths."""
+    found = []
+    for stats_file in sorted((plan.config.store / "completions").glob("*/*/*.stats.json")):
         stats = json.loads(stats_file.read_text())
+        if stats.get("components", {}).get("model") == plan.model_fingerprint["digest"]:
+            found.append((stats_file, stats))
+    return found
+
+
+def _answer_lengths(sidecars: list[tuple[Path, dict[str, Any]]]) -> list[tuple[int, int]]:
+    """(prompt, answer) token counts of these shards' answers that no trainer window cut."""
+    lengths: list[tuple[int, int]] = []
+    for stats_file, _ in sidecars[:WINDOW_SAMPLE_SHARDS]:
         data = stats_file.with_name(stats_file.name.removesuffix(".stats.json") + ".parquet")
-        if stats.get("components", {}).get("model") != plan.model_fingerprint["digest"] or not data.exists():
+        if not data.exists():
             continue
         table = pq.read_table(data, columns=["n_prompt_tokens", "n_output_tokens", "finish_reason"]).to_pylist()
         lengths += [
@@ -108,14 +116,11 @@ def _answer_lengths(plan: Plan) -> list[tuple[int, int]]:
     return lengths
 
 
-def _measured(plan: Plan) -> tuple[float | None, float | None]:
-    """Mean output tokens per row and output tok/s per job, from shards of this model in the store."""
+def _measured(sidecars: list[tuple[Path, dict[str, Any]]]) -> tuple[float | None, float | None]:
+    """Mean output tokens per row and output tok/s per job, from these shards."""
     rows = tokens = 0
     rates: list[float] = []
-    for stats_file in (plan.config.store / "completions").glob("*/*/*.stats.json"):
-        stats = json.loads(stats_file.read_text())
-        if stats.get("components", {}).get("model") != plan.model_fingerprint["digest"]:
-            continue
+    for _, stats in sidecars:
         generated = stats.get("generated", stats.get("input_rows", 0))
         if generated:
             rows += stats["input_rows"]
@@ -127,16 +132,22 @@ def _measured(plan: Plan) -> tuple[float | None, float | None]:
 
 def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> list[SourceEstimate]:
     """What a build of the current config would do, per source."""
-    mean_tokens, rate = _measured(plan)
+    sidecars = _model_sidecars(plan)  # read once: rates, mean answer, and the window's sample
+    mean_tokens, rate = _measured(sidecars)
+    lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     with RowIndex.open(plan.config.store) as index:
-        return _estimate(plan, index, mean_tokens, rate, default_tokens_per_second)
+        return _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths)
 
 
 def _estimate(
-    plan: Plan, index: RowIndex, mean_tokens: float | None, rate: float | None, default_tokens_per_second: float
+    plan: Plan,
+    index: RowIndex,
+    mean_tokens: float | None,
+    rate: float | None,
+    default_tokens_per_second: float,
+    lengths: list[tuple[int, int]],
 ) -> list[SourceEstimate]:
     out = []
-    lengths = functools.cache(lambda: _answer_lengths(plan) if plan.config.trainer.max_length else [])
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
         manifest_file = plan.prompt_dir(name) / "manifest.json"
@@ -197,7 +208,7 @@ def _estimate(
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
         drop = plan.config.truncated == "drop"
-        est.window = window_effect(lengths(), est.rows_to_generate, sampling.max_new_tokens, plan.config.trainer, drop)
+        est.window = window_effect(lengths, est.rows_to_generate, sampling.max_new_tokens, plan.config.trainer, drop)
         if est.window is not None:
             est.output_tokens = est.window.output_tokens
         est.gpu_hours = est.output_tokens / (rate or default_tokens_per_second) / 3600
