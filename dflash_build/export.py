@@ -47,6 +47,10 @@ DROP_FEW_IN_WINDOW = "few_loss_tokens_within_max_length"  # enough in all, too f
 DROP_NOT_CONSECUTIVE = "no_adjacent_loss_tokens"
 
 
+class ExportEmptyError(RuntimeError):
+    """Every sample of the dataset would be left out of an export: it fails instead of writing nothing."""
+
+
 def sample_id(prompt_id: str, sample_idx: int) -> str:
     return f"{prompt_id}:{sample_idx}"
 
@@ -155,6 +159,13 @@ def run(
             counts = _conversations(files, stores or {}, spec, shards)
         else:
             counts = _token_rows(files, spec, shards)
+        if counts["samples_in"] and not counts["rows"]:
+            reasons = ", ".join(f"{n} {why}" for why, n in (counts.get("dropped") or {}).items())
+            raise ExportEmptyError(
+                f"export.{spec.format}: all {counts['samples_in']} samples of {mix_manifest['dataset']} were left "
+                f"out ({reasons}): a trainer would get nothing. Raise export.{spec.format}.max_length, or set "
+                f"export.{spec.format}.long to warn, cut or split; the last good {out_dir.name} stays as it was"
+            )
         manifest = {
             "stage": "export",
             "format": spec.format,

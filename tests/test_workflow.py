@@ -480,3 +480,12 @@ def test_exports_are_build_targets_and_an_export_edit_reruns_only_that_export(
     assert dropped.get("longer_than_max_length", 0) > 0, "the tool rows (~200 tokens) are over 64"
     assert "superseded version of dist/test-mix-specforge" in wf.cli("gc").stdout
     assert wf.cli("verify").returncode == 0 and wf.dry_run() == {}
+
+    # a window no sample fits: the export fails loudly and the last good one stays
+    good = (wf.workdir / "dist" / "test-mix-specforge").resolve()
+    config["export"]["specforge"]["max_length"] = 4
+    wf.write_config(config)
+    failed = wf.run(check=False)
+    text = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "export.specforge: all " in text and "a trainer would get nothing" in text
+    assert (wf.workdir / "dist" / "test-mix-specforge").resolve() == good
