@@ -61,6 +61,9 @@ class Converted:
     # their folded messages: what their dedup keys hash. Every other row's dedup key is its prompt body's.
     refolded_rows: np.ndarray
     dedup_bodies: pa.Array
+    # every message's text (answers are empty), and the plain row (its position among them) it is of
+    text_rows: np.ndarray
+    texts: pa.Array
 
 
 @dataclass
@@ -260,6 +263,8 @@ def _bodies(plain: np.ndarray, messages: _Messages) -> Converted:
         _joined(_RECORD, role, content, counts),
         changed,
         _joined(_CANONICAL, role.take(pa.array(of_changed)), folded, counts[changed]),
+        plain_row,
+        messages.content,
     )
 
 

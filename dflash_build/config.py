@@ -12,12 +12,14 @@ import glob
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from dflash_build.neardup import NearSpec
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 FORMATS = ("sharegpt", "messages", "alpaca", "prompt", "hermes")
@@ -191,6 +193,38 @@ class TrainerSpec:
 
 
 @dataclass(frozen=True)
+class DedupSpec:
+    """Config key `dedup`: near-copies within a source (prepare) and prompts several sources hold (mix)."""
+
+    near: NearSpec | None = None
+    across_sources: bool = True
+    prefer: tuple[str, ...] = ()
+
+    def source_priority(self, sources: Iterable[str]) -> list[str]:
+        """The sources in the order that decides which keeps a prompt several hold."""
+        names = sorted(sources)
+        return [n for n in self.prefer if n in names] + [n for n in names if n not in self.prefer]
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """One reference set of `decontaminate.references`: benchmark items no prompt may contain."""
+
+    name: str
+    files: tuple[str, ...]
+    hf: HubSpec | None
+    field: str
+
+
+@dataclass(frozen=True)
+class DecontaminationSpec:
+    """Config key `decontaminate`."""
+
+    ngram: int
+    references: Mapping[str, ReferenceSpec]
+
+
+@dataclass(frozen=True)
 class Config:
     store: Path
     logs: Path
@@ -209,6 +243,8 @@ class Config:
     pack: PackSpec | None = None
     exports: Mapping[str, ExportSpec] = field(default_factory=dict)
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    dedup: DedupSpec = field(default_factory=DedupSpec)
+    decontaminate: DecontaminationSpec | None = None
 
     @property
     def dataset_dir(self) -> Path:
@@ -281,16 +317,7 @@ def _source(
             raise ConfigError(f"{key}.fields.{field_name}", f"format '{raw['format']}' reads only {allowed}")
     if raw["format"] == "prompt" and "prompt" not in raw.get("fields", {}):
         raise ConfigError(f"{key}.fields.prompt", "format 'prompt' needs the name of the prompt column")
-    hf = None
-    if has_hf:
-        h = raw["hf"]
-        hf = HubSpec(h["path"], h.get("name"), h.get("split", "train"), h.get("revision"), h.get("data_files"))
-        if not hf.is_local and not _COMMIT.fullmatch(hf.revision or ""):
-            raise ConfigError(
-                f"{key}.hf.revision",
-                f"hub dataset '{hf.path}' needs a pinned revision: a 40-hex-digit commit, not {hf.revision!r} "
-                "(content behind a branch can change under the same key)",
-            )
+    hf = _hub(raw["hf"], f"{key}.hf", "train") if has_hf else None
     filters = raw.get("filters", {})
     return SourceSpec(
         name=name,
@@ -309,6 +336,46 @@ def _source(
         turns=raw.get("turns", "first"),
         max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
     )
+
+
+def _hub(h: Mapping[str, Any], key: str, split: str) -> HubSpec:
+    hf = HubSpec(h["path"], h.get("name"), h.get("split", split), h.get("revision"), h.get("data_files"))
+    if not hf.is_local and not _COMMIT.fullmatch(hf.revision or ""):
+        raise ConfigError(
+            f"{key}.revision",
+            f"hub dataset '{hf.path}' needs a pinned revision: a 40-hex-digit commit, not {hf.revision!r} "
+            "(content behind a branch can change under the same key)",
+        )
+    return hf
+
+
+def _dedup(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> DedupSpec:
+    for i, name in enumerate(raw.get("prefer", [])):
+        if name not in sources:
+            near = _closest(name, "sources", list(sources))
+            hint = f"; did you mean '{near}'?" if near else f" (sources: {', '.join(sorted(sources))})"
+            raise ConfigError(f"dedup.prefer.{i}", f"'{name}' is not a source{hint}")
+    near = raw.get("near")
+    return DedupSpec(
+        near=None if near is None else NearSpec(**near),
+        across_sources=bool(raw.get("across_sources", True)),
+        prefer=tuple(raw.get("prefer", [])),
+    )
+
+
+def _decontaminate(raw: Mapping[str, Any] | None) -> DecontaminationSpec | None:
+    if raw is None:
+        return None
+    references = {}
+    for name, ref in raw["references"].items():
+        key = f"decontaminate.references.{name}"
+        if ("files" in ref) == ("hf" in ref):
+            raise ConfigError(
+                key, "give exactly one of 'files' (local json/jsonl/parquet) or 'hf' (datasets.load_dataset)"
+            )
+        hf = _hub(ref["hf"], f"{key}.hf", "test") if "hf" in ref else None
+        references[name] = ReferenceSpec(name, tuple(ref.get("files", ())), hf, ref["field"])
+    return DecontaminationSpec(int(raw.get("ngram", 13)), references)
 
 
 def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
@@ -471,6 +538,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
         exports=_exports(raw.get("export") or {}, trainer.max_length),
         trainer=trainer,
+        dedup=_dedup(raw.get("dedup") or {}, sources),
+        decontaminate=_decontaminate(raw.get("decontaminate")),
     )
     _check_dataset_dir(config)
     from dflash_build import engines  # engines import config's types

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, killpoints, release, report
+from dflash_build import atomic, crosssource, hashing, killpoints, release, report
 from dflash_build import records as R
 from dflash_build.plan import Plan
 from dflash_build.report import length_stats
@@ -111,35 +111,55 @@ class _Candidates:
     n_tokens: np.ndarray  # int32
     category: np.ndarray  # int16: index into the categories
     offsets: np.ndarray  # int64: where each input shard's rows start
+    prompt_id: np.ndarray  # uint64
+    source: np.ndarray  # int16: index into the sources
+
+    def available(self, codes: np.ndarray, names: list[str], eligible: np.ndarray) -> Counter[str]:
+        """Tokens of the eligible samples by ``codes`` (category or source) named by ``names``."""
+        counted = eligible & (codes >= 0)
+        sums = np.zeros(len(names), dtype=np.int64)
+        np.add.at(sums, codes[counted], self.n_tokens[counted].astype(np.int64))
+        return Counter({name: int(total) for name, total in zip(names, sums, strict=True) if total})
 
 
-def _candidates(seed: int, inputs: list[Path], categories: list[str]) -> tuple[_Candidates, Counter[str], Counter[str]]:
-    """Read only the columns selection needs; returns the candidates and the tokens available by
-    category and by source."""
+def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]) -> _Candidates:
+    """Read only the columns selection needs (``inputs``: each token shard with its source's index)."""
     import pyarrow.compute as pc
 
     known = pa.array(categories, type=pa.string())
-    ranks, tokens, codes, sizes = [], [], [], [0]
-    available: Counter[str] = Counter()
-    available_by_source: Counter[str] = Counter()
-    for path in inputs:
+    ranks, tokens, codes, ids, sources, sizes = [], [], [], [], [], [0]
+    for source, path in inputs:
         table = pq.read_table(path, columns=_SELECT_COLUMNS)
         ranks.append(sample_ranks(seed, table.column("prompt_id"), table.column("sample_idx").to_numpy()))
         tokens.append(table.column("n_tokens").to_numpy().astype(np.int32))
         codes.append(
             pc.fill_null(pc.index_in(table.column("category"), value_set=known), -1).to_numpy().astype(np.int16)
         )
-        for column, into in (("category", available), ("source", available_by_source)):
-            for group in table.group_by(column).aggregate([("n_tokens", "sum")]).to_pylist():
-                into[group[column]] += group["n_tokens_sum"]
+        ids.append(hashing.hex_to_u64(table.column("prompt_id")))
+        sources.append(np.full(table.num_rows, source, dtype=np.int16))
         sizes.append(table.num_rows)
-    cand = _Candidates(
-        np.concatenate(ranks) if ranks else np.zeros(0, dtype=np.uint64),
-        np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32),
-        np.concatenate(codes) if codes else np.zeros(0, dtype=np.int16),
+
+    def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    return _Candidates(
+        joined(ranks, np.uint64),
+        joined(tokens, np.int32),
+        joined(codes, np.int16),
         np.cumsum(sizes),
+        joined(ids, np.uint64),
+        joined(sources, np.int16),
     )
-    return cand, available, available_by_source
+
+
+def _eligible(cand: _Candidates, names: list[str], cross: crosssource.CrossSource | None) -> np.ndarray:
+    """The samples the mix may take: all but those of prompts another source keeps."""
+    eligible = np.ones(len(cand.rank), dtype=bool)
+    if cross is not None:
+        for code, name in enumerate(names):
+            mine = np.flatnonzero(cand.source == code)
+            eligible[mine[np.isin(cand.prompt_id[mine], cross.dropped.get(name, []))]] = False
+    return eligible
 
 
 def run(plan: Plan, record: str | Path) -> dict[str, Any]:
@@ -151,15 +171,20 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
     """
     cfg = plan.config
     # by source name and shard: the dataset's row order does not depend on the config's source order
-    inputs = [(source, path) for source in sorted(plan.sources) for path in plan.token_shards(source)]
+    names = sorted(plan.sources)
+    inputs = [(source, path) for source in names for path in plan.token_shards(source)]
     shares = dict(cfg.mix_categories)
     categories = list(shares)
-    cand, available, available_by_source = _candidates(cfg.mix_seed, [p for _, p in inputs], categories)
+    cand = _candidates(cfg.mix_seed, [(names.index(s), p) for s, p in inputs], categories)
+    cross = crosssource.load(plan)
+    eligible = _eligible(cand, names, cross)
+    available = cand.available(cand.category, categories, eligible)
+    available_by_source = cand.available(cand.source, names, eligible)
     targets = category_targets(shares, dict(available), cfg.mix_budget_tokens)
     chosen = np.zeros(len(cand.rank), dtype=bool)
     chosen_tokens: Counter[str] = Counter()
     for code, category in enumerate(categories):
-        members = np.flatnonzero(cand.category == code)
+        members = np.flatnonzero((cand.category == code) & eligible)
         by_rank = members[np.argsort(cand.rank[members], kind="stable")]
         take = by_rank[select(cand.n_tokens[by_rank], targets[category])]
         chosen[take] = True
@@ -167,7 +192,7 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
         del members, by_rank, take
     offsets = cand.offsets
     del cand
-    check(plan, shares, targets, chosen_tokens, available, available_by_source)
+    check(plan, shares, targets, chosen_tokens, available, available_by_source, cross)
 
     rows_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
     tokens_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
@@ -222,6 +247,8 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
                     for c in shares
                 },
             },
+            "cross_source": cross.report() if cross is not None else None,
+            "prompts": {name: _prompt_summary(plan, name) for name in names},
             "shortfalls": _shortfalls(shares, targets, tokens_by["category"], available, cfg.mix_budget_tokens),
             "sources": {
                 name: {
@@ -259,6 +286,7 @@ def check(
     chosen: Counter[str],
     available: Counter[str],
     available_by_source: Counter[str],
+    cross: crosssource.CrossSource | None = None,
 ) -> None:
     """Fail before writing when the dataset is empty, a source yields nothing, or a share is missed.
 
@@ -268,7 +296,20 @@ def check(
     checks = plan.config.checks
     problems: list[str] = []
     for name, sp in plan.sources.items():
-        if available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
+        taken_by_others = cross.counts.get(name, {}) if cross is not None else {}
+        if (
+            available_by_source[name] == 0
+            and sp.spec.category not in checks.allow_shortfall
+            and any(taken_by_others.values())
+        ):
+            steps = ", ".join(f"{reason} {n}" for reason, n in taken_by_others.items() if n)
+            problems.append(
+                f"source '{name}' reaches the mix with no samples: other sources hold all of its prompts "
+                f"({steps}; dedup.across_sources gives each prompt to the first of dedup.prefer, then by "
+                f"name); list '{name}' first in dedup.prefer, remove the source, or set "
+                "dedup.across_sources: false"
+            )
+        elif available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
             problems.append(
                 f"source '{name}' reaches the mix with no samples ({_token_drops(plan, name)}); "
                 f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
@@ -316,6 +357,13 @@ def _missed_share(
         f"{round(targets[category])}, since its next samples would overshoot by more than they close; "
         f"add shorter samples to it, {allow}"
     )
+
+
+def _prompt_summary(plan: Plan, source: str) -> dict[str, Any]:
+    """Prepare's accounting of a source, from its prompt manifest: rows in and out, drops, examples."""
+    manifest = json.loads(plan.prompt_manifest(source).read_text())
+    keys = ("rows_in", "rows_out", "drops", "drop_examples", "references")
+    return {k: manifest[k] for k in keys if k in manifest}
 
 
 def _token_drops(plan: Plan, source: str) -> str:

@@ -12,7 +12,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class Plan:
     model_fingerprint: dict[str, Any]
     template_fingerprint: dict[str, Any]
     sources: dict[str, SourcePlan]
+    reference_files: dict[str, tuple[Path, ...]] = field(default_factory=dict)  # decontaminate's local files
 
     # Store paths. One place builds them so rules, stages and commands agree.
     def prompt_dir(self, source: str) -> Path:
@@ -86,6 +87,10 @@ class Plan:
 
     def prompt_manifest(self, source: str) -> Path:
         return self.prompt_dir(source) / "manifest.json"
+
+    def prompt_bands(self, source: str) -> Path:
+        """The selected prompts' near-duplicate band keys (with dedup.near): what the mix compares across sources."""
+        return self.prompt_dir(source) / "bands.parquet"
 
     def completion_dir(self, source: str) -> Path:
         return self.config.store / "completions" / source / self.sources[source].gen_key
@@ -204,17 +209,15 @@ def hf_local_files(hf: HubSpec, key: str) -> list[Path]:
 
 
 def _source_input(
-    spec: SourceSpec, cache: hashing.FingerprintCache
+    key: str, patterns: tuple[str, ...], hf: HubSpec | None, cache: hashing.FingerprintCache
 ) -> tuple[tuple[Path, ...], dict[str, Any], int | None]:
-    """(local files, content identity, raw row count or None when unknown)."""
-    key = f"sources.{spec.name}"
-    if spec.hf is None:
-        files = expand_files(spec.files, f"{key}.files")
+    """(local files, content identity, raw row count or None when unknown) of a source or reference set."""
+    if hf is None:
+        files = expand_files(patterns, f"{key}.files")
         # Sorted digests: prepare is order-independent, so file names and order do not matter.
         identity = {"files": sorted(cache.file(f) for f in files)}
         counts = [_count_rows(f, cache) for f in files]
         return tuple(files), identity, sum(c or 0 for c in counts)
-    hf = spec.hf
     ident: dict[str, Any] = {"name": hf.name, "split": hf.split, "data_files": hf.data_files}
     if hf.is_local:
         files = tuple(hf_local_files(hf, f"{key}.hf"))
@@ -223,6 +226,23 @@ def _source_input(
         return files, ident, None if None in counts else sum(c or 0 for c in counts)
     ident.update(hub=hf.path, revision=hf.revision)
     return (), ident, None
+
+
+def _filtering(config: Config, cache: hashing.FingerprintCache) -> tuple[dict[str, Any], dict[str, tuple[Path, ...]]]:
+    """What of dedup.near and decontaminate decides every source's prompts (absent when off, so configs
+    without them keep their keys), and the reference sets' local files."""
+    components: dict[str, Any] = {}
+    files: dict[str, tuple[Path, ...]] = {}
+    if config.dedup.near is not None:
+        components["near_dedup"] = config.dedup.near.components()
+    decon = config.decontaminate
+    if decon is not None:
+        references = {}
+        for name, ref in sorted(decon.references.items()):
+            files[name], identity, _ = _source_input(f"decontaminate.references.{name}", ref.files, ref.hf, cache)
+            references[name] = {"field": ref.field, "input": identity}
+        components["decontaminate"] = {"ngram": decon.ngram, "references": references}
+    return components, files
 
 
 def components_file(store: Path, key: str) -> Path:
@@ -271,11 +291,12 @@ def build(config: Config, only: str | None = None) -> Plan:
         raise ConfigError("sources", f"no source '{only}' in the config")
     cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
+    filtering, reference_files = _filtering(config, cache)
     sources = {}
     for name, spec in config.sources.items():
         if only is not None and name != only:
             continue
-        files, identity, raw_rows = _source_input(spec, cache)
+        files, identity, raw_rows = _source_input(f"sources.{name}", spec.files, spec.hf, cache)
         rows = raw_rows if spec.max_samples is None else min(spec.max_samples, raw_rows or spec.max_samples)
         if rows is None:
             raise ConfigError(
@@ -291,6 +312,7 @@ def build(config: Config, only: str | None = None) -> Plan:
             "spec": spec.content_spec(),
             "input": identity,
             "n_shards": n_shards,
+            **filtering,
         }
         gen_components = {
             "scheme": GEN_VERSION,
@@ -317,4 +339,4 @@ def build(config: Config, only: str | None = None) -> Plan:
             spec, files, n_shards, rows, prompt_components, gen_components, tok_components, raw_rows
         )
     cache.save()
-    return Plan(config, model_fp, template_fp, sources)
+    return Plan(config, model_fp, template_fp, sources, reference_files)

@@ -16,7 +16,7 @@ import re
 import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, columnar, hashing, readers
+from dflash_build import atomic, columnar, hashing, neardup, readers
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
+from dflash_build.decontaminate import ReferenceIndex
+from dflash_build.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE, Example, TextFilters
 from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
 from dflash_build.records import PROMPT_SCHEMA
 
@@ -45,7 +47,18 @@ DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
 EXAMPLES_PER_REASON = 5
 # Drops the config asked for: they never count towards a source's loss (checks.max_drop_fraction).
-INTENDED_DROPS = frozenset({DROP_DUPLICATE, DROP_OVER_MAX_SAMPLES, DROP_TOO_SHORT, DROP_TOO_LONG})
+INTENDED_DROPS = frozenset(
+    {DROP_DUPLICATE, DROP_OVER_MAX_SAMPLES, DROP_TOO_SHORT, DROP_TOO_LONG, DROP_CONTAMINATED, DROP_NEAR_DUPLICATE}
+)
+# The config key behind each intended drop, for a source those drops empty.
+DROP_SETTINGS = {
+    DROP_DUPLICATE: "the source's rows are all copies of one another",
+    DROP_OVER_MAX_SAMPLES: "max_samples",
+    DROP_TOO_SHORT: "filters.min_chars",
+    DROP_TOO_LONG: "filters.max_chars",
+    DROP_CONTAMINATED: "decontaminate (its reference sets)",
+    DROP_NEAR_DUPLICATE: "dedup.near (threshold, ngram)",
+}
 
 DEFAULT_ROLES = {
     "system": "system",
@@ -505,6 +518,9 @@ class Selection:
     rows_in: int
     drops: DropCounter
     shard_names: list[str]
+    examples: list[Example] = field(default_factory=list)  # filter drops, by prompt id until located
+    bands: Any = None  # with dedup.near: the selected prompts' band keys, (selected, bands) uint64
+    references: dict[str, dict[str, int]] | None = None  # with decontaminate: each reference set's items
 
     @property
     def rows_out(self) -> int:
@@ -535,10 +551,11 @@ def _raw_rows(plan: Plan, source: str) -> Iterator[RawRow]:
 
 
 class _Scanned:
-    """The digests (24 bytes a converted row) and, through the spill, the records of a source."""
+    """The digests (24 bytes a converted row, and what ``filters`` keep) and, through the spill, the
+    records of a source."""
 
-    def __init__(self, source: str, spec: SourceSpec, spill: _Spill) -> None:
-        self.source, self.spec, self.spill = source, spec, spill
+    def __init__(self, source: str, spec: SourceSpec, spill: _Spill, filters: TextFilters) -> None:
+        self.source, self.spec, self.spill, self.filters = source, spec, spill, filters
         self.roles = role_map(spec)
         self.dedup_digests = bytearray()  # 16 bytes per converted row
         self.pids = bytearray()  # 8 bytes per converted row, big-endian
@@ -552,12 +569,16 @@ class _Scanned:
         if converted is not None and plain.any():
             self._add_plain(batch, converted)
         records, pids = [], bytearray()
+        texts: list[str] = []
+        text_rows: list[int] = []
         for raw in batch.raw_rows(np.flatnonzero(~plain).tolist()):
             try:
                 messages, tools = to_prompt(raw.value, self.spec)
             except Drop as d:
                 self.drops.add(d.reason, raw.location, d.detail)
                 continue
+            texts += [m["content"] for m in messages]
+            text_rows += [len(records)] * len(messages)
             pid = prompt_id(messages, tools)
             self.dedup_digests += bytes.fromhex(dedup_key(messages, tools)[:32])
             pids += bytes.fromhex(pid)
@@ -574,6 +595,8 @@ class _Scanned:
             )
         self.pids += pids
         self.spill.add(pa.Table.from_pylist(records, schema=_SPILL_SCHEMA), _native_u64(pids))
+        if self.filters.active:
+            self.filters.add(np.array(text_rows, dtype=np.int64), pa.array(texts, pa.string()), len(records))
 
     def _add_plain(self, batch: RowBatch, converted: columnar.Converted) -> None:
         import pyarrow.compute as pc
@@ -605,36 +628,52 @@ class _Scanned:
             schema=_SPILL_SCHEMA,
         )
         self.spill.add(records, _native_u64(bytearray(pids)))
+        if self.filters.active:
+            self.filters.add(converted.text_rows, converted.texts, count)
 
     def selection(self, shard_names: list[str]) -> Selection:
         """Dedup, then max_samples, on the digests."""
         spec, drops = self.spec, self.drops
         pid_values = _native_u64(self.pids)
-        winners = _group_firsts(_native_u64(self.dedup_digests).reshape(-1, 2), pid_values)
+        winner_rows = _group_first_rows(_native_u64(self.dedup_digests).reshape(-1, 2), pid_values)
+        winners = pid_values[winner_rows]
         drops.counts[DROP_DUPLICATE] += len(pid_values) - len(winners)  # examples: as the shards are written
-        selected = winners
-        if spec.max_samples is not None and len(winners) > spec.max_samples:
-            ranks = _native_u64(bytearray(selection_ranks(spec.seed, winners))).reshape(-1, 2)
+        filtered = self.filters.apply(winner_rows, pid_values, EXAMPLES_PER_REASON)
+        drops.counts.update(filtered.counts)
+        kept = pid_values[filtered.rows]
+        selected = kept
+        if spec.max_samples is not None and len(kept) > spec.max_samples:
+            ranks = _native_u64(bytearray(selection_ranks(spec.seed, kept))).reshape(-1, 2)
             by_rank = np.lexsort((ranks[:, 1], ranks[:, 0]))
             over = by_rank[spec.max_samples :]
             drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
-            drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(winners[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
-            selected = np.sort(winners[by_rank[: spec.max_samples]])
+            drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(kept[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
+            selected = np.sort(kept[by_rank[: spec.max_samples]])
         if not drops.counts[DROP_DUPLICATE]:
             del drops.counts[DROP_DUPLICATE]
-        return Selection(selected, winners, self.rows_in, drops, shard_names)
+        bands = None
+        if self.filters.near is not None:
+            bands = self.filters.bands(filtered.rows[np.searchsorted(kept, selected)])
+        references = self.filters.references.summary if self.filters.references is not None else None
+        return Selection(selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references)
 
 
 def _group_firsts(keys: Any, pids: Any) -> Any:
     """The smallest prompt id of each group of rows with equal ``keys`` (two 64-bit words a row),
     ascending."""
+    return pids[_group_first_rows(keys, pids)]
+
+
+def _group_first_rows(keys: Any, pids: Any) -> Any:
+    """The row of :func:`_group_firsts`' each prompt id, in the same order."""
     order, tied = _sorted_by(keys[:, 0], lambda rows: np.lexsort((pids[rows], keys[rows, 1], keys[rows, 0])))
     starts = np.ones(len(order), dtype=bool)
     starts[1:] = ~tied
     at = np.flatnonzero(tied) + 1
     starts[at] = keys[order[at], 1] != keys[order[at - 1], 1]
     # the same prompt id is the same messages, so it is in one group only: no two firsts share one
-    return np.sort(pids[order[starts]])
+    firsts = order[starts]
+    return firsts[np.argsort(pids[firsts])]
 
 
 def _sorted_by(words: Any, order_of: Callable[[Any], Any]) -> tuple[Any, Any]:
@@ -672,11 +711,18 @@ def selection_ranks(seed: int, pids: Any) -> bytes:
 def _scan(plan: Plan, source: str, spill: _Spill) -> Selection:
     """Read and convert every row once, spill it, and select."""
     sp: SourcePlan = plan.sources[source]
-    scanned = _Scanned(source, sp.spec, spill)
+    scanned = _Scanned(source, sp.spec, spill, text_filters(plan))
     for batch in _batches(plan, source):
         scanned.add(batch)
     spill.close()
     return scanned.selection(sp.shards)
+
+
+def text_filters(plan: Plan) -> TextFilters:
+    """The filters the config turns on: decontaminate's reference index is read once per prepare."""
+    decon = plan.config.decontaminate
+    references = None if decon is None else ReferenceIndex.build(decon, plan.reference_files)
+    return TextFilters(plan.config.dedup.near, references)
 
 
 def _native_u64(big_endian: bytearray) -> Any:
@@ -687,7 +733,9 @@ def _native_u64(big_endian: bytearray) -> Any:
 
 def select(plan: Plan, source: str) -> Selection:
     """Prepare's selection without writing anything (``dflash-build plan`` uses it): memory as prepare."""
-    return _scan(plan, source, _Spill(None, 1))
+    selection = _scan(plan, source, _Spill(None, 1))
+    _record_examples(selection, {})
+    return selection
 
 
 def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[str, dict[str, int | str]]:
@@ -714,7 +762,10 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
             name, (lo, hi) = step
 
     flush_full()  # leading empty shards, when there are more shards than rows
+    wanted = _example_ids(selection)
     for table in spill.tables():
+        if wanted:
+            _locate(table, wanted)
         kept = _selected_in_order(table, selection)
         if kept.num_rows:
             pending.append(kept)
@@ -723,7 +774,33 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
         del table, kept
     if len(written) != len(selection.shard_names):
         raise RuntimeError(f"prepare wrote {len(written)} of {len(selection.shard_names)} shards; this is a bug")
+    _record_examples(selection, {pid: where for pid, where in wanted.items() if where is not None})
     return written
+
+
+def _example_ids(selection: Selection) -> dict[int, str | None]:
+    """The prompt ids whose locations the filter examples name (None until found)."""
+    ids = [e.pid for e in selection.examples] + [e.matched_pid for e in selection.examples if e.matched_pid is not None]
+    return dict.fromkeys(ids)
+
+
+def _locate(bucket: pa.Table, wanted: dict[int, str | None]) -> None:
+    ids = hashing.hex_to_u64(bucket.column("prompt_id"))
+    for i in np.flatnonzero(np.isin(ids, np.fromiter(wanted, dtype=np.uint64, count=len(wanted)))):
+        pid = int(ids[i])
+        if wanted[pid] is None:  # a repeated row: the first one found stands for it
+            wanted[pid] = bucket.column("location")[int(i)].as_py()
+
+
+def _record_examples(selection: Selection, where: dict[int, str]) -> None:
+    """The filters' examples, each naming where the dropped row (and its near-copy) came from."""
+
+    def named(pid: int) -> str:
+        return where.get(pid) or f"prompt {pid:016x}"
+
+    for e in selection.examples:
+        detail = e.detail if e.matched_pid is None else f"near-copy of {named(e.matched_pid)}"
+        selection.drops.examples[e.reason].append(f"{named(e.pid)}: {detail}")
 
 
 def _selected_in_order(bucket: pa.Table, selection: Selection) -> pa.Table:
@@ -822,6 +899,17 @@ def check_losses(spec: SourceSpec, selection: Selection) -> None:
     where = f"{key} ({', '.join(spec.files) if spec.hf is None else spec.hf.path})"
     if selection.rows_in == 0:
         raise SourceLossError(f"{where}: the input has no rows; check {key}.files / {key}.hf (path, name, split)")
+    intended = {r: n for r, n in drops.counts.items() if r in INTENDED_DROPS}
+    if rows_out == 0 and intended and sum(intended.values()) >= lost:
+        steps = "; ".join(
+            f"{reason} {n} ({DROP_SETTINGS[reason]}"
+            + (f", e.g. {drops.examples[reason][0]})" if drops.examples[reason] else ")")
+            for reason, n in sorted(intended.items(), key=lambda kv: -kv[1])
+        )
+        raise SourceLossError(
+            f"{where}: every one of its {selection.rows_in} rows was removed, so the source yields no prompt "
+            f"at all: {steps}. Loosen that step or remove the source."
+        )
     fraction = lost / selection.rows_in
     if rows_out > 0 and fraction <= spec.max_drop_fraction:
         return
@@ -856,6 +944,8 @@ def run(plan: Plan, source: str, manifest_path: Path | None = None) -> dict[str,
         selection = _scan(plan, source, spill)
         check_losses(sp.spec, selection)
         shard_files = _write_shards(selection, spill, out_dir)
+    if selection.bands is not None:
+        neardup.write_bands(plan.prompt_bands(source), selection.selected, selection.bands)
     drops = selection.drops
     manifest = {
         "stage": "prepare",
@@ -868,6 +958,8 @@ def run(plan: Plan, source: str, manifest_path: Path | None = None) -> dict[str,
         "drop_examples": dict(sorted((r, e) for r, e in drops.examples.items() if e)),
         "shards": shard_files,
     }
+    if selection.references is not None:
+        manifest["references"] = selection.references
     atomic.write_json(manifest_path, manifest)
     log.info(
         "%s: %d rows in, %d prompts in %d shards, drops %s",

@@ -27,6 +27,9 @@ PLOTS = {
     "completion_length_by_category.png": "Completion length (generated tokens per sample) per category, mean and P90.",
     "finish_reasons_by_source.png": "How each source's generated rows ended (from the generation sidecars).",
     "prompt_vs_completion_by_source.png": "Mean prompt and completion tokens per sample, per source.",
+    "prompt_removals_by_source.png": (
+        "Rows each source lost before generation (prepare) and in the mix to other sources' copies, by reason."
+    ),
 }
 TABLES = ("tables/by_source.csv", "tables/by_category.csv")
 
@@ -315,7 +318,59 @@ def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[st
     ax.set_title("prompt vs completion length per source")
     ax.legend(ncols=2, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
     save(fig, "prompt_vs_completion_by_source.png")
+
+    # what removed each source's rows, in prepare and across sources in the mix
+    removals = {name: removed(manifest, name) for name in sources}
+    reasons = sorted({r for counts in removals.values() for r in counts})
+    fig, ax = plt.subplots(figsize=(8, height))
+    left = [0.0] * len(sources)
+    for reason in reasons:
+        values = [float(removals[s].get(reason, 0)) for s in sources]
+        ax.barh(sources, values, left=left, label=reason)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_xlabel("rows removed")
+    ax.invert_yaxis()
+    ax.set_title("rows removed before generation and across sources")
+    if reasons:
+        ax.legend(ncols=min(4, len(reasons)), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
+    save(fig, "prompt_removals_by_source.png")
     return written
+
+
+def removed(manifest: dict[str, Any], source: str) -> dict[str, int]:
+    """Rows of ``source`` removed by each reason: prepare's drops and the mix's cross-source ones."""
+    counts = dict((manifest.get("prompts") or {}).get(source, {}).get("drops", {}))
+    for reason, n in ((manifest.get("cross_source") or {}).get(source) or {}).items():
+        if reason != "examples" and n:
+            counts[reason] = n
+    return counts
+
+
+def removals(manifest: dict[str, Any]) -> str:
+    """The card's section on removed rows: per source, how many each step removed, with examples."""
+    prompts = manifest.get("prompts") or {}
+    lines = [
+        "## Removed rows",
+        "",
+        "Per source, the rows that did not become prompts (prepare) and the prompts the mix left to another "
+        "source that holds them too (cross_source_*).",
+        "",
+        "| source | rows in | prompts | removed |",
+        "|---|---|---|---|",
+    ]
+    examples = []
+    for name in manifest["sources"]:
+        counts = removed(manifest, name)
+        summary = ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+        info = prompts.get(name, {})
+        lines.append(f"| {name} | {info.get('rows_in', '')} | {info.get('rows_out', '')} | {summary} |")
+        for reason, found in sorted((info.get("drop_examples") or {}).items()):
+            examples += [f"- {name}, {reason}: `{e}`" for e in found[:2]]
+        cross = (manifest.get("cross_source") or {}).get(name) or {}
+        examples += [f"- {name}: `{e}`" for e in cross.get("examples", [])[:2]]
+    if examples:
+        lines += ["", "Examples:", "", *examples]
+    return "\n".join(lines) + "\n"
 
 
 def _mean(total: int, rows: int) -> float:
@@ -356,7 +411,7 @@ def _digest(fingerprint: Any) -> str:
 def card_body(manifest: dict[str, Any]) -> str:
     """The card's report: tables, then each plot with its caption."""
     plots = "\n\n".join(f"![{caption}]({path})\n\n*{caption}*" for path, caption in _plot_captions(manifest))
-    return f"## Report\n\n{markdown(manifest['report'])}\n{plots}\n"
+    return f"## Report\n\n{markdown(manifest['report'])}\n{removals(manifest)}\n{plots}\n"
 
 
 def _plot_captions(manifest: dict[str, Any]) -> list[tuple[str, str]]:

@@ -108,6 +108,24 @@ def get_token_shards():
     return [str(p) for p in sorted(PLAN.all_token_shards())]
 
 
+def get_reference_files():
+    # decontaminate's local reference files: their content is in every prompt key already
+    return sorted({f for files in PLAN.reference_files.values() for f in files})
+
+
+def get_prompt_bands(source):
+    # with dedup.near: prepare's second output, read by the mix across sources
+    if CONFIG.dedup.near is None:
+        return []
+    return [update(str(PLAN.prompt_bands(source)))]
+
+
+def get_all_prompt_bands():
+    if CONFIG.dedup.near is None or not CONFIG.dedup.across_sources:
+        return []
+    return [ancient(str(PLAN.prompt_bands(s))) for s in sorted(PLAN.sources)]
+
+
 def get_export_store(wildcards):
     # conversations read each source's messages and answer texts: its prompts and completions
     if wildcards.fmt != "conversations":
@@ -143,6 +161,10 @@ def get_mix_params():
             "budget_tokens": CONFIG.mix_budget_tokens,
             "seed": CONFIG.mix_seed,
             "rows_per_file": CONFIG.rows_per_file,
+            "dedup": {
+                "across_sources": CONFIG.dedup.across_sources,
+                "priority": CONFIG.dedup.source_priority(CONFIG.sources),
+            },
             "checks": {
                 "share_tolerance": checks.share_tolerance,
                 "allow_shortfall": sorted(checks.allow_shortfall),

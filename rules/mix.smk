@@ -1,6 +1,7 @@
 rule mix:
     input:
         get_token_shards(),
+        bands=get_all_prompt_bands(),
     output:
         # the card's plots and tables go into `snakemake --report report.html` too
         report(

@@ -1,6 +1,6 @@
 # One prepare rule per source: a source writes all of its prompt shards in one pass (dedup and
 # max_samples look at every row). Its one declared output is the manifest, written last: generate jobs
-# reach their prompt shard through it. Declaring every shard would make planning quadratic in shards
+# reach their prompt shard through it (with dedup.near, the band keys the mix compares are a second). Declaring every shard would make planning quadratic in shards
 # (Snakemake scans a producer's outputs for every job that consumes one of them).
 # Store outputs are update(): Snakemake must not delete them before a job runs, since another working
 # directory sharing the store may be reading them; every store write replaces its file atomically.
@@ -11,8 +11,10 @@ for source_name, source_plan in PLAN.sources.items():
             dflash_build.config.prepare_rule_name(source_name)
         input:
             [ancient(str(f)) for f in source_plan.input_files],
+            references=[ancient(str(f)) for f in get_reference_files()],
         output:
             manifest=update(str(PLAN.prompt_manifest(source_name))),
+            bands=get_prompt_bands(source_name),
         log:
             f"{LOGS}/prompts/{source_name}/{source_plan.prompt_key}/prepare.log",
         conda:

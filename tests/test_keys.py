@@ -91,6 +91,8 @@ class Workspace:
         (root / "tok").mkdir()
         (root / "tok" / "tokenizer.json").write_text('{"other": true}')
         write_jsonl(root / "hfdata" / "train.jsonl", [{"instruction": f"hub-shaped task {i}"} for i in range(4)])
+        write_jsonl(root / "ref.jsonl", [{"q": "a benchmark question of many words " * 3}])
+        write_jsonl(root / "ref2.jsonl", [{"q": "another benchmark question, worded otherwise " * 3}])
         (root / "t1.jinja").write_text("{{ messages }}")
         (root / "t2.jinja").write_text("{{ messages }}!")
 
@@ -108,7 +110,13 @@ def random_config(ws: Workspace, rng: random.Random) -> dict[str, Any]:
         for n in names
     }
     sampling = {"temperature": rng.choice([0.0, 0.6, 1.0]), "top_k": rng.choice([0, 20]), "seed": rng.randint(0, 9)}
+    filters: dict[str, Any] = {}
+    if rng.random() < 0.5:  # the filters on, at their defaults, or off: each edit below holds either way
+        filters["dedup"] = {"near": {}}
+    if rng.random() < 0.5:
+        filters["decontaminate"] = {"references": {"bench": {"files": [str(ws.root / "ref.jsonl")], "field": "q"}}}
     return {
+        **filters,
         "store": str(ws.root / "store"),
         "model": {"path": str(ws.model), "chat_template": str(ws.root / "t1.jinja")},
         "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": rng.randint(1, 8)}},
@@ -167,6 +175,24 @@ def _to_hf(c: dict[str, Any], ws: Workspace) -> str:
     return name
 
 
+def _near(setting: str, value: Any) -> Edit:
+    def edit(c: dict[str, Any], ws: Workspace) -> None:
+        near = c.setdefault("dedup", {}).get("near") or {}
+        c["dedup"]["near"] = {**near, setting: value}
+
+    return edit
+
+
+def _references(c: dict[str, Any], ws: Workspace) -> None:
+    c["decontaminate"] = {"references": {"bench": {"files": [str(ws.root / "ref2.jsonl")], "field": "q"}}}
+
+
+def _reference_ngram(c: dict[str, Any], ws: Workspace) -> None:
+    if "decontaminate" not in c:
+        _references(c, ws)
+    c["decontaminate"]["ngram"] = 8
+
+
 def _shard_count(c: dict[str, Any], ws: Workspace) -> None:
     c["shard_size"] = 1  # 3+ rows per source: a new shard count for every source
 
@@ -203,6 +229,14 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "shard_size": (_shard_count, keys.PROMPT),
     "truncated": (_set("truncated", "keep"), keys.TOK),
     "mix.seed": (_set("mix.seed", 5), None),
+    "dedup.near.threshold": (_near("threshold", 0.6), keys.PROMPT),
+    "dedup.near.ngram": (_near("ngram", 3), keys.PROMPT),
+    "dedup.near.num_perm": (_near("num_perm", 64), keys.PROMPT),
+    "dedup.near.seed": (_near("seed", 7), keys.PROMPT),
+    "dedup.across_sources": (_set("dedup.across_sources", False), None),
+    "dedup.prefer": (lambda c, ws: c.setdefault("dedup", {}).update(prefer=[_first(c)]), None),
+    "decontaminate.references": (_references, keys.PROMPT),
+    "decontaminate.ngram": (_reference_ngram, keys.PROMPT),
     "mix.budget_tokens": (_set("mix.budget_tokens", 1000), None),
     "checks.share_tolerance": (_set("checks.share_tolerance", 0.3), None),
     "checks.max_failed_fraction": (_set("checks.max_failed_fraction", 1.0), None),
@@ -252,6 +286,22 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
             hit = touched is None or touched == source
             expected = set(ORDER[ORDER.index(first_key) :]) if first_key is not None and hit else set()
             assert changed == expected, f"edit {name!r} on source {source}: changed {changed}, expected {expected}"
+
+
+def test_a_reference_sets_content_is_its_identity(tmp_path: Path) -> None:
+    """Decontamination's reference files enter every prompt key by content: an edit in place changes
+    every source's prompt key; the same content under another name changes none."""
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(3))
+    base["decontaminate"] = {"references": {"bench": {"files": [str(ws.root / "ref.jsonl")], "field": "q"}}}
+    before = ws.keys(base)
+    renamed = copy.deepcopy(base)
+    (ws.root / "elsewhere.jsonl").write_bytes((ws.root / "ref.jsonl").read_bytes())
+    renamed["decontaminate"]["references"]["bench"]["files"] = [str(ws.root / "elsewhere.jsonl")]
+    assert ws.keys(renamed) == before
+    write_jsonl(ws.root / "ref.jsonl", [{"q": "an edited benchmark question " * 3}])
+    after = ws.keys(base)
+    assert all(after[s][0] != before[s][0] for s in before)
 
 
 def test_category_and_source_name_enter_the_prompt_key(tmp_path: Path) -> None:

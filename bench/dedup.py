@@ -1,0 +1,197 @@
+"""Prepare with near-duplicate removal and decontamination against today's prepare, on the same rows.
+
+    .venv/bin/python bench/dedup.py                 # 1M and 10M rows (about 25 minutes on 2 cores)
+    .venv/bin/python bench/dedup.py --rows 200000   # a quick look
+
+writes bench/results/dedup.json. Each size runs prepare three times, each in a fresh process (peak RSS
+is that process's own): without the filters (the baseline), with ``dedup.near`` alone, and with
+``dedup.near`` and ``decontaminate`` (1,000 reference items of GSM8K's shape, 60 of them planted in
+the rows). The rows are bench/scale.py's synthetic ShareGPT rows (a ~550-character user turn; every
+tenth an exact copy with other spacing) plus, every 50th, a near-copy of an earlier row (one word
+changed). The target (issue 29): at least 50,000 rows per CPU-second with both filters on, memory
+bounded by the band keys (``8 × bands`` bytes a converted row, stated below).
+
+The MinHash library was chosen by measurement, in the same run (``library``): rensa's batch digest
+against datasketch's bulk MinHash, on the same shingle sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+import scale  # noqa: E402 (bench/scale.py: rows, configs and child processes)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "dedup.json"
+REFERENCE_ITEMS = 1000
+PLANTED = 60
+NEAR_EVERY = 50
+
+
+def _question(rng: random.Random, i: int) -> str:
+    names = ["Janet", "Tom", "Ava", "Raj", "Mei", "Olu", "Sven", "Ines"]
+    return (
+        f"{rng.choice(names)} has {rng.randint(2, 90)} apples and buys {rng.randint(2, 90)} more every week for "
+        f"{rng.randint(2, 12)} weeks, then gives {rng.randint(2, 30)} to each of {rng.randint(2, 9)} friends; "
+        f"how many apples are left at the end of week {i}?"
+    )
+
+
+def write_rows(root: Path, rows: int) -> None:
+    """ShareGPT rows of random words (a Zipf-like draw from 5,000, ~550 characters); every tenth an exact
+    copy of an earlier row with other spacing, every 50th a near-copy (one word changed), and the first
+    near-copies with a reference question in them."""
+    import numpy as np
+
+    rng = random.Random(7)
+    questions = [_question(rng, i) for i in range(REFERENCE_ITEMS)]
+    with open(root / "ref.jsonl", "w") as f:
+        for q in questions:
+            f.write(json.dumps({"question": q, "answer": "42"}) + "\n")
+    vocab = np.array([f"{w}{i}" for i, w in enumerate(["al", "be", "ka", "do", "mi", "ru"] * 834)][:5000])
+    weights = 1 / np.arange(1, len(vocab) + 1)
+    draw = np.random.default_rng(0)
+    chunk = 100_000
+    planted = 0
+    with open(root / "in.jsonl", "w") as f:
+        for lo in range(0, rows, chunk):
+            n = min(chunk, rows - lo)
+            picks = vocab[draw.choice(len(vocab), size=(n, 90), p=weights / weights.sum())]
+            lines = []
+            for i in range(n):
+                words = picks[i] if (lo + i) % 10 else picks[max(i - 5, 0)]
+                text = " ".join(words)
+                if (lo + i) % 10 == 0:
+                    text = text.replace(" ", "  ", 3)
+                elif (lo + i) % NEAR_EVERY == 1 and i >= 7:
+                    copy = list(picks[i - 7])
+                    copy[45] = "changed"
+                    text = " ".join(copy)
+                    if planted < PLANTED:
+                        text = f"Please solve: {questions[planted]} {text}"
+                        planted += 1
+                row = {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "an answer"}]}
+                lines.append(json.dumps(row))
+            f.write("\n".join(lines) + "\n")
+
+
+def measure_prepare(root: str, rows: int, filters: str) -> dict[str, Any]:
+    from dflash_build import plan as plan_mod
+    from dflash_build import prepare
+
+    base = Path(root)
+    extra: dict[str, Any] = {"store": str(base / f"store-{filters}")}
+    if filters != "none":
+        extra["dedup"] = {"near": {}}
+    if filters == "near+decontaminate":
+        extra["decontaminate"] = {"references": {"gsm8k": {"files": [str(base / "ref.jsonl")], "field": "question"}}}
+    source = {"s": {"category": "c", "format": "sharegpt", "files": [str(base / "in.jsonl")]}}
+    config = scale._config(base, source, shard_size=4096, **extra)
+    plan = plan_mod.build(config)
+    start, cpu = time.perf_counter(), time.process_time()
+    manifest = prepare.run(plan, "s")
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    bands = config.dedup.near.bands_rows[0] if config.dedup.near is not None else 0
+    return {
+        "rows": rows,
+        "filters": filters,
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),
+        "rows_per_cpu_s": round(rows / cpu_seconds),
+        "kept": manifest["rows_out"],
+        "drops": manifest["drops"],
+        "band_index_bytes_per_row": 8 * bands,
+        "band_index_mb": round(8 * bands * rows / 2**20, 1),
+    }
+
+
+def measure_library(rows: int) -> dict[str, Any]:
+    """MinHash signatures of the same shingle sets: rensa's batch digest (and reading it into numpy)
+    against datasketch's bulk MinHash."""
+    import datasketch
+    import numpy as np
+    import pyarrow as pa
+    import rensa
+
+    from dflash_build import words as W
+
+    rng = random.Random(1)
+    vocab = [f"w{i}" for i in range(20000)]
+    texts = pa.array([" ".join(rng.choices(vocab, k=90)) for _ in range(rows)])
+    shingles, text_of = W.words(texts).ngrams(5, whole_if_shorter=True)
+    offsets = np.zeros(rows + 1, dtype=np.uint64)
+    np.cumsum(np.bincount(text_of, minlength=rows), out=offsets[1:])
+    cpu = time.process_time()
+    matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(shingles, offsets, 128, 0)
+    rensa_digest = time.process_time() - cpu
+    np.array(matrix.to_rows(), dtype=np.uint64)
+    rensa_total = time.process_time() - cpu
+    sets = [shingles[int(a) : int(b)].tobytes() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    sets = [[s[i : i + 8] for i in range(0, len(s), 8)] for s in sets]
+    cpu = time.process_time()
+    datasketch.MinHash.bulk(sets, num_perm=128)
+    datasketch_total = time.process_time() - cpu
+    return {
+        "rows": rows,
+        "rensa_digest_us_per_row": round(1e6 * rensa_digest / rows, 2),
+        "rensa_with_numpy_us_per_row": round(1e6 * rensa_total / rows, 2),
+        "datasketch_us_per_row": round(1e6 * datasketch_total / rows, 2),
+        "datasketch_over_rensa": round(datasketch_total / rensa_total, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"machine": {"cpus": scale.os.cpu_count()}, "started": time.strftime("%F %T")}
+    results["library"] = measure_library(20000)
+    print(f"library: {json.dumps(results['library'])}", flush=True)
+    results["prepare"] = []
+    for rows in args.rows:
+        with tempfile.TemporaryDirectory(prefix="dflash-dedup-bench-") as tmp:
+            root = Path(tmp)
+            write_rows(root, rows)
+            runs = {f: _child(root, rows, f) for f in ("none", "near", "near+decontaminate")}
+            base = runs["none"]
+            for run in runs.values():
+                run["ratio_to_baseline_cpu"] = round(run["cpu_seconds"] / base["cpu_seconds"], 2)
+                run["extra_rss_mb"] = round(run["peak_rss_mb"] - base["peak_rss_mb"], 1)
+                print(f"prepare: {json.dumps(run)}", flush=True)
+            results["prepare"].append(runs)
+    both = [r["near+decontaminate"]["rows_per_cpu_s"] for r in results["prepare"]]
+    results["target_rows_per_cpu_s"] = 50_000
+    results["target_met"] = all(rate >= 50_000 for rate in both)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}; target met: {results['target_met']}")
+    return results
+
+
+def _child(root: Path, rows: int, filters: str) -> dict[str, Any]:
+    import subprocess
+
+    code = (
+        f"import json, sys; sys.path[:0] = [{str(scale.REPO)!r}, {str(scale.REPO / 'bench')!r}]; import dedup, scale; "
+        "import logging, resource; logging.disable(logging.WARNING); "
+        f"r = dedup.measure_prepare({str(root)!r}, {rows}, {filters!r}); "
+        "r['peak_rss_mb'] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1); "
+        "print('@@' + json.dumps(r))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=scale.REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"prepare {filters} at {rows} rows failed:\n{done.stderr[-3000:]}")
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("@@"))[2:])
+
+
+if __name__ == "__main__":
+    main()

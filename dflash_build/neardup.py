@@ -1,0 +1,153 @@
+"""Near-duplicate prompts: MinHash signatures (rensa) cut into LSH bands, and the rule of which copy stays.
+
+A prompt's set is its word ``ngram``-shingles (:mod:`dflash_build.words`, every message but the
+answers; a prompt shorter than ``ngram`` words is one shingle). Its MinHash signature of ``num_perm``
+values is cut into ``bands`` bands of ``rows`` values, chosen for ``threshold`` as LSH does (the
+split that minimises false positives plus false negatives around it); two prompts are near-copies
+when a whole band of theirs agrees, so pairs at the threshold are caught about half of the time, at
+0.1 above it nearly always, and at 0.1 below it seldom (:func:`catch_probability`).
+
+The rule, the same in any input order: a prompt is dropped when a near-copy of it comes first, by
+prompt id within a source (prepare) or by source priority and then prompt id across sources (mix). So
+no two prompts that stay are near-copies, and every dropped prompt names a near-copy that comes before
+it. Memory: the band keys, ``8 × bands`` bytes a prompt, and one sort of them at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import rensa
+
+from dflash_build import atomic
+from dflash_build import words as W
+
+NO_MATCH = np.iinfo(np.uint64).max
+_BAND_SALT = np.uint64(0xD1B54A32D192ED03)
+
+
+@dataclass(frozen=True)
+class NearSpec:
+    """Config key ``dedup.near``."""
+
+    threshold: float = 0.8
+    ngram: int = 5
+    num_perm: int = 128
+    seed: int = 0
+
+    @functools.cached_property
+    def bands_rows(self) -> tuple[int, int]:
+        return optimal_bands(self.threshold, self.num_perm)
+
+    def components(self) -> dict[str, object]:
+        """What decides which prompts go: the settings and the band split they give."""
+        bands, rows = self.bands_rows
+        return {
+            "threshold": self.threshold,
+            "ngram": self.ngram,
+            "num_perm": self.num_perm,
+            "seed": self.seed,
+            "bands": bands,
+            "rows": rows,
+        }
+
+
+def catch_probability(similarity: float | np.ndarray, bands: int, rows: int) -> float | np.ndarray:
+    """The chance two prompts of this Jaccard similarity share a band."""
+    return 1 - (1 - np.asarray(similarity, dtype=float) ** rows) ** bands
+
+
+def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows per band) with bands × rows ≤ num_perm that minimise the false-positive area below
+    ``threshold`` plus the false-negative area above it, equally weighted (as datasketch's MinHashLSH
+    chooses them)."""
+    grid = np.linspace(0, 1, 1001)
+    below, above = grid <= threshold, grid >= threshold
+    best: tuple[float, int, int] | None = None
+    for bands in range(1, num_perm + 1):
+        for rows in range(1, num_perm // bands + 1):
+            p = catch_probability(grid, bands, rows)
+            error = np.trapezoid(p[below], grid[below]) + np.trapezoid(1 - p[above], grid[above])
+            if best is None or error < best[0] - 1e-12:
+                best = (float(error), bands, rows)
+    assert best is not None
+    return best[1], best[2]
+
+
+def band_keys(row_of_text: np.ndarray, found: W.Words, n_rows: int, spec: NearSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(band keys, shape (n_rows, bands), uint64; whether each row has a word at all).
+
+    ``found``: the words of texts, ``row_of_text`` the row (0 ≤ row < n_rows) each text belongs to,
+    ascending. A row without words has no set to compare: its keys mean nothing and it is never a copy.
+    """
+    bands, rows = spec.bands_rows
+    shingles, text_of = found.ngrams(spec.ngram, whole_if_shorter=True)
+    row_of = row_of_text[text_of]
+    counts = np.bincount(row_of, minlength=n_rows)
+    offsets = np.zeros(n_rows + 1, dtype=np.uint64)
+    np.cumsum(counts, out=offsets[1:])
+    has_words = counts > 0
+    if not len(shingles):
+        return np.zeros((n_rows, bands), dtype=np.uint64), has_words
+    width = bands * rows  # the permutations the bands use (rensa's first k of more are not these k)
+    matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(shingles, offsets, width, spec.seed)
+    values = np.fromiter(itertools.chain.from_iterable(matrix.to_rows()), dtype=np.uint32, count=n_rows * width)
+    digest = values.astype(np.uint64).reshape(n_rows, bands, rows)
+    keys = np.broadcast_to(np.arange(bands, dtype=np.uint64) * _BAND_SALT, (n_rows, bands)).copy()
+    for j in range(rows):
+        keys = W.mix64(keys ^ digest[:, :, j])
+    return keys, has_words
+
+
+def first_copies(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """For each row, the smallest ``order`` (unique uint64 values: which copy comes first) among the
+    rows it shares a band with, when that is smaller than its own; else :data:`NO_MATCH`.
+
+    ``keys``: (rows, bands) band keys. A row is a dropped near-copy exactly when its value is not
+    NO_MATCH, and the value names the copy it matched."""
+    order = np.asarray(order, dtype=np.uint64)
+    matched = np.full(len(order), NO_MATCH, dtype=np.uint64)
+    if not len(order):
+        return matched
+    for band in range(keys.shape[1]):
+        column = keys[:, band]
+        by_key = np.lexsort((order, column))
+        ordered = column[by_key]
+        new_group = np.ones(len(ordered), dtype=bool)
+        new_group[1:] = ordered[1:] != ordered[:-1]
+        starts = np.flatnonzero(new_group)
+        first = order[by_key][starts]  # lexsort: each group's smallest order comes first
+        group_first = first[np.cumsum(new_group) - 1]
+        candidate = np.full(len(order), NO_MATCH, dtype=np.uint64)
+        candidate[by_key] = np.where(group_first < order[by_key], group_first, NO_MATCH)
+        np.minimum(matched, candidate, out=matched)
+    return matched
+
+
+def write_bands(path: Path, pids: Any, bands: Any) -> None:
+    """The selected prompts' band keys, for the mix's comparison across sources."""
+    table = pa.table(
+        {
+            "prompt_id": pa.array(pids, pa.uint64()),
+            "bands": pa.FixedSizeListArray.from_arrays(
+                pa.array(np.ascontiguousarray(bands).reshape(-1), pa.uint64()), bands.shape[1]
+            ),
+        }
+    )
+    atomic.write_parquet(path, table, dictionary=False, statistics=["prompt_id"])
+
+
+def read_bands(path: Path) -> tuple[Any, Any]:
+    """(prompt ids as uint64, band keys (prompts, bands)) written by :func:`write_bands`."""
+    table = pq.read_table(path)
+    column = table.column("bands").combine_chunks()
+    width = column.type.list_size
+    keys = column.flatten().to_numpy().reshape(-1, width) if len(column) else np.zeros((0, width), np.uint64)
+    return table.column("prompt_id").to_numpy(), keys

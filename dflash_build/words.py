@@ -1,0 +1,129 @@
+"""Normalised words and word n-grams of many texts at once, as stable 64-bit hashes.
+
+Near-duplicate removal and decontamination compare prompts by their words, so both read them here,
+the same way: Unicode NFC, lower case, and a word is a run of ASCII letters and digits or non-ASCII
+characters (ASCII punctuation and whitespace separate words, so "Janet's ducks," is ``janet s ducks``).
+The hashes are pure functions of the words' UTF-8 bytes (no per-process salt), so every run, machine
+and job agrees. Vectorised over a batch: a few passes of numpy over the bytes, no Python per word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_NGRAM_MULTIPLIER = np.uint64(0x100000001B3)
+_WORD_BYTE = np.zeros(256, dtype=bool)
+_WORD_BYTE[[*range(ord("0"), ord("9") + 1), *range(ord("a"), ord("z") + 1), *range(ord("A"), ord("Z") + 1)]] = True
+_WORD_BYTE[0x80:] = True  # every byte of a non-ASCII character
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * _SPLITMIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _SPLITMIX[2]
+    return x ^ (x >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Words:
+    """The words of a batch of texts: a hash per word, and where each text's words start."""
+
+    hashes: np.ndarray  # uint64, the words of every text one after another
+    offsets: np.ndarray  # int64, len(texts) + 1: text i's words are hashes[offsets[i]:offsets[i + 1]]
+
+    def ngrams(self, n: int, whole_if_shorter: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(hash of every run of ``n`` consecutive words within one text, each run's text index).
+
+        ``whole_if_shorter``: a text of fewer than ``n`` words (but one at least) gives one hash, of all
+        its words, so a short prompt still has a set to compare; otherwise it gives none. A run's hash
+        is the polynomial sum of its words' hashes (times M to the power of their distance from its
+        end, mod 2^64) through prefix sums, so it costs the same for any ``n``."""
+        counts = np.diff(self.offsets)
+        total = len(self.hashes)
+        text_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        end_of = self.offsets[1:][text_of]  # each word's text end
+        starts = np.arange(total, dtype=np.int64)
+        is_start = starts + n <= end_of
+        if whole_if_shorter:
+            is_start |= (counts[text_of] < n) & (starts == self.offsets[:-1][text_of])
+        starts = starts[is_start]
+        ends = np.minimum(starts + n, end_of[is_start])
+        power, inverse = _powers(total + 1)
+        prefix = np.zeros(total + 1, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            np.cumsum(self.hashes * inverse[:total], out=prefix[1:])
+            combined = (prefix[ends] - prefix[starts]) * power[ends - 1]
+            combined ^= (ends - starts).astype(np.uint64) * _SPLITMIX[0]
+        return mix64(combined), text_of[is_start]
+
+
+_POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
+
+
+def _powers(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """M^k and M^-k mod 2^64 for k < count (M is odd, so it has an inverse), kept between calls."""
+    if len(_POWERS[0]) < count:
+        size = max(count, 2 * len(_POWERS[0]))
+        inverse = np.uint64(pow(int(_NGRAM_MULTIPLIER), -1, 1 << 64))
+        with np.errstate(over="ignore"):
+            for i, step in enumerate((_NGRAM_MULTIPLIER, inverse)):
+                values = np.full(size, step, dtype=np.uint64)
+                values[0] = 1
+                _POWERS[i] = np.cumprod(values, dtype=np.uint64)
+    return _POWERS[0], _POWERS[1]
+
+
+def words(texts: pa.Array | pa.ChunkedArray) -> Words:
+    """The normalised words of each text (null: none)."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    texts = texts.cast(pa.large_string()).fill_null("")
+    if len(texts) and not pc.all(pc.string_is_ascii(texts)).as_py():
+        texts = pc.utf8_normalize(texts, "NFC")
+    texts = pc.utf8_lower(texts)
+    offsets = np.frombuffer(texts.buffers()[1], dtype=np.int64)[texts.offset : texts.offset + len(texts) + 1]
+    first, last = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+    data = texts.buffers()[2]
+    raw = np.frombuffer(data, dtype=np.uint8)[first:last] if data is not None else np.zeros(0, dtype=np.uint8)
+    offsets = offsets - first
+    is_word = _WORD_BYTE[raw]
+    text_start = np.zeros(len(raw) + 1, dtype=bool)
+    text_start[offsets] = True
+    before = np.zeros(len(raw), dtype=bool)
+    before[1:] = is_word[:-1]
+    after = np.zeros(len(raw), dtype=bool)
+    after[:-1] = is_word[1:]
+    starts = np.flatnonzero(is_word & (~before | text_start[:-1]))
+    ends = np.flatnonzero(is_word & (~after | text_start[1:])) + 1
+    hashes = _hash_spans(raw, starts, ends)
+    return Words(hashes, np.searchsorted(starts, offsets).astype(np.int64))
+
+
+def _hash_spans(raw: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each span's bytes: eight bytes at a time, read as little-endian words."""
+    padded = np.zeros((len(raw) + 23) // 8 * 8, dtype=np.uint8)
+    padded[: len(raw)] = raw
+    # a 64-bit word at every byte position (a strided view, no copy)
+    at_byte = np.lib.stride_tricks.as_strided(padded.view(np.uint64), shape=(len(raw) + 8,), strides=(1,))
+    lengths = (ends - starts).astype(np.int64)
+    with np.errstate(over="ignore"):
+        first = np.minimum(lengths, 8).astype(np.uint64)
+        drop = (np.uint64(8) - first) * np.uint64(8)
+        hashes = mix64((lengths.astype(np.uint64) * _SPLITMIX[0]) ^ ((at_byte[starts] << drop) >> drop))
+    todo = np.flatnonzero(lengths > 8)
+    chunk = 1
+    while len(todo):
+        left = np.minimum(lengths[todo] - 8 * chunk, 8).astype(np.uint64)
+        drop = (np.uint64(8) - left) * np.uint64(8)
+        word = at_byte[starts[todo] + 8 * chunk]
+        word = (word << drop) >> drop  # only this span's bytes (little-endian: the low ones)
+        hashes[todo] = mix64(hashes[todo] ^ word)
+        chunk += 1
+        todo = todo[lengths[todo] > 8 * chunk]
+    return hashes
