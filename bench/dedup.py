@@ -18,6 +18,7 @@ against datasketch's bulk MinHash, on the same shingle sets.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -134,7 +135,7 @@ def measure_library(rows: int) -> dict[str, Any]:
     rensa_digest = time.process_time() - cpu
     np.array(matrix.to_rows(), dtype=np.uint64)
     rensa_total = time.process_time() - cpu
-    sets = [shingles[int(a) : int(b)].tobytes() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    sets = [shingles[int(a) : int(b)].tobytes() for a, b in itertools.pairwise(offsets)]
     sets = [[s[i : i + 8] for i in range(0, len(s), 8)] for s in sets]
     cpu = time.process_time()
     datasketch.MinHash.bulk(sets, num_perm=128)

@@ -58,6 +58,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hours = sum(e.gpu_hours for e in estimates)
     jobs = sum(len(e.generate_jobs) for e in estimates)
     print(f"total: {jobs} generate jobs, {total} rows to generate, {tokens:.0f} output tokens, {hours:.2f} GPU-hours")
+    shared = [e for e in estimates if e.cross_source_prompts]
+    if shared:
+        each = ", ".join(f"{e.source} {e.cross_source_prompts}" for e in shared)
+        print(
+            f"across sources: {sum(e.cross_source_prompts for e in shared)} prompts another source holds too "
+            f"({each}); the mix takes each once, and generating them twice would cost "
+            f"{sum(e.cross_source_gpu_hours for e in shared):.2f} GPU-hours (the row index serves the later "
+            "source's rows when the sampling agrees)"
+        )
     window = plan.config.trainer.max_length if total else None
     if window is not None:
         print(_window_line(window, estimates, hours / tokens if tokens else 0.0))

@@ -7,6 +7,7 @@ pinned revisions. Every error names the config key it is about.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import glob
 import math
@@ -352,8 +353,8 @@ def _hub(h: Mapping[str, Any], key: str, split: str) -> HubSpec:
 def _dedup(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> DedupSpec:
     for i, name in enumerate(raw.get("prefer", [])):
         if name not in sources:
-            near = _closest(name, "sources", list(sources))
-            hint = f"; did you mean '{near}'?" if near else f" (sources: {', '.join(sorted(sources))})"
+            near = difflib.get_close_matches(name, list(sources), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else f" (sources: {', '.join(sorted(sources))})"
             raise ConfigError(f"dedup.prefer.{i}", f"'{name}' is not a source{hint}")
     near = raw.get("near")
     return DedupSpec(

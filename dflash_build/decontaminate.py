@@ -22,7 +22,6 @@ from dflash_build import words as W
 from dflash_build.config import DecontaminationSpec, ReferenceSpec
 
 NO_ITEM = -1
-_TABLE_SHIFT = np.uint64(40)
 
 
 class ReferenceError(ValueError):
@@ -38,13 +37,18 @@ class ReferenceIndex:
     item_of: np.ndarray  # int32: index into ``items`` (the smallest, where items share an n-gram)
     items: list[str] = field(default_factory=list)  # each item as "set:location"
     summary: dict[str, dict[str, int]] = field(default_factory=dict)  # per set: items, too short to match
-    _top_bits: np.ndarray | None = None  # whether any reference n-gram has these top 24 bits (16 MB)
+    _top_bits: np.ndarray | None = None  # see _table
+    _shift: np.uint64 = np.uint64(48)
 
-    def _table(self) -> np.ndarray:
+    def _table(self) -> tuple[np.ndarray, np.uint64]:
+        """Whether any reference n-gram has these top bits: 16 table slots per n-gram (so about one
+        n-gram in 16 passes on to the search), at least 2^16 and at most 2^24 slots (cache-sized)."""
         if self._top_bits is None:
-            self._top_bits = np.zeros(1 << (64 - int(_TABLE_SHIFT)), dtype=bool)
-            self._top_bits[self.hashes >> _TABLE_SHIFT] = True
-        return self._top_bits
+            bits = min(24, max(16, len(self.hashes).bit_length() + 4))
+            self._shift = np.uint64(64 - bits)
+            self._top_bits = np.zeros(1 << bits, dtype=bool)
+            self._top_bits[self.hashes >> self._shift] = True
+        return self._top_bits, self._shift
 
     @classmethod
     def build(cls, spec: DecontaminationSpec, files: dict[str, tuple[Path, ...]]) -> ReferenceIndex:
@@ -82,7 +86,8 @@ class ReferenceIndex:
             return matched
         hashes, text_of = found.ngrams(self.ngram, whole_if_shorter=False)
         # a table lookup first: only the few n-grams whose top bits a reference n-gram has are searched
-        maybe = np.flatnonzero(self._table()[hashes >> _TABLE_SHIFT])
+        table, shift = self._table()
+        maybe = np.flatnonzero(table[hashes >> shift])
         at = np.minimum(np.searchsorted(self.hashes, hashes[maybe]), len(self.hashes) - 1)
         hit = self.hashes[at] == hashes[maybe]
         if hit.any():

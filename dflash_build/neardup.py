@@ -15,7 +15,9 @@ it. Memory: the band keys, ``8 × bands`` bytes a prompt, and one sort of them a
 
 from __future__ import annotations
 
+import array
 import functools
+import gc
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from dflash_build import words as W
 
 NO_MATCH = np.iinfo(np.uint64).max
 _BAND_SALT = np.uint64(0xD1B54A32D192ED03)
+_BAND_MULTIPLIER = np.uint64(0x9FB21C651E98DF25)
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,33 @@ def band_keys(row_of_text: np.ndarray, found: W.Words, n_rows: int, spec: NearSp
         return np.zeros((n_rows, bands), dtype=np.uint64), has_words
     width = bands * rows  # the permutations the bands use (rensa's first k of more are not these k)
     matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(shingles, offsets, width, spec.seed)
-    values = np.fromiter(itertools.chain.from_iterable(matrix.to_rows()), dtype=np.uint32, count=n_rows * width)
-    digest = values.astype(np.uint64).reshape(n_rows, bands, rows)
-    keys = np.broadcast_to(np.arange(bands, dtype=np.uint64) * _BAND_SALT, (n_rows, bands)).copy()
-    for j in range(rows):
-        keys = W.mix64(keys ^ digest[:, :, j])
-    return keys, has_words
+    digest = _values(matrix, n_rows * width).reshape(n_rows, bands, rows)
+    # a band's key: its values as one polynomial (mod 2^64), salted by the band, then mixed
+    with np.errstate(over="ignore"):
+        keys = (digest * _band_powers(rows)).sum(axis=2, dtype=np.uint64)
+        keys ^= np.arange(bands, dtype=np.uint64) * _BAND_SALT
+    return W.mix64(keys), has_words
+
+
+def _band_powers(rows: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.cumprod(np.full(rows, _BAND_MULTIPLIER, dtype=np.uint64), dtype=np.uint64)
+
+
+def _values(matrix: Any, count: int) -> np.ndarray:
+    """A rensa digest matrix's values, row after row, as uint64. rensa 0.5 hands them out as Python
+    lists only (:mod:`bench.dedup` measures what that costs): the collector is paused meanwhile, since
+    lists of fresh ints would start it over and over."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        values = array.array("I", itertools.chain.from_iterable(matrix.to_rows()))
+    finally:
+        if paused:
+            gc.enable()
+    if len(values) != count:
+        raise RuntimeError(f"rensa returned {len(values)} digest values, not {count}")
+    return np.frombuffer(values, dtype=np.uint32).astype(np.uint64)
 
 
 def first_copies(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -118,16 +142,18 @@ def first_copies(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
         return matched
     for band in range(keys.shape[1]):
         column = keys[:, band]
-        by_key = np.lexsort((order, column))
+        by_key = np.argsort(column)  # one key: ties (the copies) are ordered by the group's minimum below
         ordered = column[by_key]
         new_group = np.ones(len(ordered), dtype=bool)
         new_group[1:] = ordered[1:] != ordered[:-1]
         starts = np.flatnonzero(new_group)
-        first = order[by_key][starts]  # lexsort: each group's smallest order comes first
+        if len(starts) == len(ordered):
+            continue  # no two rows share this band
+        order_by_key = order[by_key]
+        first = np.minimum.reduceat(order_by_key, starts)  # each group's smallest order
         group_first = first[np.cumsum(new_group) - 1]
-        candidate = np.full(len(order), NO_MATCH, dtype=np.uint64)
-        candidate[by_key] = np.where(group_first < order[by_key], group_first, NO_MATCH)
-        np.minimum(matched, candidate, out=matched)
+        candidate = np.where(group_first < order_by_key, group_first, NO_MATCH)
+        matched[by_key] = np.minimum(matched[by_key], candidate)
     return matched
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, prepare, release, rowindex
+from dflash_build import atomic, crosssource, hashing, prepare, release, rowindex
 from dflash_build.config import Config, TrainerSpec
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
 from dflash_build.plan import Plan, fingerprint_cache_file
@@ -47,6 +48,8 @@ class SourceEstimate:
     gpu_hours: float = 0.0
     errors: list[str] = field(default_factory=list)  # what would fail the build before any GPU work
     window: WindowEffect | None = None  # with trainer.max_length: its effect on the rows to generate
+    cross_source_prompts: int = 0  # prompts another source holds too and keeps (dedup.across_sources)
+    cross_source_gpu_hours: float = 0.0  # what generating them for this source as well would cost
 
 
 WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
@@ -135,8 +138,38 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
     sidecars = _model_sidecars(plan)  # read once: rates, mean answer, and the window's sample
     mean_tokens, rate = _measured(sidecars)
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
+    selected: dict[str, np.ndarray] = {}
     with RowIndex.open(plan.config.store) as index:
-        return _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths)
+        estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selected)
+    _cross_source(plan, estimates, selected)
+    return estimates
+
+
+def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:
+    """Each source's prompts that another source holds too and keeps, and their GPU-hours: the mix takes
+    each once, and the row index serves the second generation when the sampling agrees (exact copies;
+    near-copies across sources are known only once prepare wrote their bands)."""
+    if not plan.config.dedup.across_sources or len(plan.sources) < 2:
+        return
+    prompts = {}
+    for name, sp in plan.sources.items():
+        if plan.prompt_manifest(name).exists():
+            ids = [
+                hashing.hex_to_u64(pq.read_table(p, columns=["prompt_id"])["prompt_id"])
+                for p in plan.prompt_shards(name)
+            ]
+            prompts[name] = np.concatenate(ids) if ids else np.zeros(0, np.uint64)
+        elif name in selected:
+            prompts[name] = selected[name]
+        elif sp.spec.hf is None or sp.spec.hf.is_local:
+            prompts[name] = prepare.select(plan, name).selected
+    cross = crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, None)
+    rows = sum(e.rows_to_generate for e in estimates)
+    hours_per_row = sum(e.gpu_hours for e in estimates) / rows if rows else 0.0
+    for e in estimates:
+        e.cross_source_prompts = len(cross.dropped.get(e.source, ()))
+        samples = plan.sources[e.source].spec.sampling.samples_per_prompt
+        e.cross_source_gpu_hours = e.cross_source_prompts * samples * hours_per_row
 
 
 def _estimate(
@@ -146,7 +179,9 @@ def _estimate(
     rate: float | None,
     default_tokens_per_second: float,
     lengths: list[tuple[int, int]],
+    selected: dict[str, np.ndarray],
 ) -> list[SourceEstimate]:
+    """``selected``: filled with the prompt ids of the sources whose selection ran here."""
     out = []
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
@@ -179,6 +214,7 @@ def _estimate(
             else:  # not prepared yet: run prepare's selection in memory (CPU only) to know the rows
                 if shard_ids is None:
                     selection = prepare.select(plan, name)
+                    selected[name] = selection.selected
                     shard_ids = selection.shard_prompt_ids()
                     est.prompt_rows = selection.rows_out
                     est.prompt_rows_known = True

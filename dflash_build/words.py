@@ -9,8 +9,6 @@ and job agrees. Vectorised over a batch: a few passes of numpy over the bytes, n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +18,8 @@ _NGRAM_MULTIPLIER = np.uint64(0x100000001B3)
 _WORD_BYTE = np.zeros(256, dtype=bool)
 _WORD_BYTE[[*range(ord("0"), ord("9") + 1), *range(ord("a"), ord("z") + 1), *range(ord("A"), ord("Z") + 1)]] = True
 _WORD_BYTE[0x80:] = True  # every byte of a non-ASCII character
+_HIGH_BITS = np.uint64(0x8080808080808080)
+_CASE_BITS = np.uint64(0x2020202020202020)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -30,12 +30,16 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-@dataclass(frozen=True)
 class Words:
     """The words of a batch of texts: a hash per word, and where each text's words start."""
 
-    hashes: np.ndarray  # uint64, the words of every text one after another
-    offsets: np.ndarray  # int64, len(texts) + 1: text i's words are hashes[offsets[i]:offsets[i + 1]]
+    def __init__(self, hashes: np.ndarray, offsets: np.ndarray) -> None:
+        self.hashes = hashes  # uint64, the words of every text one after another
+        self.offsets = offsets  # int64, len(texts) + 1: text i's words are hashes[offsets[i]:offsets[i + 1]]
+        counts = np.diff(offsets)
+        self._counts = counts
+        self._text_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self._prefix: np.ndarray | None = None
 
     def ngrams(self, n: int, whole_if_shorter: bool) -> tuple[np.ndarray, np.ndarray]:
         """(hash of every run of ``n`` consecutive words within one text, each run's text index).
@@ -44,23 +48,25 @@ class Words:
         its words, so a short prompt still has a set to compare; otherwise it gives none. A run's hash
         is the polynomial sum of its words' hashes (times M to the power of their distance from its
         end, mod 2^64) through prefix sums, so it costs the same for any ``n``."""
-        counts = np.diff(self.offsets)
         total = len(self.hashes)
-        text_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        text_of = self._text_of
         end_of = self.offsets[1:][text_of]  # each word's text end
-        starts = np.arange(total, dtype=np.int64)
-        is_start = starts + n <= end_of
+        positions = np.arange(total, dtype=np.int64)
+        is_start = positions + n <= end_of
         if whole_if_shorter:
-            is_start |= (counts[text_of] < n) & (starts == self.offsets[:-1][text_of])
-        starts = starts[is_start]
-        ends = np.minimum(starts + n, end_of[is_start])
+            short = np.flatnonzero((self._counts < n) & (self._counts > 0))
+            is_start[self.offsets[short]] = True
+        starts = np.flatnonzero(is_start)
+        ends = np.minimum(starts + n, end_of[starts])
         power, inverse = _powers(total + 1)
-        prefix = np.zeros(total + 1, dtype=np.uint64)
+        if self._prefix is None:
+            self._prefix = np.zeros(total + 1, dtype=np.uint64)
+            with np.errstate(over="ignore"):
+                np.cumsum(self.hashes * inverse[:total], out=self._prefix[1:])
         with np.errstate(over="ignore"):
-            np.cumsum(self.hashes * inverse[:total], out=prefix[1:])
-            combined = (prefix[ends] - prefix[starts]) * power[ends - 1]
+            combined = (self._prefix[ends] - self._prefix[starts]) * power[ends - 1]
             combined ^= (ends - starts).astype(np.uint64) * _SPLITMIX[0]
-        return mix64(combined), text_of[is_start]
+        return mix64(combined), text_of[starts]
 
 
 _POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
@@ -84,46 +90,55 @@ def words(texts: pa.Array | pa.ChunkedArray) -> Words:
     if isinstance(texts, pa.ChunkedArray):
         texts = texts.combine_chunks()
     texts = texts.cast(pa.large_string()).fill_null("")
-    if len(texts) and not pc.all(pc.string_is_ascii(texts)).as_py():
-        texts = pc.utf8_normalize(texts, "NFC")
-    texts = pc.utf8_lower(texts)
+    ascii_only = not len(texts) or pc.all(pc.string_is_ascii(texts)).as_py()
+    if not ascii_only:  # NFC and Unicode case folding; ASCII letters are lowered as words are hashed
+        texts = pc.utf8_lower(pc.utf8_normalize(texts, "NFC"))
     offsets = np.frombuffer(texts.buffers()[1], dtype=np.int64)[texts.offset : texts.offset + len(texts) + 1]
     first, last = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
     data = texts.buffers()[2]
     raw = np.frombuffer(data, dtype=np.uint8)[first:last] if data is not None else np.zeros(0, dtype=np.uint8)
     offsets = offsets - first
-    is_word = _WORD_BYTE[raw]
-    text_start = np.zeros(len(raw) + 1, dtype=bool)
-    text_start[offsets] = True
-    before = np.zeros(len(raw), dtype=bool)
-    before[1:] = is_word[:-1]
-    after = np.zeros(len(raw), dtype=bool)
-    after[:-1] = is_word[1:]
-    starts = np.flatnonzero(is_word & (~before | text_start[:-1]))
-    ends = np.flatnonzero(is_word & (~after | text_start[1:])) + 1
+    edges = np.diff(_WORD_BYTE[raw].view(np.int8), prepend=np.int8(0), append=np.int8(0))
+    is_start, is_end = edges == 1, edges == -1
+    # a word would run on from one text into the next where both sides of the boundary are word bytes
+    inner = offsets[1:-1]
+    inner = inner[(inner > 0) & (inner < len(raw))]
+    joined = inner[_WORD_BYTE[raw[inner - 1]] & _WORD_BYTE[raw[inner]]]
+    is_start[joined] = is_end[joined] = True
+    starts, ends = np.flatnonzero(is_start), np.flatnonzero(is_end)
     hashes = _hash_spans(raw, starts, ends)
     return Words(hashes, np.searchsorted(starts, offsets).astype(np.int64))
 
 
+def _lowered(word: np.ndarray) -> np.ndarray:
+    """Eight bytes of words, ASCII letters lowered: a word's ASCII bytes are letters and digits, and
+    setting bit 5 lowers a letter and leaves a digit as it is; bytes of non-ASCII characters (high bit
+    set, lowered by Arrow already) are left alone."""
+    non_ascii = ((word & _HIGH_BITS) >> np.uint64(7)) * np.uint64(0xFF)
+    return word | (_CASE_BITS & ~non_ascii)
+
+
 def _hash_spans(raw: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """A 64-bit hash of each span's bytes: eight bytes at a time, read as little-endian words."""
-    padded = np.zeros((len(raw) + 23) // 8 * 8, dtype=np.uint8)
+    padded = np.empty((len(raw) + 23) // 8 * 8, dtype=np.uint8)
     padded[: len(raw)] = raw
+    padded[len(raw) :] = 0
     # a 64-bit word at every byte position (a strided view, no copy)
     at_byte = np.lib.stride_tricks.as_strided(padded.view(np.uint64), shape=(len(raw) + 8,), strides=(1,))
     lengths = (ends - starts).astype(np.int64)
     with np.errstate(over="ignore"):
         first = np.minimum(lengths, 8).astype(np.uint64)
         drop = (np.uint64(8) - first) * np.uint64(8)
-        hashes = mix64((lengths.astype(np.uint64) * _SPLITMIX[0]) ^ ((at_byte[starts] << drop) >> drop))
+        hashes = (lengths.astype(np.uint64) * _SPLITMIX[0]) ^ ((_lowered(at_byte[starts]) << drop) >> drop)
     todo = np.flatnonzero(lengths > 8)
     chunk = 1
     while len(todo):
         left = np.minimum(lengths[todo] - 8 * chunk, 8).astype(np.uint64)
         drop = (np.uint64(8) - left) * np.uint64(8)
-        word = at_byte[starts[todo] + 8 * chunk]
+        word = _lowered(at_byte[starts[todo] + 8 * chunk])
         word = (word << drop) >> drop  # only this span's bytes (little-endian: the low ones)
-        hashes[todo] = mix64(hashes[todo] ^ word)
+        with np.errstate(over="ignore"):
+            hashes[todo] = hashes[todo] * _NGRAM_MULTIPLIER + word
         chunk += 1
         todo = todo[lengths[todo] > 8 * chunk]
-    return hashes
+    return mix64(hashes)

@@ -1,0 +1,322 @@
+"""Near-duplicates, decontamination and prompts several sources hold: on real prepare, mix and builds."""
+
+from __future__ import annotations
+
+import json
+import random
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import crosssource, neardup, prepare
+from dflash_build import plan as plan_mod
+from dflash_build import words as W
+from dflash_build.decontaminate import ReferenceError
+from tests.conftest import Workflow, base_config, write_jsonl
+
+# GSM8K's test split, item 0 (openai/gsm8k, main), as its dataset viewer shows it.
+GSM8K_QUESTION = (
+    "Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
+    "egg. How much in dollars does she make every day at the farmers' market?"
+)
+# HuggingFaceH4/mt_bench_prompts: `prompt` is a list of turns.
+MT_BENCH_ITEM = {
+    "prompt": [
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
+        "and must-see attractions.",
+        "Rewrite your previous response. Start every sentence with the letter A.",
+    ],
+    "category": "writing",
+}
+
+
+def _words(*texts: str) -> W.Words:
+    return W.words(pa.array(list(texts), pa.string()))
+
+
+# -- words ---------------------------------------------------------------------------------------------
+def test_words_fold_case_punctuation_and_unicode_form() -> None:
+    folded = _words("janet s ducks lay 16 eggs").hashes
+    assert np.array_equal(_words("Janet's DUCKS, lay 16 eggs!").hashes, folded)
+    composed, decomposed = "café olé", unicodedata.normalize("NFD", "café olé")
+    assert composed != decomposed
+    assert np.array_equal(_words(composed).hashes, _words(decomposed).hashes)
+    assert not np.array_equal(_words("ducks lay eggs").hashes, _words("ducks lay egg").hashes)
+    long_a, long_b = "x" * 20 + "a" + "x" * 20, "x" * 20 + "b" + "x" * 20  # differ past the first 8 bytes
+    assert _words(long_a).hashes[0] != _words(long_b).hashes[0]
+
+
+def test_ngrams_depend_on_the_words_only_never_on_where_they_are() -> None:
+    rng = random.Random(0)
+    run = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps"]) for _ in range(13))
+    texts = [run, f"first some words {run}", f"x {run} and after", "unrelated short text"]
+    found = _words(*texts)
+    hashes, text_of = found.ngrams(13, whole_if_shorter=False)
+    alone = hashes[text_of == 0]
+    assert len(alone) == 1
+    for t in (1, 2):
+        assert alone[0] in hashes[text_of == t]
+    assert not (text_of == 3).any()  # shorter than 13 words: no run
+    _, whole_of = found.ngrams(13, whole_if_shorter=True)
+    assert (whole_of == 3).sum() == 1
+    # runs never cross from one text into the next
+    joined, _ = _words(run[: len(run) // 2], run[len(run) // 2 :]).ngrams(13, whole_if_shorter=False)
+    assert alone[0] not in joined
+
+
+# -- the near-copy rule ----------------------------------------------------------------------------------
+def _brute_first_copies(order: np.ndarray, keys: np.ndarray) -> list[int]:
+    out = []
+    for i in range(len(order)):
+        partners = [int(order[j]) for j in range(len(order)) if (keys[i] == keys[j]).any() and order[j] < order[i]]
+        out.append(min(partners) if partners else int(neardup.NO_MATCH))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_copies_is_the_brute_force_rule_in_any_row_order(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, bands = 60, 4
+    keys = rng.integers(0, 6, size=(n, bands)).astype(np.uint64)  # many collisions
+    order = rng.permutation(10_000)[:n].astype(np.uint64)
+    expected = _brute_first_copies(order, keys)
+    assert neardup.first_copies(order, keys).tolist() == expected
+    shuffle = rng.permutation(n)
+    assert neardup.first_copies(order[shuffle], keys[shuffle]).tolist() == [expected[i] for i in shuffle]
+
+
+def test_the_bands_follow_the_threshold_as_lsh_chooses_them() -> None:
+    assert neardup.NearSpec().bands_rows == (9, 13)  # datasketch's MinHashLSH(threshold=0.8, num_perm=128)
+    bands, rows = neardup.NearSpec(threshold=0.5).bands_rows
+    assert bands * rows <= 128 and rows < 13
+    assert neardup.catch_probability(0.95, 9, 13) > 0.99 > 0.1 > neardup.catch_probability(0.6, 9, 13)
+
+
+# -- prepare ---------------------------------------------------------------------------------------------
+def _plan(root: Path, sources: dict[str, Any], **extra: Any) -> plan_mod.Plan:
+    (root / "model.gguf").write_bytes(b"gguf")
+    raw = {
+        "store": str(root / "store"),
+        "shard_size": 3,
+        "model": {"path": str(root / "model.gguf")},
+        "sources": sources,
+        "mix": {"categories": {s["category"]: 1 for s in sources.values()}},
+        **extra,
+    }
+    (root / "config.yaml").write_text(yaml.safe_dump(raw))
+    return plan_mod.build(cfg.load(root / "config.yaml"))
+
+
+def _texts(rows: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    vocab = [f"word{i}" for i in range(3000)]
+    return [" ".join(rng.choice(vocab) for _ in range(40)) for _ in range(rows)]
+
+
+def _shards(plan: plan_mod.Plan, source: str) -> list[list[str]]:
+    return [pq.read_table(p).column("prompt_id").to_pylist() for p in plan.prompt_shards(source)]
+
+
+def test_a_near_copy_is_dropped_counted_and_named_and_the_result_is_order_free(tmp_path: Path) -> None:
+    texts = _texts(30, seed=1)
+    near = texts[4].split(" ")
+    near[20] = "changed"  # one word of 40: a Jaccard similarity of ~0.86 on 5-word shingles
+    rows = [{"instruction": t} for t in [*texts, " ".join(near)]]
+    write_jsonl(tmp_path / "a" / "in.jsonl", rows)
+    shuffled = rows[:]
+    random.Random(2).shuffle(shuffled)
+    write_jsonl(tmp_path / "b" / "in.jsonl", shuffled)
+    manifests, shards = [], []
+    for folder in ("a", "b"):
+        plan = _plan(
+            tmp_path / folder,
+            {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / folder / "in.jsonl")]}},
+            dedup={"near": {"threshold": 0.7}},
+        )
+        manifests.append(prepare.run(plan, "s"))
+        shards.append(_shards(plan, "s"))
+    first = manifests[0]
+    assert first["drops"] == {"near_duplicate": 1}
+    assert first["rows_out"] == 30
+    [example] = first["drop_examples"]["near_duplicate"]
+    dropped, kept = (
+        f"in.jsonl:{n}"
+        for n in sorted(
+            [5, 31],
+            key=lambda n: prepare.prompt_id([{"role": "user", "content": rows[n - 1]["instruction"]}], None),
+            reverse=True,
+        )
+    )
+    assert example.startswith(f"{tmp_path / 'a' / dropped}: near-copy of ") and example.endswith(kept)
+    assert shards[0] == shards[1], "the same prompts in the same shards, whatever the input order"
+    assert manifests[1]["drops"] == first["drops"]
+    ids, bands = neardup.read_bands(plan.prompt_bands("s"))
+    assert sorted(f"{int(i):016x}" for i in ids) == sorted(p for s in shards[1] for p in s)
+    assert bands.shape == (30, 14)  # threshold 0.7: 14 bands of 9
+
+
+def _decontaminate(path: Path) -> dict[str, Any]:
+    return {"references": {"gsm8k": {"files": [str(path)], "field": "question"}}}
+
+
+def test_a_prompt_holding_a_test_question_is_contaminated_and_one_on_its_topic_is_kept(tmp_path: Path) -> None:
+    write_jsonl(
+        tmp_path / "gsm8k_test.jsonl", [{"question": GSM8K_QUESTION, "answer": "18"}, {"question": "Short one?"}]
+    )
+    write_jsonl(tmp_path / "mt_bench.jsonl", [MT_BENCH_ITEM])
+    restyled = GSM8K_QUESTION.replace("’", "'").upper()  # other case and quotes
+    rows = [
+        {"instruction": f"Solve step by step.\n\n{restyled}"},
+        {
+            "instruction": "Ducks lay eggs every day; a farmer sells duck eggs at the market for two dollars. "
+            "How much does a farmer make in a week if the ducks lay sixteen eggs daily?"
+        },  # the same topic
+        {"instruction": "Please: rewrite your previous response. Start every sentence with the letter A. Thanks"},
+        {"instruction": "Write a haiku about the sea."},
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    references = _decontaminate(tmp_path / "gsm8k_test.jsonl")
+    references["references"]["mt_bench"] = {"files": [str(tmp_path / "mt_bench.jsonl")], "field": "prompt"}
+    references["ngram"] = 10  # MT-Bench's second turn has 12 words
+    plan = _plan(
+        tmp_path,
+        {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")]}},
+        decontaminate=references,
+    )
+    manifest = prepare.run(plan, "s")
+    assert manifest["drops"] == {"contaminated": 2}
+    assert manifest["rows_out"] == 2
+    examples = manifest["drop_examples"]["contaminated"]
+    assert sorted(e.split(": ", 1)[0] for e in examples) == [f"{tmp_path}/in.jsonl:1", f"{tmp_path}/in.jsonl:3"]
+    assert any(f"gsm8k:{tmp_path}/gsm8k_test.jsonl:1" in e for e in examples)
+    assert any(f"mt_bench:{tmp_path}/mt_bench.jsonl:1" in e for e in examples)
+    assert manifest["references"] == {"gsm8k": {"items": 2, "too_short": 1}, "mt_bench": {"items": 1, "too_short": 0}}
+    kept = {
+        json.loads(m)[0]["content"] for p in plan.prompt_shards("s") for m in pq.read_table(p)["messages"].to_pylist()
+    }
+    assert kept == {rows[1]["instruction"], rows[3]["instruction"]}
+
+
+def test_a_reference_without_the_field_names_the_file_row_and_key(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "ref.jsonl", [{"question": GSM8K_QUESTION}, {"problem": "x"}])
+    write_jsonl(tmp_path / "in.jsonl", [{"instruction": "hello there"}])
+    plan = _plan(
+        tmp_path,
+        {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")]}},
+        decontaminate=_decontaminate(tmp_path / "ref.jsonl"),
+    )
+    with pytest.raises(
+        ReferenceError,
+        match=r"ref\.jsonl:2: no text in column 'question' \(decontaminate\.references"
+        r"\.gsm8k\.field; the row has columns: problem\)",
+    ):
+        prepare.run(plan, "s")
+
+
+def test_a_source_the_filters_empty_fails_naming_the_step(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "ref.jsonl", [{"question": GSM8K_QUESTION}])
+    write_jsonl(tmp_path / "in.jsonl", [{"instruction": GSM8K_QUESTION}, {"instruction": f"Q: {GSM8K_QUESTION}"}])
+    plan = _plan(
+        tmp_path,
+        {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")]}},
+        decontaminate=_decontaminate(tmp_path / "ref.jsonl"),
+    )
+    with pytest.raises(
+        prepare.SourceLossError,
+        match=r"every one of its 2 rows was removed.*contaminated 2 "
+        r"\(decontaminate",
+    ):
+        prepare.run(plan, "s")
+    assert not plan.prompt_manifest("s").exists()
+
+
+def test_a_preferred_source_that_is_not_one_is_named_with_the_closest(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "in.jsonl", [{"instruction": "hello there"}])
+    source = {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")]}
+    with pytest.raises(
+        cfg.ConfigError, match=r"dedup\.prefer\.0': 'codealpaca' is not a source; did you mean 'code_alpaca'"
+    ):
+        _plan(tmp_path, {"code_alpaca": source}, dedup={"prefer": ["codealpaca"]})
+
+
+# -- across sources ------------------------------------------------------------------------------------
+def test_across_sources_each_prompt_stays_with_one_source_by_an_order_free_rule() -> None:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 2**63, 20, dtype=np.uint64)
+    prompts = {
+        "zeta": np.concatenate([shared[:10], rng.integers(0, 2**63, 5, dtype=np.uint64)]),
+        "alpha": np.concatenate([shared[5:], rng.integers(0, 2**63, 5, dtype=np.uint64)]),
+        "mid": shared[:3].copy(),
+    }
+    by_name = crosssource.resolve(sorted(prompts), prompts, None)
+    # by name: alpha keeps all of its prompts, mid (which alpha's do not overlap) all of its 3, and zeta
+    # loses the 5 alpha holds and the 3 mid holds
+    assert {k: len(v) for k, v in by_name.dropped.items()} == {"alpha": 0, "mid": 0, "zeta": 8}
+    preferred = crosssource.resolve(["zeta", "alpha", "mid"], prompts, None)
+    assert {k: len(v) for k, v in preferred.dropped.items()} == {"zeta": 0, "alpha": 5, "mid": 3}
+    shuffled = {k: rng.permutation(v) for k, v in reversed(list(prompts.items()))}
+    again = crosssource.resolve(["zeta", "alpha", "mid"], shuffled, None)
+    assert {k: sorted(v.tolist()) for k, v in again.dropped.items()} == {
+        k: sorted(v.tolist()) for k, v in preferred.dropped.items()
+    }
+    assert preferred.counts["alpha"] == {crosssource.CROSS_DUPLICATE: 5, crosssource.CROSS_NEAR_DUPLICATE: 0}
+    assert "is zeta's too" in preferred.examples["alpha"][0]
+
+
+# -- a build ---------------------------------------------------------------------------------------------
+@pytest.mark.workflow
+def test_two_sources_sharing_prompts_give_one_sample_each_from_one_generation(tmp_path: Path, tiny_model: Path) -> None:
+    """Every shared prompt is generated once (the second source's job reuses the first's rows) and in the
+    dataset once; a near-copy in the second source goes as cross_source_near_duplicate; the card says so."""
+    texts = _texts(10, seed=5)
+    near = texts[9].split(" ")
+    near[20] = "changed"
+    data = tmp_path / "data"
+    write_jsonl(data / "a.jsonl", [{"instruction": t} for t in texts[:8]])
+    write_jsonl(data / "b.jsonl", [{"instruction": t} for t in [*texts[4:9], " ".join(near)]])
+    write_jsonl(data / "c.jsonl", [{"instruction": texts[9]}, {"instruction": "a prompt of its own, this one"}])
+    sources = {
+        "code_a": {"category": "coding", "format": "alpaca", "files": [str(data / "a.jsonl")]},
+        "code_b": {"category": "coding", "format": "alpaca", "files": [str(data / "b.jsonl")]},
+        "general": {"category": "coding", "format": "alpaca", "files": [str(data / "c.jsonl")]},
+    }  # one category: the mix takes every sample it may
+    config = base_config(tiny_model, sources, dedup={"near": {"threshold": 0.7}, "prefer": ["general"]})
+    config["checks"]["share_tolerance"] = 1.0
+    wf = Workflow.at(tmp_path / "work", config)
+    wf.run(cores=1)  # one job at a time: the later source's generate finds the earlier one's rows indexed
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    rows = [
+        r
+        for f in sorted((wf.workdir / "dist" / "test-mix" / "data").glob("*.parquet"))
+        for r in pq.read_table(f, columns=["prompt_id", "source"]).to_pylist()
+    ]
+    ids = [r["prompt_id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a prompt id appears at most once in the dataset"
+    assert len(ids) == 8 + 1 + 2  # a's 8; of b's 6, the one a lacks (4 are a's, 1 a near-copy of c's); c's 2
+    cross = manifest["cross_source"]
+    assert cross["code_b"][crosssource.CROSS_DUPLICATE] == 4  # code_a sorts first
+    assert cross["code_b"][crosssource.CROSS_NEAR_DUPLICATE] == 1  # general is preferred
+    assert cross["code_a"][crosssource.CROSS_DUPLICATE] == 0 and cross["general"] == {
+        crosssource.CROSS_DUPLICATE: 0,
+        crosssource.CROSS_NEAR_DUPLICATE: 0,
+        "examples": [],
+    }
+    stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").glob("*/*/*.stats.json")]
+    reused = sum(s.get("reused", 0) for s in stats)
+    assert reused == 4, f"the four shared prompts are generated once: {reused} rows reused"
+    card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
+    assert "## Removed rows" in card and "cross_source_duplicate 4" in card
+    assert (wf.workdir / "dist" / "test-mix" / "plots" / "prompt_removals_by_source.png").exists()
+    # removing a source regenerates nothing of the others
+    del config["sources"]["code_a"]
+    wf.write_config(config)
+    jobs = wf.dry_run()
+    assert not {"generate", "tokenize", "prepare_code_b", "prepare_general"} & set(jobs), jobs
