@@ -103,9 +103,14 @@ def load(plan: Plan) -> CrossSource | None:
         if bands is not None:
             prompts[name], bands[name] = neardup.read_bands(Path(plan.prompt_bands(name)))
         else:
-            ids = [
-                hashing.hex_to_u64(pq.read_table(p, columns=["prompt_id"]).column("prompt_id"))
-                for p in plan.prompt_shards(name)
-            ]
-            prompts[name] = np.concatenate(ids) if ids else np.zeros(0, np.uint64)
+            prompts[name] = prompt_ids(plan, name)
     return resolve(dedup.source_priority(plan.sources), prompts, bands)
+
+
+def prompt_ids(plan: Plan, source: str) -> np.ndarray:
+    """A prepared source's prompt ids (uint64), from its prompt shards."""
+    ids = [
+        hashing.hex_to_u64(pq.read_table(p, columns=["prompt_id"]).column("prompt_id"))
+        for p in plan.prompt_shards(source)
+    ]
+    return np.concatenate(ids) if ids else np.zeros(0, np.uint64)

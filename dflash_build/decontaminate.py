@@ -38,17 +38,17 @@ class ReferenceIndex:
     items: list[str] = field(default_factory=list)  # each item as "set:location"
     summary: dict[str, dict[str, int]] = field(default_factory=dict)  # per set: items, too short to match
     _top_bits: np.ndarray | None = None  # see _table
-    _shift: np.uint64 = np.uint64(48)
+    _shift: int = 48
 
     def _table(self) -> tuple[np.ndarray, np.uint64]:
         """Whether any reference n-gram has these top bits: 16 table slots per n-gram (so about one
         n-gram in 16 passes on to the search), at least 2^16 and at most 2^24 slots (cache-sized)."""
         if self._top_bits is None:
             bits = min(24, max(16, len(self.hashes).bit_length() + 4))
-            self._shift = np.uint64(64 - bits)
+            self._shift = 64 - bits
             self._top_bits = np.zeros(1 << bits, dtype=bool)
             self._top_bits[self.hashes >> self._shift] = True
-        return self._top_bits, self._shift
+        return self._top_bits, np.uint64(self._shift)
 
     @classmethod
     def build(cls, spec: DecontaminationSpec, files: dict[str, tuple[Path, ...]]) -> ReferenceIndex:

@@ -147,23 +147,23 @@ def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_S
 
 def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:
     """Each source's prompts that another source holds too and keeps, and their GPU-hours: the mix takes
-    each once, and the row index serves the second generation when the sampling agrees (exact copies;
-    near-copies across sources are known only once prepare wrote their bands)."""
+    each once, and the row index serves the second generation when the sampling agrees. Near-copies
+    count once every source is prepared (their band keys are written then); before, exact copies only."""
     if not plan.config.dedup.across_sources or len(plan.sources) < 2:
         return
-    prompts = {}
-    for name, sp in plan.sources.items():
-        if plan.prompt_manifest(name).exists():
-            ids = [
-                hashing.hex_to_u64(pq.read_table(p, columns=["prompt_id"])["prompt_id"])
-                for p in plan.prompt_shards(name)
-            ]
-            prompts[name] = np.concatenate(ids) if ids else np.zeros(0, np.uint64)
-        elif name in selected:
-            prompts[name] = selected[name]
-        elif sp.spec.hf is None or sp.spec.hf.is_local:
-            prompts[name] = prepare.select(plan, name).selected
-    cross = crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, None)
+    if plan.config.dedup.near is not None and all(plan.prompt_bands(n).exists() for n in plan.sources):
+        cross = crosssource.load(plan)
+    else:
+        prompts = {}
+        for name, sp in plan.sources.items():
+            if plan.prompt_manifest(name).exists():
+                prompts[name] = crosssource.prompt_ids(plan, name)
+            elif name in selected:
+                prompts[name] = selected[name]
+            elif sp.spec.hf is None or sp.spec.hf.is_local:
+                prompts[name] = prepare.select(plan, name).selected
+        cross = crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, None)
+    assert cross is not None
     rows = sum(e.rows_to_generate for e in estimates)
     hours_per_row = sum(e.gpu_hours for e in estimates) / rows if rows else 0.0
     for e in estimates:

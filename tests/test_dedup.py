@@ -291,6 +291,8 @@ def test_two_sources_sharing_prompts_give_one_sample_each_from_one_generation(tm
     config = base_config(tiny_model, sources, dedup={"near": {"threshold": 0.7}, "prefer": ["general"]})
     config["checks"]["share_tolerance"] = 1.0
     wf = Workflow.at(tmp_path / "work", config)
+    before = wf.cli("plan").stdout  # nothing prepared: exact copies, from prepare's selection in memory
+    assert "across sources: 4 prompts another source holds too (code_b 4)" in before, before
     wf.run(cores=1)  # one job at a time: the later source's generate finds the earlier one's rows indexed
     manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
     rows = [
@@ -315,6 +317,8 @@ def test_two_sources_sharing_prompts_give_one_sample_each_from_one_generation(tm
     card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
     assert "## Removed rows" in card and "cross_source_duplicate 4" in card
     assert (wf.workdir / "dist" / "test-mix" / "plots" / "prompt_removals_by_source.png").exists()
+    after = wf.cli("plan").stdout  # every source prepared: the near-copy counts too (nothing left to generate)
+    assert "across sources: 5 prompts another source holds too (code_b 5)" in after, after
     # removing a source regenerates nothing of the others
     del config["sources"]["code_a"]
     wf.write_config(config)

@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_build import report
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, loaded_rows, write_jsonl
 
 pytestmark = pytest.mark.workflow
@@ -196,7 +197,7 @@ def test_every_plot_is_a_valid_png_and_in_the_card_and_the_snakemake_report(
     dist = wf.workdir / "dist" / "test-mix"
     manifest = json.loads((dist / "manifest.json").read_text())
     card = (dist / "README.md").read_text()
-    assert len(manifest["plots"]) == 4
+    assert [Path(p).name for p in manifest["plots"]] == list(report.PLOTS)
     for plot in manifest["plots"]:
         data = (dist / plot).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"

@@ -141,7 +141,7 @@ that starts with an empty system turn on every row, assistant answers with `<thi
         chat.append(nemotron_row("chat", i, turns, reasoning))
     math = []
     for i in range(30):
-        q = f"Solve for x: {i + 2}x + {3 * i + 1} = {5 * i + 40}. Give the exact value and check it."
+        q = nemotron_math_question(i)
         math.append(nemotron_row("math", i, [("user", q), ("assistant", think("x = ...", "on"))], "on"))
     for split, rows in (("code", code), ("chat", chat), ("math", math)):
         write_parquet(folder / "data" / f"{split}-00000-of-00001.parquet", rows, NEMOTRON_SCHEMA)
@@ -412,10 +412,13 @@ configs:
 - config_name: main
   data_files:
   - {split: train, path: main/train-*}
+  - {split: test, path: main/test-*}
 """,
         """
 Follows openai/gsm8k (config main): parquet with `question` and `answer` (worked solution ending in
-`#### N`). Read with format `prompt` and `fields: {prompt: question}`.
+`#### N`). Read with format `prompt` and `fields: {prompt: question}`. The test split stands in for the
+benchmark in the production rehearsal's `decontaminate` (its text is ours): one of its questions is a
+prompt of the Nemotron math fixture, as real training sets hold benchmark questions.
 """,
     )
     schema = pa.schema([("question", pa.string()), ("answer", pa.string())])
@@ -428,6 +431,110 @@ Follows openai/gsm8k (config main): parquet with `question` and `answer` (worked
         for i in range(10)
     ]
     write_parquet(folder / "main" / "train-00000-of-00001.parquet", rows, schema)
+    test = [
+        {
+            "question": f"A baker makes {12 + i} loaves each morning and sells {i + 3} of them before noon. How many "
+            "loaves are left for the afternoon customers, and how many does he sell in a week?",
+            "answer": f"#### {9}",
+        }
+        for i in range(7)
+    ]
+    test.append({"question": nemotron_math_question(7), "answer": "#### 5"})
+    write_parquet(folder / "main" / "test-00000-of-00001.parquet", test, schema)
+
+
+def nemotron_math_question(i: int) -> str:
+    return f"Solve for x: {i + 2}x + {3 * i + 1} = {5 * i + 40}. Give the exact value and check it."
+
+
+# -- the other benchmarks DFlash reports (stand-ins for the rehearsal's decontaminate: layout, not text) -
+def benchmarks() -> None:
+    folder = HERE / "math-500"
+    write_card(
+        folder,
+        "configs:\n- config_name: default\n  data_files:\n  - {split: test, path: test.jsonl}",
+        "Follows HuggingFaceH4/MATH-500: one test.jsonl with problem/solution/answer/subject/level/unique_id.",
+    )
+    with open(folder / "test.jsonl", "w") as f:
+        for i in range(5):
+            row = {
+                "problem": f"Find the number of ordered pairs $(a, b)$ of positive integers with $a + b = {20 + i}$ "
+                "such that both $a$ and $b$ are prime.",
+                "solution": "...",
+                "answer": str(i),
+                "subject": "Number Theory",
+                "level": 3,
+                "unique_id": f"test/number_theory/{100 + i}.json",
+            }
+            f.write(json.dumps(row) + "\n")
+    folder = HERE / "openai-humaneval"
+    write_card(
+        folder,
+        "configs:\n- config_name: openai_humaneval\n  data_files:\n  - {split: test, path: openai_humaneval/test-*}",
+        "Follows openai/openai_humaneval: task_id, prompt (a signature and docstring), canonical_solution, "
+        "test, entry_point.",
+    )
+    schema = pa.schema([(c, pa.string()) for c in ("task_id", "prompt", "canonical_solution", "test", "entry_point")])
+    rows = [
+        {
+            "task_id": f"HumanEval/{i}",
+            "prompt": f'def count_runs_{i}(values: list) -> int:\n    """Return how many maximal runs of equal '
+            'neighbouring values the list holds, counting an empty list as having none at all."""\n',
+            "canonical_solution": "    ...\n",
+            "test": "def check(candidate):\n    pass\n",
+            "entry_point": f"count_runs_{i}",
+        }
+        for i in range(5)
+    ]
+    write_parquet(folder / "openai_humaneval" / "test-00000-of-00001.parquet", rows, schema)
+    folder = HERE / "mbpp"
+    write_card(
+        folder,
+        "configs:\n- config_name: sanitized\n  data_files:\n  - {split: test, path: sanitized/test-*}",
+        "Follows google-research-datasets/mbpp (config sanitized): source_file, task_id, prompt, code, "
+        "test_imports, test_list.",
+    )
+    schema = pa.schema(
+        [("source_file", pa.string()), ("task_id", pa.int32()), ("prompt", pa.string()), ("code", pa.string()),
+         ("test_imports", pa.list_(pa.string())), ("test_list", pa.list_(pa.string()))]
+    )  # fmt: skip
+    rows = [
+        {
+            "source_file": "Benchmark Questions Verification V2.ipynb",
+            "task_id": 600 + i,
+            "prompt": f"Write a python function to find the sum of the {i + 2} largest distinct numbers in a given "
+            "list of integers, returning zero when there are fewer of them.",
+            "code": "def f(xs):\n    ...",
+            "test_imports": [],
+            "test_list": ["assert True"],
+        }
+        for i in range(5)
+    ]
+    write_parquet(folder / "sanitized" / "test-00000-of-00001.parquet", rows, schema)
+    folder = HERE / "mt-bench-prompts"
+    write_card(
+        folder,
+        "configs:\n- config_name: default\n  data_files:\n  - {split: train, path: data/train-*}",
+        "Follows HuggingFaceH4/mt_bench_prompts: prompt (a list: the two turns), prompt_id, category, reference.",
+    )
+    schema = pa.schema(
+        [("prompt", pa.list_(pa.string())), ("prompt_id", pa.int64()), ("category", pa.string()),
+         ("reference", pa.list_(pa.string()))]
+    )  # fmt: skip
+    rows = [
+        {
+            "prompt": [
+                f"Draft a professional email to a colleague about moving the quarterly planning meeting to week {i} "
+                "and ask which afternoon suits the whole team best.",
+                "Now rewrite it as a limerick that keeps every detail of the original message.",
+            ],
+            "prompt_id": 81 + i,
+            "category": "writing",
+            "reference": [],
+        }
+        for i in range(5)
+    ]
+    write_parquet(folder / "data" / "train-00000-of-00001.parquet", rows, schema)
 
 
 if __name__ == "__main__":
@@ -437,3 +544,4 @@ if __name__ == "__main__":
     code_alpaca()
     self_oss()
     gsm8k()
+    benchmarks()
