@@ -1,8 +1,8 @@
 """Normalised words and word n-grams of many texts at once, as stable 64-bit hashes.
 
 Near-duplicate removal and decontamination compare prompts by their words, so both read them here,
-the same way: Unicode NFC, lower case, and a word is a run of ASCII letters and digits or non-ASCII
-characters (ASCII punctuation and whitespace separate words, so "Janet's ducks," is ``janet s ducks``).
+the same way: Unicode NFC, lower case, and a word is a run of letters, digits and other characters that
+are not punctuation, symbols or spaces (so "Janet’s ducks," is ``janet s ducks``, as "Janet's" is).
 The hashes are pure functions of the words' UTF-8 bytes (no per-process salt), so every run, machine
 and job agrees. Vectorised over a batch: a few passes of numpy over the bytes, no Python per word.
 """
@@ -39,6 +39,8 @@ class Words:
         counts = np.diff(offsets)
         self._counts = counts
         self._text_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        # words from each one to its text's end, itself included
+        self._left = offsets[1:][self._text_of] - np.arange(len(hashes), dtype=np.int64)
         self._prefix: np.ndarray | None = None
 
     def ngrams(self, n: int, whole_if_shorter: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -49,15 +51,12 @@ class Words:
         is the polynomial sum of its words' hashes (times M to the power of their distance from its
         end, mod 2^64) through prefix sums, so it costs the same for any ``n``."""
         total = len(self.hashes)
-        text_of = self._text_of
-        end_of = self.offsets[1:][text_of]  # each word's text end
-        positions = np.arange(total, dtype=np.int64)
-        is_start = positions + n <= end_of
+        is_start = self._left >= n
         if whole_if_shorter:
             short = np.flatnonzero((self._counts < n) & (self._counts > 0))
             is_start[self.offsets[short]] = True
         starts = np.flatnonzero(is_start)
-        ends = np.minimum(starts + n, end_of[starts])
+        ends = starts + np.minimum(self._left[starts], n)
         power, inverse = _powers(total + 1)
         if self._prefix is None:
             self._prefix = np.zeros(total + 1, dtype=np.uint64)
@@ -66,7 +65,7 @@ class Words:
         with np.errstate(over="ignore"):
             combined = (self._prefix[ends] - self._prefix[starts]) * power[ends - 1]
             combined ^= (ends - starts).astype(np.uint64) * _SPLITMIX[0]
-        return mix64(combined), text_of[starts]
+        return mix64(combined), self._text_of[starts]
 
 
 _POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
@@ -89,10 +88,7 @@ def words(texts: pa.Array | pa.ChunkedArray) -> Words:
     """The normalised words of each text (null: none)."""
     if isinstance(texts, pa.ChunkedArray):
         texts = texts.combine_chunks()
-    texts = texts.cast(pa.large_string()).fill_null("")
-    ascii_only = not len(texts) or pc.all(pc.string_is_ascii(texts)).as_py()
-    if not ascii_only:  # NFC and Unicode case folding; ASCII letters are lowered as words are hashed
-        texts = pc.utf8_lower(pc.utf8_normalize(texts, "NFC"))
+    texts = _unicode_folded(texts.cast(pa.large_string()).fill_null(""))
     offsets = np.frombuffer(texts.buffers()[1], dtype=np.int64)[texts.offset : texts.offset + len(texts) + 1]
     first, last = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
     data = texts.buffers()[2]
@@ -108,6 +104,21 @@ def words(texts: pa.Array | pa.ChunkedArray) -> Words:
     starts, ends = np.flatnonzero(is_start), np.flatnonzero(is_end)
     hashes = _hash_spans(raw, starts, ends)
     return Words(hashes, np.searchsorted(starts, offsets).astype(np.int64))
+
+
+def _unicode_folded(texts: pa.Array) -> pa.Array:
+    """The texts with those that are not ASCII in NFC, lower case, and their punctuation and symbols
+    (curly quotes, dashes, ellipses) as spaces, so they separate words as ASCII punctuation does. ASCII
+    texts are left as they are: their letters are lowered as their words are hashed."""
+    ascii_rows = pc.string_is_ascii(texts)
+    if not len(texts) or pc.all(ascii_rows).as_py():
+        return texts
+    other = np.flatnonzero(~ascii_rows.to_numpy(zero_copy_only=False))
+    folded = pc.utf8_lower(pc.utf8_normalize(texts.take(pa.array(other)), "NFC"))
+    folded = pc.replace_substring_regex(folded, r"[\p{P}\p{S}\p{Z}]", " ")
+    order = np.arange(len(texts), dtype=np.int64)
+    order[other] = len(texts) + np.arange(len(other), dtype=np.int64)
+    return pa.concat_arrays([texts, folded]).take(pa.array(order))
 
 
 def _lowered(word: np.ndarray) -> np.ndarray:

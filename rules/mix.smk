@@ -2,6 +2,8 @@ rule mix:
     input:
         get_token_shards(),
         bands=get_all_prompt_bands(),
+        # the card's removed-rows table reads each source's prepare accounting
+        manifests=[ancient(m) for m in PROMPT_MANIFESTS.values()],
     output:
         # the card's plots and tables go into `snakemake --report report.html` too
         report(

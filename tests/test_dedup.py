@@ -46,6 +46,8 @@ def _words(*texts: str) -> W.Words:
 def test_words_fold_case_punctuation_and_unicode_form() -> None:
     folded = _words("janet s ducks lay 16 eggs").hashes
     assert np.array_equal(_words("Janet's DUCKS, lay 16 eggs!").hashes, folded)
+    assert np.array_equal(_words("Janet’s ducks — lay 16 eggs…").hashes, folded)  # Unicode punctuation too
+    assert np.array_equal(_words("JANET’S ducks lay 16 EGGS", "x").hashes[:6], folded)  # in a mixed batch
     composed, decomposed = "café olé", unicodedata.normalize("NFD", "café olé")
     assert composed != decomposed
     assert np.array_equal(_words(composed).hashes, _words(decomposed).hashes)
