@@ -1,10 +1,11 @@
 """Prepare's text filters after exact dedup: decontamination, then near-duplicates (dedup.near).
 
-Prepare's scan hands each batch's prompt texts here (every message but the answers, with the row each
-belongs to); this keeps, per converted row, 4 bytes (the reference item it matched) and the band keys
-(8 bytes a band). Selection then drops, among the exact-dedup winners in prompt id order, the
-contaminated rows and then every row whose near-copy has a smaller prompt id, before max_samples: so
-max_samples still keeps as many as it can, and a contaminated row never wins over its clean near-copy.
+Prepare's scan hands each batch's prompt texts here (every message but the answers, with the row
+each belongs to); this keeps, per converted row, 4 bytes (the reference item it matched), the band
+keys (8 bytes a band) and whether it has a word (1 byte). Selection then drops, among the exact-dedup
+winners in prompt id order, the contaminated rows and then every row whose near-copy has a smaller
+prompt id, before max_samples: so max_samples still keeps as many as it can, and a contaminated row
+never wins over its clean near-copy.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class Filtered:
 class TextFilters:
     def __init__(self, near: NearSpec | None, references: ReferenceIndex | None) -> None:
         self.near, self.references = near, references
-        self._items: list[np.ndarray] = []
-        self._bands: list[np.ndarray] = []
-        self._has_words: list[np.ndarray] = []
-        self._all_bands: np.ndarray | None = None  # the batches' keys joined, once selection reads them
+        # grown in place, batch by batch (a list of arrays would be copied whole to join them)
+        self._items = bytearray()  # int32 a row
+        self._bands = bytearray()  # uint64 × bands a row
+        self._has_words = bytearray()  # bool a row
 
     @property
     def active(self) -> bool:
@@ -55,18 +56,18 @@ class TextFilters:
         """The texts of ``n_rows`` more converted rows (in the order their prompt ids were added)."""
         found = words.words(texts)  # once for both filters: the same normalisation
         if self.references is not None:
-            self._items.append(self.references.matches(row_of_text, found, n_rows))
+            self._items += self.references.matches(row_of_text, found, n_rows).tobytes()
         if self.near is not None:
             keys, has_words = neardup.band_keys(row_of_text, found, n_rows, self.near)
-            self._bands.append(keys)
-            self._has_words.append(has_words)
+            self._bands += keys.tobytes()
+            self._has_words += has_words.tobytes()
 
     def apply(self, rows: np.ndarray, pids: np.ndarray, examples: int) -> Filtered:
         """Of ``rows`` (indices of converted rows, by prompt id ascending; ``pids`` of every row), those
         that stay; up to ``examples`` examples per reason."""
         out = Filtered(rows)
         if self.references is not None:
-            items = np.concatenate(self._items)[rows]
+            items = np.frombuffer(self._items, dtype=np.int32)[rows]
             hit = items != NO_ITEM
             out.counts[DROP_CONTAMINATED] = int(hit.sum())
             for i in np.flatnonzero(hit)[:examples]:
@@ -74,8 +75,8 @@ class TextFilters:
                 out.examples.append(Example(DROP_CONTAMINATED, int(pids[rows[i]]), detail=detail))
             out.rows = rows = rows[~hit]
         if self.near is not None:
-            comparable = rows[np.concatenate(self._has_words)[rows]]
-            matched = neardup.first_copies(pids[comparable], self.bands(comparable))
+            comparable = rows[np.frombuffer(self._has_words, dtype=bool)[rows]]
+            matched = neardup.first_copies(pids[comparable], self._keys(), comparable)
             copies = matched != neardup.NO_MATCH
             out.counts[DROP_NEAR_DUPLICATE] = int(copies.sum())
             for i in np.flatnonzero(copies)[:examples]:
@@ -85,9 +86,10 @@ class TextFilters:
         out.counts = {k: v for k, v in out.counts.items() if v}
         return out
 
+    def _keys(self) -> np.ndarray:
+        assert self.near is not None
+        return np.frombuffer(self._bands, dtype=np.uint64).reshape(-1, self.near.bands_rows[0])
+
     def bands(self, rows: np.ndarray) -> np.ndarray:
         """The band keys of these converted rows: (rows, bands) uint64."""
-        if self._all_bands is None:
-            self._all_bands = np.concatenate(self._bands)
-            self._bands = []
-        return self._all_bands[rows]
+        return self._keys()[rows]

@@ -130,18 +130,19 @@ def _values(matrix: Any, count: int) -> np.ndarray:
     return np.frombuffer(values, dtype=np.uint32).astype(np.uint64)
 
 
-def first_copies(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
+def first_copies(order: np.ndarray, keys: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """For each row, the smallest ``order`` (unique uint64 values: which copy comes first) among the
     rows it shares a band with, when that is smaller than its own; else :data:`NO_MATCH`.
 
-    ``keys``: (rows, bands) band keys. A row is a dropped near-copy exactly when its value is not
-    NO_MATCH, and the value names the copy it matched."""
+    ``keys``: (rows, bands) band keys; ``rows``: the rows of ``keys`` that ``order`` is for (all when
+    None), read one band at a time (no copy of the whole index). A row is a dropped near-copy exactly
+    when its value is not NO_MATCH, and the value names the copy it matched."""
     order = np.asarray(order, dtype=np.uint64)
     matched = np.full(len(order), NO_MATCH, dtype=np.uint64)
     if not len(order):
         return matched
     for band in range(keys.shape[1]):
-        column = keys[:, band]
+        column = keys[:, band] if rows is None else keys[rows, band]
         by_key = np.argsort(column)  # one key: ties (the copies) are ordered by the group's minimum below
         ordered = column[by_key]
         new_group = np.ones(len(ordered), dtype=bool)
