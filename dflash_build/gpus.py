@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_build.config import EngineSpec
+from dflash_build.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 PORTS_PER_SLOT = 10

@@ -38,8 +38,9 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
-from dflash_build.engines import EngineStalled as EngineMadeNoProgress
-from dflash_build.engines import Request, Result, check_options
+from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
+from dflash_build.engines.base import Request, Result
+from dflash_build.engines.options import check_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from dflash_build.engines import Request, Result, SamplingParams
+from dflash_build.engines.base import Request, Result, SamplingParams
 from dflash_build.engines.transformers_backend import TransformersEngine
 
 log = logging.getLogger(__name__)

@@ -35,9 +35,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-from dflash_build.config import ConfigError, ModelSpec
-from dflash_build.engines import EngineFailed, Request, Result, closest
+from dflash_build.engines.base import EngineFailed, Request, Result, closest
 from dflash_build.gpus import GpuLease
+from dflash_build.spec import ConfigError, ModelSpec
 
 log = logging.getLogger(__name__)
 

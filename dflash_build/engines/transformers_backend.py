@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from dflash_build import killpoints
-from dflash_build.engines import Request, Result, check_options, position_seed
+from dflash_build.engines.base import Request, Result, position_seed
+from dflash_build.engines.options import check_options
 from dflash_build.keys import transformers_dtype
 
 log = logging.getLogger(__name__)

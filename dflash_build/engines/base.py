@@ -1,0 +1,92 @@
+"""What every engine backend shares: requests, results, the Engine protocol, and their errors."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_id: str
+    sample_idx: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class Result:
+    prompt_id: str
+    sample_idx: int
+    output_ids: list[int]  # without the stop token
+    finish_reason: str  # stop | length | abort | error
+    stop_token_id: int | None = None
+    error: str | None = None
+    # Set by backends that only get text back: output_ids then come from re-tokenizing it, and the
+    # server's own token count tells whether that drifted.
+    retokenized: bool = False
+    engine_output_tokens: int | None = None
+
+
+class EngineFailed(RuntimeError):
+    """The engine itself failed (not one request): the job fails, its journal stays."""
+
+
+class EngineStalled(EngineFailed):
+    """The engine held requests and made no progress for ``engine.stall_timeout``."""
+
+
+class Engine(Protocol):
+    """What a backend implements."""
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Yield one result per request, in any order, as each finishes.
+
+        After :meth:`interrupt`, stop taking requests and return soon; the requests cut short are not
+        yielded (the next run generates them).
+        """
+        ...
+
+    def interrupt(self) -> None:
+        """Make a running :meth:`generate` return soon. Called from a signal handler in the main
+        thread: sets flags and schedules work, never blocks."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (GPU memory, worker processes)."""
+        ...
+
+    # Optional: ``steps``, a count of the engine's decoding steps so far. An in-process engine that has it
+    # is stopped when it stays unchanged for engine.stall_timeout while requests are in flight.
+
+
+BACKENDS = ("transformers", "sglang", "openai", "llamacpp")
+
+
+def position_seed(row_seed: int, position: int) -> int:
+    """The seed of one sampled position: (row seed, absolute position in the sequence), 63 bits.
+
+    Keyed by position like SGLang's seeded sampler (hash of seed and position), so an answer continued
+    from its own prefix samples the same tokens as the answer generated in one go.
+    """
+    digest = hashlib.blake2b(f"{row_seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def closest(name: str, known: Iterable[str]) -> str:
+    """ "; did you mean 'x'?" for the nearest known names, or nothing."""
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

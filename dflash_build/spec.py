@@ -1,0 +1,267 @@
+"""The config as typed, frozen values, and the error that names a config key: a leaf of the package.
+
+:mod:`dflash_build.config` builds these from a validated config file; every other module reads them.
+Nothing here imports another module of the package but :mod:`dflash_build.neardup` (its settings).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_build.neardup import NearSpec
+
+FORMATS = ("sharegpt", "messages", "alpaca", "prompt", "hermes")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed", "samples_per_prompt")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# Field names each format reads, and their default column names; config `fields` renames them.
+FORMAT_FIELDS: dict[str, dict[str, str]] = {
+    "sharegpt": {"conversations": "conversations", "role": "from", "content": "value", "system": "system"},
+    "hermes": {
+        "conversations": "conversations",
+        "role": "from",
+        "content": "value",
+        "system": "system",
+        "tools": "tools",
+    },
+    "messages": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
+    "alpaca": {"instruction": "instruction", "input": "input", "system": "system"},
+    "prompt": {"prompt": "prompt", "system": "system"},
+}
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config key '{key}': {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_new_tokens: int
+    seed: int
+    samples_per_prompt: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS}
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    path: str
+    name: str | None
+    split: str
+    revision: str | None
+    data_files: str | list[str] | None
+
+    @property
+    def is_local(self) -> bool:
+        return os.path.isdir(self.path)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    category: str
+    format: str
+    files: tuple[str, ...]
+    hf: HubSpec | None
+    fields: Mapping[str, str]
+    roles: Mapping[str, str]
+    max_samples: int | None
+    seed: int
+    min_chars: int
+    max_chars: int | None
+    sampling: Sampling
+    chat_template_kwargs: Mapping[str, Any]
+    turns: str = "first"
+    max_drop_fraction: float = 0.2  # prepare fails when more rows than this are dropped for defects
+
+    def content_spec(self) -> dict[str, Any]:
+        """What in this source's config changes the prompts (goes into prompt_key)."""
+        return {
+            "format": self.format,
+            "fields": dict(self.fields),
+            "roles": dict(self.roles),
+            "max_samples": self.max_samples,
+            "seed": self.seed,
+            "filters": {"min_chars": self.min_chars, "max_chars": self.max_chars},
+            "turns": self.turns,
+        }
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    revision: str | None
+    tokenizer: str | None
+    chat_template: str | None
+    chat_template_kwargs: Mapping[str, Any]
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    backend: str
+    options: Mapping[str, Any]
+    gpus: tuple[str, ...] | None
+    lock_dir: Path
+    gpu_wait_seconds: float
+    base_port: int
+    journal_flush_rows: int
+    journal_flush_seconds: float
+    # Long-lived engines shared by the generate jobs (dflash_build.engine_host).
+    shared: bool = False
+    jobs_per_engine: int = 2
+    idle_timeout: float = 600.0
+    start_timeout: float = 1800.0
+    stall_timeout: float = 300.0  # no answer this long with requests in flight: the job warns
+
+
+@dataclass(frozen=True)
+class Checks:
+    """When a build fails instead of losing data quietly (docs/configuration.md: "Loud failure")."""
+
+    max_drop_fraction: float = 0.2
+    max_failed_fraction: float = 0.5
+    share_tolerance: float = 0.02
+    allow_shortfall: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """The optional pack stage (dflash_build.pack); config key `pack`."""
+
+    seq_len: int
+    split_long: bool = False
+    pad: bool = True
+    pad_token_id: int = 0
+    seed: int = 0
+    window: int = 100_000
+
+
+EXPORT_FORMATS = ("specforge", "speculators", "conversations")
+LONG_POLICIES = ("warn", "cut", "drop", "split")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """One trainer-handoff export (dflash_build.export); config key `export.<format>`."""
+
+    format: str
+    max_length: int | None = None  # the trainer's window (SpecForge max_length, speculators seq_length)
+    long: str = "warn"  # a sample longer than max_length: warn (kept whole), cut, drop, split
+    min_loss_tokens: int = 1  # fewer after the length policy: dropped, as the trainer's loader would
+    consecutive: bool = False  # SpecForge DFlash: at least two adjacent supervised tokens
+    shard_rows: int = 100_000
+    think: tuple[str, str] = ("<think>", "</think>")  # conversations: the reasoning's markers
+
+
+# The trainers' own loaders drop these (SpecForge's DFlash recipe: 2 loss tokens, two of them adjacent).
+EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "specforge": {"min_loss_tokens": 2, "consecutive": True},
+    "speculators": {"min_loss_tokens": 1},
+    "conversations": {},
+}
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """The trainer's window (config key `trainer`): no token is generated past it."""
+
+    max_length: int | None = None
+    min_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class DedupSpec:
+    """Config key `dedup`: near-copies within a source (prepare) and prompts several sources hold (mix)."""
+
+    near: NearSpec | None = None
+    across_sources: bool = True
+    prefer: tuple[str, ...] = ()
+
+    def source_priority(self, sources: Iterable[str]) -> list[str]:
+        """The sources in the order that decides which keeps a prompt several hold."""
+        names = sorted(sources)
+        return [n for n in self.prefer if n in names] + [n for n in names if n not in self.prefer]
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """One reference set of `decontaminate.references`: benchmark items no prompt may contain."""
+
+    name: str
+    files: tuple[str, ...]
+    hf: HubSpec | None
+    field: str
+
+
+@dataclass(frozen=True)
+class DecontaminationSpec:
+    """Config key `decontaminate`."""
+
+    ngram: int
+    references: Mapping[str, ReferenceSpec]
+
+
+@dataclass(frozen=True)
+class Config:
+    store: Path
+    logs: Path
+    dataset_name: str
+    dataset_out: Path
+    rows_per_file: int
+    model: ModelSpec
+    engine: EngineSpec
+    shard_size: int
+    truncated: str
+    mix_categories: Mapping[str, float]
+    mix_budget_tokens: int | None
+    mix_seed: int
+    sources: Mapping[str, SourceSpec] = field(default_factory=dict)
+    checks: Checks = field(default_factory=Checks)
+    pack: PackSpec | None = None
+    exports: Mapping[str, ExportSpec] = field(default_factory=dict)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    dedup: DedupSpec = field(default_factory=DedupSpec)
+    decontaminate: DecontaminationSpec | None = None
+
+    @property
+    def dataset_dir(self) -> Path:
+        return self.dataset_out / self.dataset_name
+
+    @property
+    def packed_dir(self) -> Path | None:
+        """Beside the dataset, named by seq_len: another seq_len is another folder."""
+        if self.pack is None:
+            return None
+        return self.dataset_out / f"{self.dataset_name}-packed-{self.pack.seq_len}"
+
+    def export_dir(self, fmt: str) -> Path:
+        """Beside the dataset, named by the trainer's format."""
+        return self.dataset_out / f"{self.dataset_name}-{fmt}"
+
+    @property
+    def dist_folders(self) -> tuple[Path, ...]:
+        """The folders a build publishes: the dataset, then what is derived from it (packed, exports)."""
+        derived = [] if self.packed_dir is None else [self.packed_dir]
+        return (self.dataset_dir, *derived, *(self.export_dir(fmt) for fmt in self.exports))
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    @property
+    def engine_options(self) -> Mapping[str, Any]:
+        return self.engine.options
