@@ -26,6 +26,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from dflash_build import config as config_mod
 from dflash_build import mix, operate, rowindex
@@ -211,6 +212,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (config_mod.ConfigError, KeyError, ValueError, FileNotFoundError) as e:
+        print(f"dflash-build {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the store commands (plan, explain, gc, ...) and the build views (status, summary)."""
     parser = argparse.ArgumentParser(
         prog="dflash-build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -248,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         help="minutes a temporary must be untouched to count as stray (default: %(default)s)",
     )
     p.set_defaults(func=cmd_gc)
+    _view_commands(sub, after)
+    return parser
+
+
+def _view_commands(sub: Any, after: argparse.ArgumentParser) -> None:
     p = sub.add_parser("configs", parents=[after], help="configs registered on the store")
     p.add_argument("--forget", metavar="ID", help="drop a retired config's registration")
     p.set_defaults(func=cmd_configs)
@@ -275,12 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("summary", parents=[after], help="summary of a built dataset")
     p.add_argument("dataset", help="dist/NAME")
     p.set_defaults(func=cmd_summary)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (config_mod.ConfigError, KeyError, ValueError, FileNotFoundError) as e:
-        print(f"dflash-build {args.command}: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -275,72 +275,27 @@ def _check_dataset_dir(config: Config) -> None:
 def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build the typed config from a schema-validated dict (defaults already filled)."""
     _finite(raw, "")
-    rule_names: dict[str, str] = {}
-    for name in raw["sources"]:
-        other = rule_names.setdefault(prepare_rule_name(name), name)
-        if other != name:
-            raise ConfigError(
-                f"sources.{name}",
-                f"its rule name {prepare_rule_name(name)} is also that of source '{other}'; rename one",
-            )
+    _check_rule_names(raw["sources"])
     mix = raw["mix"]
     # Shares are weights: 46/26/11/9/7 sums to 99 and means exactly what it says.
     weights = {str(k): float(v) for k, v in mix["categories"].items()}
     total = sum(weights.values())
     categories = {k: v / total for k, v in weights.items()}
-    model = raw["model"]
-    if model.get("revision") is None and not os.path.exists(model["path"]):
-        raise ConfigError("model.path", f"'{model['path']}' does not exist (a hub id needs model.revision)")
-    for opt in ("tokenizer", "chat_template"):
-        if model.get(opt) is not None and not os.path.exists(model[opt]):
-            raise ConfigError(f"model.{opt}", f"'{model[opt]}' does not exist")
     checks = _checks(raw.get("checks", {}), categories)
     sources = {name: _source(name, s, raw["sampling"], categories, checks) for name, s in raw["sources"].items()}
-    supplied = {s.category for s in sources.values()}
-    for category, share in categories.items():
-        if share > 0 and category not in supplied and category not in checks.allow_shortfall:
-            raise ConfigError(
-                f"mix.categories.{category}",
-                f"has a share of {share:.1%} but no source has category '{category}', so the mix would fail "
-                f"after every shard is generated; add a source with `category: {category}`, remove the share, "
-                f"or allow it with checks.allow_shortfall: [{category}]",
-            )
-    dataset = raw["dataset"]
-    engine = raw["engine"]
-    if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
-        raise ConfigError("engine.gpus", f"lists a GPU twice: {engine['gpus']}")
+    _check_supplied(categories, sources, checks)
     trainer = TrainerSpec(**(raw.get("trainer") or {}))
     if trainer.max_length is not None and trainer.min_new_tokens >= trainer.max_length:
         raise ConfigError("trainer.min_new_tokens", f"must be below trainer.max_length ({trainer.max_length})")
+    dataset = raw["dataset"]
     config = Config(
         store=Path(raw["store"]),
         logs=Path(raw["logs"]),
         dataset_name=dataset["name"],
         dataset_out=Path(dataset["out"]),
         rows_per_file=dataset["rows_per_file"],
-        model=ModelSpec(
-            path=model["path"],
-            revision=model.get("revision"),
-            tokenizer=model.get("tokenizer"),
-            chat_template=model.get("chat_template"),
-            chat_template_kwargs=dict(model.get("chat_template_kwargs", {})),
-            context_length=model.get("context_length"),
-        ),
-        engine=EngineSpec(
-            backend=engine["backend"],
-            options=dict(engine.get("options", {})),
-            gpus=None if engine.get("gpus") is None else tuple(str(g) for g in engine["gpus"]),
-            lock_dir=Path(engine.get("lock_dir", "/tmp/dflash-build-gpu-locks")),
-            gpu_wait_seconds=float(engine.get("gpu_wait_seconds", 600)),
-            base_port=int(engine.get("base_port", 31000)),
-            journal_flush_rows=int(engine.get("journal_flush_rows", 64)),
-            journal_flush_seconds=float(engine.get("journal_flush_seconds", 30)),
-            shared=bool(engine.get("shared", False)),
-            jobs_per_engine=int(engine.get("jobs_per_engine", 2)),
-            idle_timeout=float(engine.get("idle_timeout", 600)),
-            start_timeout=float(engine.get("start_timeout", 1800)),
-            stall_timeout=float(engine.get("stall_timeout", 300)),
-        ),
+        model=_model(raw["model"]),
+        engine=_engine(raw["engine"]),
         shard_size=raw["shard_size"],
         truncated=raw["truncated"],
         mix_categories=categories,
@@ -355,10 +310,71 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         decontaminate=_decontaminate(raw.get("decontaminate")),
     )
     _check_dataset_dir(config)
-    engines.check_options(config.engine.backend, config.engine.options)
-    if config.engine.shared and config.engine.backend == "openai":
-        raise ConfigError("engine.shared", "the openai backend talks to servers it does not run; remove it")
     return config
+
+
+def _check_rule_names(sources: Mapping[str, Any]) -> None:
+    rule_names: dict[str, str] = {}
+    for name in sources:
+        other = rule_names.setdefault(prepare_rule_name(name), name)
+        if other != name:
+            raise ConfigError(
+                f"sources.{name}",
+                f"its rule name {prepare_rule_name(name)} is also that of source '{other}'; rename one",
+            )
+
+
+def _check_supplied(categories: Mapping[str, float], sources: Mapping[str, SourceSpec], checks: Checks) -> None:
+    """Every category with a share has a source (or may fall short), or the mix fails after generation."""
+    supplied = {s.category for s in sources.values()}
+    for category, share in categories.items():
+        if share > 0 and category not in supplied and category not in checks.allow_shortfall:
+            raise ConfigError(
+                f"mix.categories.{category}",
+                f"has a share of {share:.1%} but no source has category '{category}', so the mix would fail "
+                f"after every shard is generated; add a source with `category: {category}`, remove the share, "
+                f"or allow it with checks.allow_shortfall: [{category}]",
+            )
+
+
+def _model(model: Mapping[str, Any]) -> ModelSpec:
+    if model.get("revision") is None and not os.path.exists(model["path"]):
+        raise ConfigError("model.path", f"'{model['path']}' does not exist (a hub id needs model.revision)")
+    for opt in ("tokenizer", "chat_template"):
+        if model.get(opt) is not None and not os.path.exists(model[opt]):
+            raise ConfigError(f"model.{opt}", f"'{model[opt]}' does not exist")
+    return ModelSpec(
+        path=model["path"],
+        revision=model.get("revision"),
+        tokenizer=model.get("tokenizer"),
+        chat_template=model.get("chat_template"),
+        chat_template_kwargs=dict(model.get("chat_template_kwargs", {})),
+        context_length=model.get("context_length"),
+    )
+
+
+def _engine(engine: Mapping[str, Any]) -> EngineSpec:
+    if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
+        raise ConfigError("engine.gpus", f"lists a GPU twice: {engine['gpus']}")
+    spec = EngineSpec(
+        backend=engine["backend"],
+        options=dict(engine.get("options", {})),
+        gpus=None if engine.get("gpus") is None else tuple(str(g) for g in engine["gpus"]),
+        lock_dir=Path(engine.get("lock_dir", "/tmp/dflash-build-gpu-locks")),
+        gpu_wait_seconds=float(engine.get("gpu_wait_seconds", 600)),
+        base_port=int(engine.get("base_port", 31000)),
+        journal_flush_rows=int(engine.get("journal_flush_rows", 64)),
+        journal_flush_seconds=float(engine.get("journal_flush_seconds", 30)),
+        shared=bool(engine.get("shared", False)),
+        jobs_per_engine=int(engine.get("jobs_per_engine", 2)),
+        idle_timeout=float(engine.get("idle_timeout", 600)),
+        start_timeout=float(engine.get("start_timeout", 1800)),
+        stall_timeout=float(engine.get("stall_timeout", 300)),
+    )
+    engines.check_options(spec.backend, spec.options)
+    if spec.shared and spec.backend == "openai":
+        raise ConfigError("engine.shared", "the openai backend talks to servers it does not run; remove it")
+    return spec
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -162,13 +162,21 @@ def _eligible(cand: _Candidates, names: list[str], cross: crosssource.CrossSourc
     return eligible
 
 
-def run(plan: Plan, record: str | Path) -> dict[str, Any]:
-    """Select the samples of every token shard and write the dataset, in memory that grows only with the
-    number of samples (about 25 bytes each), never with their size.
+@dataclass
+class _Choice:
+    """What the mix takes: each token shard's chosen rows, and the numbers its checks and manifest use."""
 
-    The dataset is a new version of ``dataset.out/NAME``, swapped in only once it is whole and passed its
-    checks (:mod:`dflash_build.release`); ``record`` is the build record, the rule's output.
-    """
+    inputs: list[tuple[str, Path]]  # (source, token shard), by source name and shard
+    chosen: np.ndarray  # bool per sample of every input, in input order
+    offsets: np.ndarray  # where each input's samples start
+    shares: dict[str, float]
+    targets: dict[str, float]
+    available: Counter[str]  # tokens by category the mix may take
+    cross: crosssource.CrossSource | None
+
+
+def choose(plan: Plan) -> _Choice:
+    """Select the samples (about 30 bytes each in memory) and check the result, before anything is written."""
     cfg = plan.config
     # by source name and shard: the dataset's row order does not depend on the config's source order
     names = sorted(plan.sources)
@@ -179,7 +187,6 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
     cross = crosssource.load(plan)
     eligible = _eligible(cand, names, cross)
     available = cand.available(cand.category, categories, eligible)
-    available_by_source = cand.available(cand.source, names, eligible)
     targets = category_targets(shares, dict(available), cfg.mix_budget_tokens)
     chosen = np.zeros(len(cand.rank), dtype=bool)
     chosen_tokens: Counter[str] = Counter()
@@ -189,94 +196,123 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
         take = by_rank[select(cand.n_tokens[by_rank], targets[category])]
         chosen[take] = True
         chosen_tokens[category] += int(cand.n_tokens[take].sum(dtype=np.int64))
-        del members, by_rank, take
-    offsets = cand.offsets
-    del cand
-    check(plan, shares, targets, chosen_tokens, available, available_by_source, cross)
+    check(plan, shares, targets, chosen_tokens, available, cand.available(cand.source, names, eligible), cross)
+    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, cross)
 
-    rows_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
-    tokens_by: dict[str, Counter[str]] = {"source": Counter(), "category": Counter()}
-    finish: Counter[str] = Counter()
-    lengths: list[np.ndarray] = []
-    loss_tokens = 0
-    tally = report.Tally()
+
+@dataclass
+class _Written:
+    """What the dataset's files hold, summed as they are written."""
+
+    rows_by: dict[str, Counter[str]] = field(default_factory=lambda: {"source": Counter(), "category": Counter()})
+    tokens_by: dict[str, Counter[str]] = field(default_factory=lambda: {"source": Counter(), "category": Counter()})
+    finish: Counter[str] = field(default_factory=Counter)
+    lengths: list[np.ndarray] = field(default_factory=list)
+    loss_tokens: int = 0
+    tally: report.Tally = field(default_factory=report.Tally)
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, table: pa.Table, source: str, category: str) -> None:
+        n_tokens = table.column("n_tokens").to_numpy()
+        n_loss = table.column("n_loss_tokens").to_numpy()
+        reasons = Counter(table.column("finish_reason").to_pylist())
+        for col, name in (("source", source), ("category", category)):
+            self.rows_by[col][name] += table.num_rows
+            self.tokens_by[col][name] += int(n_tokens.sum(dtype=np.int64))
+        self.finish.update(reasons)
+        self.lengths.append(n_tokens.astype(np.int32))
+        self.loss_tokens += int(n_loss.sum(dtype=np.int64))
+        self.tally.add_rows(source, category, n_tokens, n_loss, reasons)
+
+
+def run(plan: Plan, record: str | Path) -> dict[str, Any]:
+    """Select the samples of every token shard and write the dataset, in memory that grows only with the
+    number of samples, never with their size.
+
+    The dataset is a new version of ``dataset.out/NAME``, swapped in only once it is whole and passed its
+    checks (:mod:`dflash_build.release`); ``record`` is the build record, the rule's output.
+    """
+    cfg = plan.config
+    choice = choose(plan)
     with release.publish(cfg.dataset_dir, Path(record)) as tmp:
-        writer = RollingWriter(tmp / "data", cfg.rows_per_file)
-        for index, (source, path) in enumerate(inputs):
-            rows = np.flatnonzero(chosen[offsets[index] : offsets[index + 1]])
-            if not len(rows):
-                continue
-            table = pq.read_table(path).take(pa.array(rows, type=pa.int64()))
-            category = plan.sources[source].spec.category
-            n_tokens = table.column("n_tokens").to_numpy()
-            n_loss = table.column("n_loss_tokens").to_numpy()
-            reasons = Counter(table.column("finish_reason").to_pylist())
-            for col, name in (("source", source), ("category", category)):
-                rows_by[col][name] += table.num_rows
-                tokens_by[col][name] += int(n_tokens.sum(dtype=np.int64))
-            finish.update(reasons)
-            lengths.append(n_tokens.astype(np.int32))
-            loss_tokens += int(n_loss.sum(dtype=np.int64))
-            tally.add_rows(source, category, n_tokens, n_loss, reasons)
-            writer.write(table)
-            del table
-        files = writer.close()
+        written = _write(plan, choice, tmp / "data")
         killpoints.die_at("mix")
-        total = sum(tokens_by["category"].values())
-        all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
-        manifest = {
-            "stage": "mix",
-            "scheme": MIX_VERSION,
-            "dataset": cfg.dataset_name,
-            "files": files,
-            "rows": len(all_lengths),
-            "tokens": total,
-            "loss_tokens": loss_tokens,
-            "mix": {
-                "seed": cfg.mix_seed,
-                "budget_tokens": cfg.mix_budget_tokens,
-                "categories": {
-                    c: {
-                        "target_share": shares[c],
-                        "achieved_share": round(tokens_by["category"][c] / total, 6) if total else 0.0,
-                        "target_tokens": round(targets[c]),
-                        "tokens": tokens_by["category"][c],
-                        "available_tokens": available[c],
-                        "rows": rows_by["category"][c],
-                    }
-                    for c in shares
-                },
-            },
-            "cross_source": cross.report() if cross is not None else None,
-            "prompts": {name: _prompt_summary(plan, name) for name in names},
-            "shortfalls": _shortfalls(shares, targets, tokens_by["category"], available, cfg.mix_budget_tokens),
-            "sources": {
-                name: {
-                    "category": sp.spec.category,
-                    "rows": rows_by["source"][name],
-                    "tokens": tokens_by["source"][name],
-                    "prompt_key": sp.prompt_key,
-                    "gen_key": sp.gen_key,
-                    "tok_key": sp.tok_key,
-                    "components": {"prompt": sp.prompt_components, "gen": sp.gen_components, "tok": sp.tok_components},
-                    "shards": [str(p) for p in plan.token_shards(name)],
-                }
-                for name, sp in plan.sources.items()
-            },
-            "model": {"path": cfg.model.path, "revision": cfg.model.revision},
-            "model_fingerprint": plan.model_fingerprint,
-            "template_fingerprint": plan.template_fingerprint,
-            "finish_reasons": dict(sorted(finish.items())),
-            "length": length_stats(all_lengths),
-            "report": report.tables(plan, tally),
-        }
+        manifest = _manifest(plan, choice, written)
         report.write_tables(tmp, manifest["report"])
         manifest["tables"] = list(report.TABLES)
-        manifest["plots"] = report.write_plots(tmp, manifest, tally)
+        manifest["plots"] = report.write_plots(tmp, manifest, written.tally)
         atomic.write_json(tmp / "manifest.json", manifest)
         atomic.write_text(tmp / "README.md", dataset_card(manifest))
     log.info("%s", summary(manifest, cfg.dataset_dir))
     return manifest
+
+
+def _write(plan: Plan, choice: _Choice, folder: Path) -> _Written:
+    """The chosen rows, one token shard at a time, into the dataset's files."""
+    written = _Written()
+    writer = RollingWriter(folder, plan.config.rows_per_file)
+    for index, (source, path) in enumerate(choice.inputs):
+        rows = np.flatnonzero(choice.chosen[choice.offsets[index] : choice.offsets[index + 1]])
+        if not len(rows):
+            continue
+        table = pq.read_table(path).take(pa.array(rows, type=pa.int64()))
+        written.add(table, source, plan.sources[source].spec.category)
+        writer.write(table)
+        del table
+    written.files = writer.close()
+    return written
+
+
+def _manifest(plan: Plan, choice: _Choice, written: _Written) -> dict[str, Any]:
+    cfg = plan.config
+    tokens = written.tokens_by["category"]
+    total = sum(tokens.values())
+    all_lengths = np.concatenate(written.lengths) if written.lengths else np.zeros(0, dtype=np.int32)
+    categories = {
+        c: {
+            "target_share": share,
+            "achieved_share": round(tokens[c] / total, 6) if total else 0.0,
+            "target_tokens": round(choice.targets[c]),
+            "tokens": tokens[c],
+            "available_tokens": choice.available[c],
+            "rows": written.rows_by["category"][c],
+        }
+        for c, share in choice.shares.items()
+    }
+    return {
+        "stage": "mix",
+        "scheme": MIX_VERSION,
+        "dataset": cfg.dataset_name,
+        "files": written.files,
+        "rows": len(all_lengths),
+        "tokens": total,
+        "loss_tokens": written.loss_tokens,
+        "mix": {"seed": cfg.mix_seed, "budget_tokens": cfg.mix_budget_tokens, "categories": categories},
+        "cross_source": choice.cross.report() if choice.cross is not None else None,
+        "prompts": {name: _prompt_summary(plan, name) for name in sorted(plan.sources)},
+        "shortfalls": _shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),
+        "sources": {name: _source_entry(plan, name, written) for name in plan.sources},
+        "model": {"path": cfg.model.path, "revision": cfg.model.revision},
+        "model_fingerprint": plan.model_fingerprint,
+        "template_fingerprint": plan.template_fingerprint,
+        "finish_reasons": dict(sorted(written.finish.items())),
+        "length": length_stats(all_lengths),
+        "report": report.tables(plan, written.tally),
+    }
+
+
+def _source_entry(plan: Plan, name: str, written: _Written) -> dict[str, Any]:
+    sp = plan.sources[name]
+    return {
+        "category": sp.spec.category,
+        "rows": written.rows_by["source"][name],
+        "tokens": written.tokens_by["source"][name],
+        "prompt_key": sp.prompt_key,
+        "gen_key": sp.gen_key,
+        "tok_key": sp.tok_key,
+        "components": {"prompt": sp.prompt_components, "gen": sp.gen_components, "tok": sp.tok_components},
+        "shards": [str(p) for p in plan.token_shards(name)],
+    }
 
 
 def check(

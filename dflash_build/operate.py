@@ -185,7 +185,7 @@ def _estimate(
     out = []
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
-        manifest_file = plan.prompt_dir(name) / "manifest.json"
+        manifest_file = plan.prompt_manifest(name)
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
         est = SourceEstimate(
             source=name,
@@ -195,52 +195,11 @@ def _estimate(
             completions_built=sum(p.exists() for p in plan.completion_shards(name)),
             tokens_built=sum(p.exists() for p in plan.token_shards(name)),
         )
-        shard_ids: dict[str, list[str]] | None = None
+        ids_of = _ShardIds(plan, name, est, selected)
         for shard, path in zip(sp.shards, plan.completion_shards(name), strict=True):
-            if path.exists():
-                continue
-            est.generate_jobs.append(f"{name}/{shard}")
-            prompt_shard = plan.prompt_dir(name) / f"{shard}.parquet"
-            if prompt_shard.exists():
-                ids = pq.read_table(prompt_shard, columns=["prompt_id"])["prompt_id"].to_pylist()
-            elif sp.spec.hf is not None and not sp.spec.hf.is_local:
-                # a hub dataset is not loaded to plan (it may be large, or offline): count the upper
-                # bound, every row generated, none reused
-                lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
-                rows = hi - lo
-                est.rows_in_jobs += rows * sampling.samples_per_prompt
-                est.rows_to_generate += rows * sampling.samples_per_prompt
-                continue
-            else:  # not prepared yet: run prepare's selection in memory (CPU only) to know the rows
-                if shard_ids is None:
-                    selection = prepare.select(plan, name)
-                    selected[name] = selection.selected
-                    shard_ids = selection.shard_prompt_ids()
-                    est.prompt_rows = selection.rows_out
-                    est.prompt_rows_known = True
-                    try:  # the check its prepare job will make: a lost source is found before generation
-                        prepare.check_losses(sp.spec, selection)
-                    except prepare.SourceLossError as e:
-                        est.errors.append(str(e))
-                ids = shard_ids[shard]
-            wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
-            est.rows_in_jobs += len(wanted)
-            journal_dir = plan.journal_dir(name, shard)
-            if (journal_dir / PUBLISHED_DATA).exists():  # published before: the job restores it
-                est.rows_journaled += len(wanted)
-                continue
-            journaled = Journal.read(journal_dir / ROWS_FILE)
-            if journaled:
-                done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
-                est.rows_journaled += len(wanted & done)
-                wanted -= done
-            if sp.spec.turns == "first":
-                found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens)
-                taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
-                est.rows_reused += len(taken)
-                est.rows_continued += len(found) - len(taken)
-                wanted -= taken
-            est.rows_to_generate += len(wanted)
+            if not path.exists():
+                est.generate_jobs.append(f"{name}/{shard}")
+                _count_rows(plan, index, name, shard, ids_of(shard), est)
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
         drop = plan.config.truncated == "drop"
@@ -250,6 +209,64 @@ def _estimate(
         est.gpu_hours = est.output_tokens / (rate or default_tokens_per_second) / 3600
         out.append(est)
     return out
+
+
+class _ShardIds:
+    """A shard's prompt ids: from its prompt shard, else from prepare's selection run in memory (once a
+    source, CPU only), or None for a hub source (never loaded to plan)."""
+
+    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selected: dict[str, np.ndarray]) -> None:
+        self.plan, self.source, self.est, self.selected = plan, source, est, selected
+        self.by_shard: dict[str, list[str]] | None = None
+
+    def __call__(self, shard: str) -> list[str] | None:
+        plan, sp = self.plan, self.plan.sources[self.source]
+        prompt_shard = plan.prompt_dir(self.source) / f"{shard}.parquet"
+        if prompt_shard.exists():
+            return pq.read_table(prompt_shard, columns=["prompt_id"])["prompt_id"].to_pylist()
+        if sp.spec.hf is not None and not sp.spec.hf.is_local:
+            return None
+        if self.by_shard is None:
+            selection = prepare.select(plan, self.source)
+            self.selected[self.source] = selection.selected
+            self.by_shard = selection.shard_prompt_ids()
+            self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
+            try:  # the check its prepare job will make: a lost source is found before generation
+                prepare.check_losses(sp.spec, selection)
+            except prepare.SourceLossError as e:
+                self.est.errors.append(str(e))
+        return self.by_shard[shard]
+
+
+def _count_rows(
+    plan: Plan, index: RowIndex, source: str, shard: str, ids: list[str] | None, est: SourceEstimate
+) -> None:
+    """Add one shard's rows to ``est``: journaled, reused from the row index, or to generate."""
+    sp = plan.sources[source]
+    sampling = sp.spec.sampling
+    if ids is None:  # a hub source: the upper bound, every row generated, none reused
+        lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+        est.rows_in_jobs += (hi - lo) * sampling.samples_per_prompt
+        est.rows_to_generate += (hi - lo) * sampling.samples_per_prompt
+        return
+    wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
+    est.rows_in_jobs += len(wanted)
+    journal_dir = plan.journal_dir(source, shard)
+    if (journal_dir / PUBLISHED_DATA).exists():  # published before: the job restores it
+        est.rows_journaled += len(wanted)
+        return
+    journaled = Journal.read(journal_dir / ROWS_FILE)
+    if journaled:
+        done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
+        est.rows_journaled += len(wanted & done)
+        wanted -= done
+    if sp.spec.turns == "first":
+        found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens)
+        taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
+        est.rows_reused += len(taken)
+        est.rows_continued += len(found) - len(taken)
+        wanted -= taken
+    est.rows_to_generate += len(wanted)
 
 
 # -- explain ----------------------------------------------------------------------------------

@@ -138,13 +138,7 @@ def run(
     dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
     mix_manifest = json.loads((dataset_dir / "manifest.json").read_text())
     files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
-    ids: list[tuple[str, int]] = []
-    lengths: list[int] = []
-    for path in files:
-        table = pq.read_table(path, columns=["prompt_id", "sample_idx", "n_tokens"])
-        ids += zip(table["prompt_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)
-        lengths += table["n_tokens"].to_pylist()
-    ranks = [hashing.digest({"seed": spec.seed, "prompt_id": p, "sample_idx": s}) for p, s in ids]
+    lengths, ranks = _lengths_and_ranks(files, spec.seed)
     rows, counts = plan_rows(lengths, ranks, spec)
     window_of = {piece.sample: window for window, row in rows for piece in row}
     with release.publish(out_dir, Path(record)) as tmp:
@@ -188,6 +182,17 @@ def run(
         atomic.write_text(tmp / "README.md", card(manifest))
     log.info("%s", summary(manifest, out_dir))
     return manifest
+
+
+def _lengths_and_ranks(files: list[Path], seed: int) -> tuple[list[int], list[str]]:
+    """Every sample's length and seeded rank (a hash of its ids: the same in any file order)."""
+    ids: list[tuple[str, int]] = []
+    lengths: list[int] = []
+    for path in files:
+        table = pq.read_table(path, columns=["prompt_id", "sample_idx", "n_tokens"])
+        ids += zip(table["prompt_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)
+        lengths += table["n_tokens"].to_pylist()
+    return lengths, [hashing.digest({"seed": seed, "prompt_id": p, "sample_idx": s}) for p, s in ids]
 
 
 def _by_window(rows: list[Row]) -> list[tuple[int, list[list[Piece]]]]:

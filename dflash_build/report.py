@@ -233,27 +233,27 @@ def write_tables(folder: Path, report: dict[str, Any]) -> None:
 
 # -- plots -------------------------------------------------------------------------------------------
 def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[str]:
-    """The four PNGs of the card into ``folder/plots``; returns their paths relative to ``folder``."""
+    """The card's PNGs (:data:`PLOTS`) into ``folder/plots``; returns their paths relative to ``folder``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a build node
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     out = folder / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    categories = manifest["mix"]["categories"]
-    report = manifest["report"]
-    completion = tally.completion["category"]
     written = []
-
-    def save(fig: Any, name: str) -> None:
+    for name, draw in _PLOTTERS.items():
+        fig = draw(plt, manifest, tally)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         written.append(f"plots/{name}")
+    return written
 
-    # achieved vs target share
+
+def _category_mix(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
+    """Achieved against target share."""
+    categories = manifest["mix"]["categories"]
     names = list(categories)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(names)), 4))
     x = range(len(names))
@@ -263,15 +263,21 @@ def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[st
     ax.set_ylabel("share of tokens (%)")
     ax.set_title(f"{manifest['dataset']}: category mix ({manifest['tokens']:,} tokens)")
     ax.legend()
-    save(fig, "category_mix.png")
+    return fig
 
-    # completion length histograms, one panel per category
+
+def _completion_lengths(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
+    """Completion length histograms, one panel per category."""
+    from matplotlib.ticker import MaxNLocator
+
+    names = list(manifest["mix"]["categories"])
+    completion = tally.completion["category"]
     cols = min(3, max(1, len(names)))
     panels = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(panels, cols, figsize=(4.2 * cols, 3.0 * panels), squeeze=False)
     for ax, name in zip(axes.flat, names, strict=False):
         lengths = completion.get(name, np.zeros(0, dtype=np.int32))
-        stats = report["by_category"][name]["completion_length"]
+        stats = manifest["report"]["by_category"][name]["completion_length"]
         ax.hist(lengths if len(lengths) else [0], bins=min(40, max(5, len(lengths))), color="tab:blue", alpha=0.8)
         ax.axvline(stats["mean"], color="tab:orange", label=f"mean {stats['mean']:.0f}")
         ax.axvline(stats["p90"], color="tab:red", linestyle="--", label=f"P90 {stats['p90']}")
@@ -282,34 +288,47 @@ def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[st
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
-    save(fig, "completion_length_by_category.png")
+    return fig
 
-    # finish reasons per source (generation outcomes, as fractions of the source's rows)
-    sources = list(report["by_source"])
-    kinds = (("ok", R.STAT_OK), ("truncated", R.STAT_TRUNCATED), ("at window", R.STAT_WINDOW),
-             ("error/abort", R.STAT_ERROR), ("skipped", R.STAT_SKIPPED))  # fmt: skip
-    height = max(2.5, 0.35 * len(sources) + 1.2)
-    fig, ax = plt.subplots(figsize=(8, height))
+
+def _stacked(plt: Any, sources: list[str], series: dict[str, list[float]], xlabel: str, title: str) -> Any:
+    """One horizontal bar per source, its parts stacked in ``series`` order."""
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(sources) + 1.2)))
     left = [0.0] * len(sources)
-    for label, key in kinds:
-        values = []
-        for s in sources:
-            gen = report["by_source"][s]["generation"]
-            values.append(100 * gen.get(key, 0) / gen[R.STAT_INPUT_ROWS] if gen[R.STAT_INPUT_ROWS] else 0.0)
+    for label, values in series.items():
         ax.barh(sources, values, left=left, label=label)
         left = [a + b for a, b in zip(left, values, strict=True)]
-    ax.set_xlabel("share of generated rows (%)")
-    ax.set_xlim(0, 100)
+    ax.set_xlabel(xlabel)
     ax.invert_yaxis()
-    ax.set_title("finish reasons per source")
-    ax.legend(ncols=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
-    save(fig, "finish_reasons_by_source.png")
+    ax.set_title(title)
+    if series:
+        ax.legend(ncols=min(5, len(series)), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
+    return fig
 
-    # mean prompt vs completion tokens per source
-    fig, ax = plt.subplots(figsize=(8, height))
+
+def _finish_reasons(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
+    """Generation outcomes per source, as fractions of the source's rows."""
+    by_source = manifest["report"]["by_source"]
+    kinds = (("ok", R.STAT_OK), ("truncated", R.STAT_TRUNCATED), ("at window", R.STAT_WINDOW),
+             ("error/abort", R.STAT_ERROR), ("skipped", R.STAT_SKIPPED))  # fmt: skip
+
+    def share(gen: dict[str, Any], key: str) -> float:
+        return 100 * gen.get(key, 0) / gen[R.STAT_INPUT_ROWS] if gen[R.STAT_INPUT_ROWS] else 0.0
+
+    series = {label: [share(by_source[s]["generation"], key) for s in by_source] for label, key in kinds}
+    fig = _stacked(plt, list(by_source), series, "share of generated rows (%)", "finish reasons per source")
+    fig.axes[0].set_xlim(0, 100)
+    return fig
+
+
+def _prompt_vs_completion(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
+    """Mean prompt and completion tokens per source."""
+    by_source = manifest["report"]["by_source"]
+    sources = list(by_source)
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(sources) + 1.2)))
     ys = range(len(sources))
-    prompt = [_mean(report["by_source"][s]["prompt_tokens"], report["by_source"][s]["rows"]) for s in sources]
-    completion = [_mean(report["by_source"][s]["completion_tokens"], report["by_source"][s]["rows"]) for s in sources]
+    prompt = [_mean(by_source[s]["prompt_tokens"], by_source[s]["rows"]) for s in sources]
+    completion = [_mean(by_source[s]["completion_tokens"], by_source[s]["rows"]) for s in sources]
     ax.barh([y - 0.2 for y in ys], prompt, 0.4, label="prompt")
     ax.barh([y + 0.2 for y in ys], completion, 0.4, label="completion")
     ax.set_yticks(list(ys), sources)
@@ -317,24 +336,26 @@ def write_plots(folder: Path, manifest: dict[str, Any], tally: Tally) -> list[st
     ax.set_xlabel("mean tokens per sample")
     ax.set_title("prompt vs completion length per source")
     ax.legend(ncols=2, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
-    save(fig, "prompt_vs_completion_by_source.png")
+    return fig
 
-    # what removed each source's rows, in prepare and across sources in the mix
-    removals = {name: removed(manifest, name) for name in sources}
-    reasons = sorted({r for counts in removals.values() for r in counts})
-    fig, ax = plt.subplots(figsize=(8, height))
-    left = [0.0] * len(sources)
-    for reason in reasons:
-        values = [float(removals[s].get(reason, 0)) for s in sources]
-        ax.barh(sources, values, left=left, label=reason)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    ax.set_xlabel("rows removed")
-    ax.invert_yaxis()
-    ax.set_title("rows removed before generation and across sources")
-    if reasons:
-        ax.legend(ncols=min(4, len(reasons)), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
-    save(fig, "prompt_removals_by_source.png")
-    return written
+
+def _removals(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
+    """What removed each source's rows, in prepare and across sources in the mix."""
+    sources = list(manifest["report"]["by_source"])
+    counts = {name: removed(manifest, name) for name in sources}
+    reasons = sorted({r for c in counts.values() for r in c})
+    series = {reason: [float(counts[s].get(reason, 0)) for s in sources] for reason in reasons}
+    return _stacked(plt, sources, series, "rows removed", "rows removed before generation and across sources")
+
+
+_PLOTTERS = {
+    "category_mix.png": _category_mix,
+    "completion_length_by_category.png": _completion_lengths,
+    "finish_reasons_by_source.png": _finish_reasons,
+    "prompt_vs_completion_by_source.png": _prompt_vs_completion,
+    "prompt_removals_by_source.png": _removals,
+}
+assert list(_PLOTTERS) == list(PLOTS), "every plot has its caption, in the card's order"
 
 
 def removed(manifest: dict[str, Any], source: str) -> dict[str, int]:

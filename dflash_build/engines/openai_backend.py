@@ -542,15 +542,7 @@ class OpenAIEngine:
             while owner or resend or not exhausted:
                 if not self._servers and not self._changes:
                     raise self._failure or ServerDown("no server is left in the pool")
-                probes = {s.probe for s in self._servers.values() if s.probe is not None}
-                waiting = set(owner) | self._changes | probes
-                if not waiting:  # nothing to wait for this turn (asyncio.wait refuses an empty set)
-                    await asyncio.sleep(self._tick())
-                    finished: set[Any] = set()
-                else:
-                    first = asyncio.FIRST_COMPLETED
-                    finished = (await asyncio.wait(waiting, timeout=self._tick(), return_when=first))[0]
-                for task in finished:
+                for task in await self._next_done(set(owner)):
                     if task not in owner:  # a change, a probe, or taken back when its server left
                         continue
                     server, request = owner.pop(task)
@@ -570,6 +562,15 @@ class OpenAIEngine:
             for task in owner:
                 task.cancel()
             results.put(done)
+
+    async def _next_done(self, requests: set[Any]) -> set[Any]:
+        """What finished within a tick: requests, pool changes, health probes (any may be none)."""
+        probes = {s.probe for s in self._servers.values() if s.probe is not None}
+        waiting = requests | self._changes | probes
+        if not waiting:  # nothing to wait for this turn (asyncio.wait refuses an empty set)
+            await asyncio.sleep(self._tick())
+            return set()
+        return (await asyncio.wait(waiting, timeout=self._tick(), return_when=asyncio.FIRST_COMPLETED))[0]
 
     # -- the pool -----------------------------------------------------------------------------
     def _tick(self) -> float:
