@@ -52,12 +52,12 @@ INTENDED_DROPS = frozenset(
 )
 # The config key behind each intended drop, for a source those drops empty.
 DROP_SETTINGS = {
-    DROP_DUPLICATE: "the source's rows are all copies of one another",
+    DROP_DUPLICATE: "exact copies of other rows",
     DROP_OVER_MAX_SAMPLES: "max_samples",
     DROP_TOO_SHORT: "filters.min_chars",
     DROP_TOO_LONG: "filters.max_chars",
-    DROP_CONTAMINATED: "decontaminate (its reference sets)",
-    DROP_NEAR_DUPLICATE: "dedup.near (threshold, ngram)",
+    DROP_CONTAMINATED: "decontaminate.references",
+    DROP_NEAR_DUPLICATE: "dedup.near.threshold",
 }
 
 DEFAULT_ROLES = {
