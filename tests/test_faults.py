@@ -46,6 +46,8 @@ def _config(
         shard_size=shard_size,
     )
     config["store"] = store
+    if len(sources) > 1:  # one prompt file for every source on purpose: each keeps its own samples
+        config["dedup"] = {"across_sources": False}
     config["engine"]["journal_flush_rows"] = 1
     config["sampling"]["max_new_tokens"] = 12
     return config
