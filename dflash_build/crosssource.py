@@ -12,7 +12,6 @@ comes first (by that source order, then prompt id) holds goes too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,8 +43,10 @@ def resolve(priority: list[str], prompts: dict[str, np.ndarray], bands: dict[str
     out = CrossSource()
     rank = {name: i for i, name in enumerate(priority)}
     names = sorted(prompts, key=rank.__getitem__)
-    pids = np.concatenate([prompts[n] for n in names]) if names else np.zeros(0, np.uint64)
-    source = np.concatenate([np.full(len(prompts[n]), i, np.int32) for i, n in enumerate(names)]) if names else pids
+    pids = np.concatenate([np.zeros(0, np.uint64), *(prompts[n] for n in names)])
+    source = np.concatenate(
+        [np.zeros(0, np.int32), *(np.full(len(prompts[n]), i, np.int32) for i, n in enumerate(names))]
+    )
     # by (source order, prompt id): a row's position in that order says which copy comes first
     order = np.lexsort((pids, source))
     position = np.empty(len(pids), dtype=np.uint64)
@@ -101,7 +102,7 @@ def load(plan: Plan) -> CrossSource | None:
     bands: dict[str, np.ndarray] | None = {} if dedup.near is not None else None
     for name in plan.sources:
         if bands is not None:
-            prompts[name], bands[name] = neardup.read_bands(Path(plan.prompt_bands(name)))
+            prompts[name], bands[name] = neardup.read_bands(plan.prompt_bands(name))
         else:
             prompts[name] = prompt_ids(plan, name)
     return resolve(dedup.source_priority(plan.sources), prompts, bands)

@@ -55,7 +55,7 @@ class ReferenceIndex:
         items: list[str] = []
         texts: list[str] = []
         item_of_text: list[int] = []
-        summary = {}
+        spans: dict[str, tuple[int, int]] = {}  # each set's items: items[first:end]
         for name, ref in sorted(spec.references.items()):
             first = len(items)
             for location, value in _items(ref, files.get(name, ())):
@@ -63,15 +63,16 @@ class ReferenceIndex:
                     texts.append(text)
                     item_of_text.append(len(items))
                 items.append(f"{name}:{location}")
-            summary[name] = {"items": len(items) - first}
+            spans[name] = (first, len(items))
         found = W.words(pa.array(texts, pa.large_string()))
         hashes, text_of = found.ngrams(spec.ngram, whole_if_shorter=False)
         item_of = np.asarray(item_of_text, dtype=np.int32)[text_of] if len(text_of) else np.zeros(0, np.int32)
         matchable = np.zeros(len(items), dtype=bool)
         matchable[item_of] = True
-        for name, counts in summary.items():
-            at = [i for i, label in enumerate(items) if label.startswith(f"{name}:")]
-            counts["too_short"] = int((~matchable[at]).sum()) if at else 0
+        summary = {
+            name: {"items": end - first, "too_short": int((~matchable[first:end]).sum())}
+            for name, (first, end) in spans.items()
+        }
         order = np.lexsort((item_of, hashes))
         hashes, item_of = hashes[order], item_of[order]
         first_of_hash = np.ones(len(hashes), dtype=bool)

@@ -75,14 +75,15 @@ class TextFilters:
                 out.examples.append(Example(DROP_CONTAMINATED, int(pids[rows[i]]), detail=detail))
             out.rows = rows = rows[~hit]
         if self.near is not None:
-            comparable = rows[np.frombuffer(self._has_words, dtype=bool)[rows]]
-            matched = neardup.first_copies(pids[comparable], self._keys(), comparable)
+            at = np.flatnonzero(np.frombuffer(self._has_words, dtype=bool)[rows])  # rows with a set to compare
+            matched = neardup.first_copies(pids[rows[at]], self._keys(), rows[at])
             copies = matched != neardup.NO_MATCH
             out.counts[DROP_NEAR_DUPLICATE] = int(copies.sum())
             for i in np.flatnonzero(copies)[:examples]:
-                out.examples.append(Example(DROP_NEAR_DUPLICATE, int(pids[comparable[i]]), int(matched[i])))
-            out.rows = np.setdiff1d(rows, comparable[copies], assume_unique=True)
-            out.rows = out.rows[np.argsort(pids[out.rows], kind="stable")]
+                out.examples.append(Example(DROP_NEAR_DUPLICATE, int(pids[rows[at[i]]]), int(matched[i])))
+            keep = np.ones(len(rows), dtype=bool)
+            keep[at[copies]] = False
+            out.rows = rows[keep]  # still in prompt id order
         out.counts = {k: v for k, v in out.counts.items() if v}
         return out
 
