@@ -82,6 +82,9 @@ from dflash_build.spec import (
     SourceSpec as SourceSpec,
 )
 from dflash_build.spec import (
+    TemplateKwargFrom as TemplateKwargFrom,
+)
+from dflash_build.spec import (
     TrainerSpec as TrainerSpec,
 )
 
@@ -148,7 +151,30 @@ def _source(
         chat_template_kwargs=dict(raw.get("chat_template_kwargs", {})),
         turns=raw.get("turns", "first"),
         max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
+        turn_samples=_turn_samples(raw, key),
+        chat_template_kwargs_from=_kwargs_from(raw.get("chat_template_kwargs_from", {}), key),
     )
+
+
+def _turn_samples(raw: Mapping[str, Any], key: str) -> str:
+    if "turn_samples" in raw and raw.get("turns", "first") != "all":
+        raise ConfigError(f"{key}.turn_samples", "applies to turns: all only (turns: first makes one sample a row)")
+    return str(raw.get("turn_samples", "auto"))
+
+
+def _kwargs_from(raw: Mapping[str, Any], key: str) -> dict[str, TemplateKwargFrom]:
+    out = {}
+    for kwarg, spec in raw.items():
+        mapping = spec.get("map")
+        for value in mapping or {}:
+            if not isinstance(value, str):
+                raise ConfigError(
+                    f"{key}.chat_template_kwargs_from.{kwarg}.map",
+                    f"{value!r} is not a string: quote each value as the column holds it "
+                    "(YAML reads a bare on/off/yes/no as a boolean)",
+                )
+        out[kwarg] = TemplateKwargFrom(spec["field"], None if mapping is None else dict(mapping), spec.get("default"))
+    return out
 
 
 def _hub(h: Mapping[str, Any], key: str, split: str) -> HubSpec:

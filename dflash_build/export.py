@@ -51,8 +51,9 @@ class ExportEmptyError(RuntimeError):
     """Every sample of the dataset would be left out of an export: it fails instead of writing nothing."""
 
 
-def sample_id(prompt_id: str, sample_idx: int) -> str:
-    return f"{prompt_id}:{sample_idx}"
+def sample_id(prompt_id: str, sample_idx: int, turn: int | None = None) -> str:
+    """A sample's id in an export: ``prompt:sample``, and ``:turn`` for one turn of a conversation."""
+    return f"{prompt_id}:{sample_idx}" if turn is None else f"{prompt_id}:{sample_idx}:{turn}"
 
 
 def shape(ids: Sequence[int], mask: Sequence[int], spec: ExportSpec) -> tuple[list[tuple[int, int]], str | None]:
@@ -194,7 +195,7 @@ def _samples(files: list[Path], columns: list[str]) -> Iterator[dict[str, Any]]:
 def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
-    for row in _samples(files, ["input_ids", "loss_mask", "prompt_id", "sample_idx"]):
+    for row in _samples(files, ["input_ids", "loss_mask", "prompt_id", "sample_idx", "turn"]):
         ids, mask = row["input_ids"], row["loss_mask"]
         counts["samples_in"] += 1
         counts["loss_tokens_in"] += sum(mask)
@@ -206,7 +207,7 @@ def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[s
             counts["dropped_loss_tokens"] += sum(mask)
             continue
         counts["long_kept"] += long
-        base = sample_id(row["prompt_id"], row["sample_idx"])
+        base = sample_id(row["prompt_id"], row["sample_idx"], row["turn"])
         for k, (start, end) in enumerate(spans):
             piece_id = base if len(spans) == 1 and start == 0 else f"{base}#{k}"
             out.write({"id": piece_id, "input_ids": ids[start:end], "loss_mask": mask[start:end]})

@@ -12,11 +12,21 @@ Rows that cannot be generated are recorded with their reason instead of failing 
 conversation the template refuses (``error``), a prompt longer than the context minus max_new_tokens
 (``skipped``, before any engine call), an engine abort (``abort``).
 
-``turns: all`` regenerates every assistant turn of a conversation on top of the regenerated history.
-Turn k+1's prompt is turn k's ids + the generated ids + the stop token + the ids of what the template
-writes between them, so no generated text is ever re-tokenized. That needs a template that renders
-history as a prefix of the next prompt; a conversation whose template rewrites earlier turns (e.g.
-one that drops earlier reasoning) is recorded as an error row with that reason.
+``turns: all`` regenerates every assistant turn of a conversation on top of the regenerated history,
+in one of two forms (``turn_samples``; ``auto`` picks per conversation):
+
+- one sequence: turn k+1's prompt is turn k's ids + the generated ids + the stop token + the ids of
+  what the template writes between them, so no generated text is ever re-tokenized. That needs a
+  template that writes history as a prefix of the next prompt.
+- one sample per turn, for a template that rewrites earlier turns (Qwen3's drops their reasoning):
+  turn k+1's prompt is the template's own render of the conversation so far, its earlier answers
+  written as the template writes history. Only that history text is re-tokenized, and each turn
+  records it (``history_retokenized``). Under ``auto``, turns generated before the template first
+  rewrote history keep the ids the engine saw as their prompts.
+
+A turn that does not end with its stop token (truncated, aborted) ends its conversation; so does a
+later turn the template refuses or that no longer fits the context (the row keeps its finished turns
+and says why in ``error``).
 """
 
 from __future__ import annotations
@@ -236,6 +246,11 @@ class Turn:
     drifted: bool = False  # re-tokenized length differs from the server's own count
     reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
     continued: bool = False  # the engine extended the reused (truncated) answer
+    history_retokenized: bool = False  # the prompt holds earlier answers as text the template wrote
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.output_ids + ([self.stop_token_id] if self.stop_token_id is not None else [])
 
 
 @dataclass
@@ -250,6 +265,8 @@ class Conversation:
     prefix_from: str | None = None
     finish_reason: str | None = None  # set when the conversation is finished
     error: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # this row's own (chat_template_kwargs_from)
+    per_turn: bool = False  # each turn is a sample; its context_ids are its whole prompt
 
     @property
     def key(self) -> tuple[str, int]:
@@ -257,10 +274,23 @@ class Conversation:
 
     @property
     def all_ids(self) -> list[int]:
+        """The sequence so far (one-sequence form): every turn's context, answer and stop token."""
         ids: list[int] = []
         for t in self.turns:
-            ids += t.context_ids + t.output_ids + ([t.stop_token_id] if t.stop_token_id is not None else [])
+            ids += t.context_ids + t.generated_ids
         return ids
+
+    def split_turns(self) -> None:
+        """Make each turn a sample of its own: its context becomes the whole prompt the engine saw."""
+        prompt: list[int] = []
+        for t in self.turns:
+            t.context_ids = prompt = prompt + t.context_ids
+            prompt = prompt + t.generated_ids
+        self.per_turn = True
+
+    def request_ids(self, context_ids: list[int]) -> list[int]:
+        """The engine's prompt for the next turn, whose new context is ``context_ids``."""
+        return context_ids if self.per_turn else self.all_ids + context_ids
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.finish_reason, self.error = reason, error
@@ -276,11 +306,19 @@ def answer_slots(messages: list[dict[str, Any]], turns: str) -> list[int]:
     return slots
 
 
-class Renderer:
-    """Prompt ids for each turn of a conversation, never re-tokenizing generated ids."""
+class HistoryRewritten(ValueError):
+    """The template does not write a conversation's history as a prefix of its next prompt."""
 
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any]) -> None:
-        self.tokenizer, self.kwargs = tokenizer, template_kwargs
+
+class Renderer:
+    """Prompt ids for each turn of a conversation, never re-tokenizing generated ids but the history
+    text a template rewrites (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any], turn_samples: str = "auto") -> None:
+        self.tokenizer, self.kwargs, self.turn_samples = tokenizer, template_kwargs, turn_samples
+
+    def kwargs_of(self, conv: Conversation) -> dict[str, Any]:
+        return {**self.kwargs, **(conv.template_kwargs or {})}
 
     def history(self, conv: Conversation) -> list[dict[str, Any]]:
         """The conversation up to the next answer, with earlier answers replaced by generated ones."""
@@ -294,18 +332,28 @@ class Renderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def next_context(self, conv: Conversation) -> list[int]:
-        """Ids to add before the next answer; raises ValueError when the template is not prefix-stable."""
+        """Ids to add before the next answer (the whole prompt once turns are samples of their own).
+
+        Under ``auto`` a conversation whose template rewrites its history becomes per-turn here (the
+        same turn on every replay, as rendering is deterministic); under ``sequence`` that raises
+        :class:`HistoryRewritten`.
+        """
         history = self.history(conv)
-        text = chat.render_text(self.tokenizer, history, conv.tools, self.kwargs)
-        if not conv.turns:
+        kwargs = self.kwargs_of(conv)
+        text = chat.render_text(self.tokenizer, history, conv.tools, kwargs)
+        if not conv.turns or conv.per_turn:
             return chat.encode(self.tokenizer, text)
         # What the template wrote up to the end of the last answer must be a prefix of the new render.
-        seen = chat.render_text(self.tokenizer, history[: conv.slots[len(conv.turns) - 1]], conv.tools, self.kwargs)
-        last = conv.turns[-1]
-        seen += self.decode(last.output_ids + ([last.stop_token_id] if last.stop_token_id is not None else []))
-        if not text.startswith(seen):
-            raise ValueError("chat template rewrites earlier turns (not prefix-stable); use turns: first")
-        return chat.encode(self.tokenizer, text[len(seen) :])
+        seen = chat.render_text(self.tokenizer, history[: conv.slots[len(conv.turns) - 1]], conv.tools, kwargs)
+        seen += self.decode(conv.turns[-1].generated_ids)
+        if text.startswith(seen):
+            return chat.encode(self.tokenizer, text[len(seen) :])
+        if self.turn_samples == "sequence":
+            raise HistoryRewritten(
+                "chat template rewrites earlier turns (not prefix-stable); set turn_samples: auto or per_turn"
+            )
+        conv.split_turns()
+        return chat.encode(self.tokenizer, text)
 
 
 def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
@@ -498,10 +546,12 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
         messages = json.loads(p["messages"])
         slots = answer_slots(messages, sp.spec.turns)
         tools = json.loads(p["tools"]) if p["tools"] else None
+        row_kwargs = json.loads(p["template_kwargs"]) if p.get("template_kwargs") else None
         for idx in range(sampling.samples_per_prompt):
-            conv = Conversation(p["prompt_id"], idx, messages, tools, slots)
+            conv = Conversation(p["prompt_id"], idx, messages, tools, slots, template_kwargs=row_kwargs)
+            conv.per_turn = sp.spec.turn_samples == "per_turn" and len(slots) > 1
             convs[conv.key] = conv
-    renderer = Renderer(tokenizer, template_kwargs)
+    renderer = Renderer(tokenizer, template_kwargs, sp.spec.turn_samples)
     return ShardWork(
         plan, source, shard, paths, tokenizer, renderer, chat.context_length(plan.config.model), params, convs
     )
@@ -604,10 +654,14 @@ def next_requests(
         try:
             ids = work.renderer.next_context(conv)
         except Exception as e:  # a template may refuse one conversation; the shard goes on
-            conv.finish(R.FINISH_ERROR, f"chat template failed: {type(e).__name__}: {e}")
-            progress.update(Result(conv.prompt_id, conv.sample_idx, [], R.FINISH_ERROR), True)
+            message = f"chat template failed: {type(e).__name__}: {e}"
+            if conv.turns and not isinstance(e, HistoryRewritten):  # it ends with the turns it has
+                conv.finish(conv.turns[-1].finish_reason, message)
+            else:
+                conv.finish(R.FINISH_ERROR, message)
+            progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
             continue
-        prompt_ids = conv.all_ids + ids
+        prompt_ids = conv.request_ids(ids)
         budget = work.budget(len(prompt_ids))
         reason = None
         if not fits_context(len(prompt_ids), budget, work.context):
@@ -852,6 +906,8 @@ def publish(
     stats[R.STAT_GENERATED] = engine_run.journaled
     if engine_run.served is not None:
         stats["engine"]["served"] = engine_run.served
+    if work.spec.turns == "all":
+        stats[R.STAT_TURNS] = turn_counts(list(convs))
     check_failures(stats, work.plan.config.checks.max_failed_fraction, journal.path)
     table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
     # Written into the journal's folder first: the outputs are links to these (see journal).
@@ -863,6 +919,22 @@ def publish(
     counts = (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED, R.STAT_GENERATED, R.STAT_RESUMED_TURNS)
     log.info("%s: published %s", work.label, {k: stats[k] for k in counts})
     return stats
+
+
+def turn_counts(convs: list[Conversation]) -> dict[str, Any]:
+    """What ``turns: all`` made of a shard's conversations: how many turns each got, how many became
+    per-turn samples, and how many ended before their last answer (the row's ``error`` says why)."""
+    by_count: dict[str, int] = {}
+    for conv in convs:
+        by_count[str(len(conv.turns))] = by_count.get(str(len(conv.turns)), 0) + 1
+    return {
+        "conversations": len(convs),
+        "turns": sum(len(c.turns) for c in convs),
+        "per_turn": sum(c.per_turn for c in convs),
+        "history_retokenized": sum(t.history_retokenized for c in convs for t in c.turns),
+        "ended_early": sum(0 < len(c.turns) < len(c.slots) for c in convs),
+        "by_count": dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
+    }
 
 
 # What the row index needs of a completion shard (restore reads only these).
@@ -906,6 +978,7 @@ def _apply(conv: Conversation, context_ids: list[int], result: Result) -> Turn:
         result.retokenized,
         result.retokenized and drifted,
     )
+    turn.history_retokenized = conv.per_turn and bool(conv.turns)
     conv.turns.append(turn)
     if result.finish_reason != R.FINISH_STOP:
         conv.finish(result.finish_reason, result.error)
@@ -933,6 +1006,7 @@ def _completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> d
         "n_output_tokens": sum(len(t.output_ids) for t in turns),
         "reused_from": first.reused_from if first else None,
         "continued": bool(first and first.continued),
+        "per_turn": conv.per_turn if multi else None,
         "turns": [
             {
                 "context_ids": t.context_ids,
@@ -940,6 +1014,7 @@ def _completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> d
                 "stop_token_id": t.stop_token_id,
                 "finish_reason": t.finish_reason,
                 "text": renderer.decode(t.output_ids),
+                "history_retokenized": t.history_retokenized,
             }
             for t in turns
         ]

@@ -118,6 +118,10 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sources.*.fields": _d(PROMPT, "how rows become prompts"),
     "sources.*.roles": _d(PROMPT, "how rows become prompts"),
     "sources.*.turns": _d(PROMPT, "how rows become prompts"),
+    "sources.*.turn_samples": _d(
+        GEN, "how later turns are prompted: the engine's ids in one sequence, or the template's render of the history"
+    ),
+    "sources.*.chat_template_kwargs_from": _d(PROMPT, "each row's kwargs are a column of its prompt and in its id"),
     "sources.*.max_samples": _d(PROMPT, "which prompts are kept"),
     "sources.*.seed": _d(PROMPT, "which prompts max_samples keeps"),
     "sources.*.filters.min_chars": _d(PROMPT, "which prompts are kept"),

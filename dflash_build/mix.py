@@ -28,7 +28,7 @@ from dflash_build.report import length_stats
 from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
-_SELECT_COLUMNS = ["prompt_id", "sample_idx", "source", "category", "n_tokens"]
+_SELECT_COLUMNS = ["prompt_id", "sample_idx", "turn", "source", "category", "n_tokens"]
 SHARE_TOLERANCE = 0.01  # achieved shares further than this from target are stated in the manifest
 
 
@@ -95,9 +95,14 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def sample_ranks(seed: int, prompt_ids: pa.ChunkedArray | pa.Array, sample_idx: np.ndarray) -> np.ndarray:
-    """Each sample's seeded rank: a hash of (seed, prompt_id, sample_idx), the same in any shard order."""
+def sample_ranks(
+    seed: int, prompt_ids: pa.ChunkedArray | pa.Array, sample_idx: np.ndarray, turn: np.ndarray | None = None
+) -> np.ndarray:
+    """Each sample's seeded rank: a hash of (seed, prompt_id, sample_idx, turn), the same in any shard
+    order. A whole row (turn null) and a conversation's turn 0 rank as (seed, prompt_id, sample_idx)."""
     sample = np.asarray(sample_idx, dtype=np.uint64)
+    if turn is not None:
+        sample = sample + (np.asarray(turn, dtype=np.uint64) << np.uint64(32))
     seeds = np.full(len(sample), seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)  # arrays wrap silently; scalars warn
     salt = _mix64(seeds * _SPLITMIX[0] + sample)
     return _mix64(hashing.hex_to_u64(prompt_ids) ^ salt)
@@ -130,7 +135,8 @@ def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]
     ranks, tokens, codes, ids, sources, sizes = [], [], [], [], [], [0]
     for source, path in inputs:
         table = pq.read_table(path, columns=_SELECT_COLUMNS)
-        ranks.append(sample_ranks(seed, table.column("prompt_id"), table.column("sample_idx").to_numpy()))
+        turn = pc.fill_null(table.column("turn"), 0).to_numpy()
+        ranks.append(sample_ranks(seed, table.column("prompt_id"), table.column("sample_idx").to_numpy(), turn))
         tokens.append(table.column("n_tokens").to_numpy().astype(np.int32))
         codes.append(
             pc.fill_null(pc.index_in(table.column("category"), value_set=known), -1).to_numpy().astype(np.int16)
@@ -209,6 +215,7 @@ class _Written:
     finish: Counter[str] = field(default_factory=Counter)
     lengths: list[np.ndarray] = field(default_factory=list)
     loss_tokens: int = 0
+    per_turn_samples: Counter[str] = field(default_factory=Counter)  # by source
     tally: report.Tally = field(default_factory=report.Tally)
     files: list[dict[str, Any]] = field(default_factory=list)
 
@@ -222,6 +229,7 @@ class _Written:
         self.finish.update(reasons)
         self.lengths.append(n_tokens.astype(np.int32))
         self.loss_tokens += int(n_loss.sum(dtype=np.int64))
+        self.per_turn_samples[source] += table.num_rows - table.column("turn").null_count
         self.tally.add_rows(source, category, n_tokens, n_loss, reasons)
 
 
@@ -287,6 +295,7 @@ def _manifest(plan: Plan, choice: _Choice, written: _Written) -> dict[str, Any]:
         "rows": len(all_lengths),
         "tokens": total,
         "loss_tokens": written.loss_tokens,
+        "per_turn_samples": sum(written.per_turn_samples.values()),  # one turn of a conversation each
         "mix": {"seed": cfg.mix_seed, "budget_tokens": cfg.mix_budget_tokens, "categories": categories},
         "cross_source": choice.cross.report() if choice.cross is not None else None,
         "prompts": {name: _prompt_summary(plan, name) for name in sorted(plan.sources)},
@@ -306,6 +315,7 @@ def _source_entry(plan: Plan, name: str, written: _Written) -> dict[str, Any]:
     return {
         "category": sp.spec.category,
         "rows": written.rows_by["source"][name],
+        "per_turn_samples": written.per_turn_samples[name],
         "tokens": written.tokens_by["source"][name],
         "prompt_key": sp.prompt_key,
         "gen_key": sp.gen_key,

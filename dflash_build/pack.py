@@ -49,6 +49,7 @@ PACKED_SCHEMA = pa.schema(
         ("n_pad", pa.int32()),
         ("prompt_id", pa.list_(pa.string())),  # of each sample, in order
         ("sample_idx", pa.list_(pa.int32())),
+        ("turn", pa.list_(pa.int32())),  # of each sample: its turn when it is one turn of a conversation
         ("category", pa.list_(pa.string())),
     ]
 )
@@ -186,13 +187,20 @@ def run(
 
 def _lengths_and_ranks(files: list[Path], seed: int) -> tuple[list[int], list[str]]:
     """Every sample's length and seeded rank (a hash of its ids: the same in any file order)."""
-    ids: list[tuple[str, int]] = []
+    ids: list[tuple[str, int, int | None]] = []
     lengths: list[int] = []
     for path in files:
-        table = pq.read_table(path, columns=["prompt_id", "sample_idx", "n_tokens"])
-        ids += zip(table["prompt_id"].to_pylist(), table["sample_idx"].to_pylist(), strict=True)
+        table = pq.read_table(path, columns=["prompt_id", "sample_idx", "turn", "n_tokens"])
+        columns = (table[c].to_pylist() for c in ("prompt_id", "sample_idx", "turn"))
+        ids += zip(*columns, strict=True)
         lengths += table["n_tokens"].to_pylist()
-    return lengths, [hashing.digest({"seed": seed, "prompt_id": p, "sample_idx": s}) for p, s in ids]
+    return lengths, [_rank(seed, *sample) for sample in ids]
+
+
+def _rank(seed: int, prompt_id: str, sample_idx: int, turn: int | None) -> str:
+    # a whole row's rank leaves the turn out, as it was before per-turn samples
+    turn_part = {} if turn is None else {"turn": turn}
+    return hashing.digest({"seed": seed, "prompt_id": prompt_id, "sample_idx": sample_idx, **turn_part})
 
 
 def _by_window(rows: list[Row]) -> list[tuple[int, list[list[Piece]]]]:
@@ -209,7 +217,9 @@ def _spill(files: list[Path], window_of: dict[int, int], folder: Path) -> None:
     offset = 0
     try:
         for path in files:
-            table = pq.read_table(path, columns=["input_ids", "loss_mask", "prompt_id", "sample_idx", "category"])
+            table = pq.read_table(
+                path, columns=["input_ids", "loss_mask", "prompt_id", "sample_idx", "turn", "category"]
+            )
             index = np.arange(offset, offset + table.num_rows, dtype=np.int64)
             offset += table.num_rows
             windows = np.array([window_of.get(int(i), -1) for i in index], dtype=np.int64)
@@ -231,7 +241,9 @@ def _build(table: pa.Table, rows: list[list[Piece]], spec: PackSpec) -> pa.Table
     mask_col = table["loss_mask"].combine_chunks()
     ids_flat, mask_flat = ids_col.values.to_numpy(), mask_col.values.to_numpy()
     offsets = ids_col.offsets.to_numpy()
-    prompt_ids, sample_idxs, categories = (table[c].to_pylist() for c in ("prompt_id", "sample_idx", "category"))
+    prompt_ids, sample_idxs, turns, categories = (
+        table[c].to_pylist() for c in ("prompt_id", "sample_idx", "turn", "category")
+    )
     out: dict[str, list[Any]] = {name: [] for name in PACKED_SCHEMA.names}
     for row in rows:
         ids_parts, mask_parts, pos_parts, seq_lens = [], [], [], []
@@ -258,6 +270,7 @@ def _build(table: pa.Table, rows: list[list[Piece]], spec: PackSpec) -> pa.Table
         out["n_pad"].append(pad)
         out["prompt_id"].append([prompt_ids[i] for i in at_rows])
         out["sample_idx"].append([sample_idxs[i] for i in at_rows])
+        out["turn"].append([turns[i] for i in at_rows])
         out["category"].append([categories[i] for i in at_rows])
     return pa.table({name: out[name] for name in PACKED_SCHEMA.names}, schema=PACKED_SCHEMA)
 

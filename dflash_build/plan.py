@@ -281,6 +281,36 @@ def fingerprint_cache(config: Config) -> hashing.FingerprintCache:
     return hashing.FingerprintCache(fingerprint_cache_file(config))
 
 
+def _gen_components(
+    config: Config,
+    spec: SourceSpec,
+    prompt_components: dict[str, Any],
+    model_fp: dict[str, Any],
+    template_fp: dict[str, Any],
+) -> dict[str, Any]:
+    """What determines a source's completions (its gen_key)."""
+    gen_components = {
+        "scheme": GEN_VERSION,
+        "prompt_key": hashing.content_key(prompt_components),
+        "model": model_fp["digest"],
+        "template": template_fp["digest"],
+        "chat_template_kwargs": {**config.model.chat_template_kwargs, **spec.chat_template_kwargs},
+        "sampling": spec.sampling.as_dict(),
+        # only the options that change the numbers (keys.ENGINE_OPTIONS); speed options stay out
+        "engine": keys.keyed_engine_options(config.engine.backend, config.engine.options),
+    }
+    if spec.turns == "all":
+        # how later turns are prompted; absent for turns: first, whose rows it does not change
+        gen_components["turn_samples"] = spec.turn_samples
+    if config.model.context_length is not None:
+        # an explicit window changes which prompts are skipped; the model's own is fingerprinted
+        gen_components["context_length"] = config.model.context_length
+    if config.trainer.max_length is not None:
+        # each row's budget; absent without a window, so configs without one keep their keys
+        gen_components["trainer_window"] = asdict(config.trainer)
+    return gen_components
+
+
 def build(config: Config, only: str | None = None) -> Plan:
     """Compute every key and shard count for ``config``; hashes are cached in the store.
 
@@ -314,22 +344,7 @@ def build(config: Config, only: str | None = None) -> Plan:
             "n_shards": n_shards,
             **filtering,
         }
-        gen_components = {
-            "scheme": GEN_VERSION,
-            "prompt_key": hashing.content_key(prompt_components),
-            "model": model_fp["digest"],
-            "template": template_fp["digest"],
-            "chat_template_kwargs": {**config.model.chat_template_kwargs, **spec.chat_template_kwargs},
-            "sampling": spec.sampling.as_dict(),
-            # only the options that change the numbers (keys.ENGINE_OPTIONS); speed options stay out
-            "engine": keys.keyed_engine_options(config.engine.backend, config.engine.options),
-        }
-        if config.model.context_length is not None:
-            # an explicit window changes which prompts are skipped; the model's own is fingerprinted
-            gen_components["context_length"] = config.model.context_length
-        if config.trainer.max_length is not None:
-            # each row's budget; absent without a window, so configs without one keep their keys
-            gen_components["trainer_window"] = asdict(config.trainer)
+        gen_components = _gen_components(config, spec, prompt_components, model_fp, template_fp)
         tok_components = {
             "scheme": TOK_VERSION,
             "gen_key": hashing.content_key(gen_components),

@@ -45,6 +45,7 @@ DROP_TOO_SHORT = "too_short"
 DROP_TOO_LONG = "too_long"
 DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
+DROP_TEMPLATE_KWARG = "template_kwarg"  # a value chat_template_kwargs_from has no mapping for
 EXAMPLES_PER_REASON = 5
 # Drops the config asked for: they never count towards a source's loss (checks.max_drop_fraction).
 INTENDED_DROPS = frozenset(
@@ -389,19 +390,54 @@ def to_prompt(row: Any, spec: SourceSpec) -> tuple[list[dict[str, str]], list[di
     return messages, tools
 
 
-def prompt_id(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> str:
-    # messages are str-to-str dicts already (to_prompt makes them), so only the tools need normalising
+def row_template_kwargs(row: Mapping[str, Any], spec: SourceSpec) -> dict[str, Any] | None:
+    """This row's chat-template kwargs (``chat_template_kwargs_from``), or None when the source reads none."""
+    if not spec.chat_template_kwargs_from:
+        return None
+    kwargs = {}
+    for kwarg, source in spec.chat_template_kwargs_from.items():
+        value = row.get(source.field)
+        if value is None:
+            if source.default is None:
+                raise Drop(DROP_MISSING_FIELD, f"no '{source.field}' column (chat_template_kwargs_from.{kwarg})")
+            kwargs[kwarg] = source.default
+            continue
+        if source.map is not None:
+            if str(value) not in source.map:
+                known = ", ".join(map(repr, source.map))
+                raise Drop(DROP_TEMPLATE_KWARG, f"{source.field} = {value!r} is not in the map of {kwarg} ({known})")
+            value = source.map[str(value)]
+        kwargs[kwarg] = value
+    return kwargs
+
+
+def _body(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
     body = {"messages": messages, "tools": None if tools is None else hashing.normalise(tools)}
-    return hashing.digest_normalised(body)[: hashing.KEY_LENGTH]
+    if kwargs:  # only when a source reads them, so every other prompt keeps its id
+        body["template_kwargs"] = hashing.normalise(kwargs)
+    return body
 
 
-def dedup_key(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> str:
+def prompt_id(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None = None
+) -> str:
+    """The prompt's identity: its messages, tools and (where a source reads them) template kwargs, as
+    the same messages rendered with thinking on or off are two prompts."""
+    # messages are str-to-str dicts already (to_prompt makes them), so only the tools need normalising
+    return hashing.digest_normalised(_body(messages, tools, kwargs))[: hashing.KEY_LENGTH]
+
+
+def dedup_key(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None = None
+) -> str:
     """What duplicates share: the digest a prompt id takes (:func:`prompt_id`'s body, whole) of the
     messages after Unicode NFC, whitespace folding and trimming. So a row that folding leaves as it
     is has its prompt id's digest. Only compared within one prepare, never stored."""
     normalize = unicodedata.normalize
     folded = [{"role": m["role"], "content": " ".join(normalize("NFC", m["content"]).split())} for m in messages]
-    return hashing.digest_normalised({"messages": folded, "tools": None if tools is None else hashing.normalise(tools)})
+    return hashing.digest_normalised(_body(folded, tools, kwargs))
 
 
 def selection_rank(seed: int, pid: str) -> str:
@@ -564,7 +600,9 @@ class _Scanned:
 
     def add(self, batch: RowBatch) -> None:
         self.rows_in += len(batch.numbers)
-        converted = columnar.convert(batch.table, self.spec, self.roles) if batch.table is not None else None
+        # per-row template kwargs: the row path reads them
+        columns = batch.table is not None and not self.spec.chat_template_kwargs_from
+        converted = columnar.convert(batch.table, self.spec, self.roles) if columns else None
         plain = converted.plain if converted is not None else np.zeros(len(batch.numbers), dtype=bool)
         if converted is not None and plain.any():
             self._add_plain(batch, converted)
@@ -574,13 +612,14 @@ class _Scanned:
         for raw in batch.raw_rows(np.flatnonzero(~plain).tolist()):
             try:
                 messages, tools = to_prompt(raw.value, self.spec)
+                kwargs = row_template_kwargs(raw.value, self.spec)
             except Drop as d:
                 self.drops.add(d.reason, raw.location, d.detail)
                 continue
             texts += [m["content"] for m in messages]
             text_rows += [len(records)] * len(messages)
-            pid = prompt_id(messages, tools)
-            self.dedup_digests += bytes.fromhex(dedup_key(messages, tools)[:32])
+            pid = prompt_id(messages, tools, kwargs)
+            self.dedup_digests += bytes.fromhex(dedup_key(messages, tools, kwargs)[:32])
             pids += bytes.fromhex(pid)
             records.append(
                 {
@@ -590,6 +629,7 @@ class _Scanned:
                     "messages": _RECORD_JSON.encode(messages),
                     "tools": None if tools is None else _RECORD_JSON.encode(tools),
                     "meta": _META_JSON.encode(raw.origin),
+                    "template_kwargs": None if kwargs is None else _RECORD_JSON.encode(kwargs),
                     "location": raw.location,
                 }
             )
@@ -623,6 +663,7 @@ class _Scanned:
                 "messages": converted.messages.cast(pa.string()),
                 "tools": pa.nulls(count, pa.string()),
                 "meta": join(f'{{"input": {_META_JSON.encode(batch.input)}, "row": ', numbers, "}", ""),
+                "template_kwargs": pa.nulls(count, pa.string()),
                 "location": join(batch.where, numbers, ""),
             },
             schema=_SPILL_SCHEMA,
@@ -867,6 +908,7 @@ def check_sample(plan: Plan, source: str, rows: int = SAMPLE_ROWS) -> None:
         seen += 1
         try:
             to_prompt(row.value, spec)
+            row_template_kwargs(row.value, spec)
             return
         except Drop as drop:
             if drop.reason in INTENDED_DROPS:
@@ -875,6 +917,7 @@ def check_sample(plan: Plan, source: str, rows: int = SAMPLE_ROWS) -> None:
     if not seen:
         return  # an empty input: prepare says so, with its own message
     key = f"sources.{source}"
+    extra = f" or {key}.chat_template_kwargs_from" if spec.chat_template_kwargs_from else ""
     reasons = "; ".join(
         f"{reason}: {n}" + (f", e.g. {drops.examples[reason][0]}" if drops.examples[reason] else "")
         for reason, n in drops.counts.most_common(3)
@@ -882,7 +925,7 @@ def check_sample(plan: Plan, source: str, rows: int = SAMPLE_ROWS) -> None:
     raise SourceLossError(
         f"{key} ({', '.join(spec.files)}): the first {seen} rows are all dropped for defects ({reasons}), so "
         f"its prepare job would fail after the other sources' jobs took the GPUs. Fix {key}.format or "
-        f"{key}.fields; if only these first rows are bad, set {key}.max_drop_fraction: 1.0 to skip this check."
+        f"{key}.fields{extra}; if only these first rows are bad, set {key}.max_drop_fraction: 1.0 to skip this check."
     )
 
 

@@ -18,6 +18,9 @@ PROMPT_SCHEMA = pa.schema(
         ("messages", pa.string()),  # JSON list of {role, content}
         ("tools", pa.string()),  # JSON list of tool schemas, or null
         ("meta", pa.string()),  # JSON: where the row came from
+        # JSON: this row's chat-template kwargs (sources.*.chat_template_kwargs_from), or null. Prompt
+        # files written before it lack the column: readers take a missing one as null.
+        ("template_kwargs", pa.string()),
     ]
 )
 
@@ -36,6 +39,10 @@ COMPLETION_SCHEMA = pa.schema(
         ("n_output_tokens", pa.int32()),
         ("reused_from", pa.string()),  # "gen_key/shard" the row was taken from, null when generated here
         ("continued", pa.bool_()),  # reused as a truncated prefix that the engine continued
+        # turns: all only: true when each turn is its own sample (turn_samples), its context_ids the
+        # whole prompt; false when the turns make one sequence. Null for single-turn rows and in shards
+        # written before the column (read as false).
+        ("per_turn", pa.bool_()),
         # turns: all only: every regenerated turn, context ids first (null for single-turn rows)
         (
             "turns",
@@ -47,6 +54,8 @@ COMPLETION_SCHEMA = pa.schema(
                         ("stop_token_id", pa.int32()),
                         ("finish_reason", pa.string()),
                         ("text", pa.string()),
+                        # per-turn samples: the prompt holds earlier answers as text the template wrote
+                        ("history_retokenized", pa.bool_()),
                     ]
                 )
             ),
@@ -62,6 +71,7 @@ SAMPLE_SCHEMA = pa.schema(
         ("category", pa.string()),
         ("prompt_id", pa.string()),
         ("sample_idx", pa.int32()),
+        ("turn", pa.int32()),  # a per-turn sample's turn of its conversation; null for a whole row
         ("finish_reason", pa.string()),
         ("n_tokens", pa.int32()),
         ("n_loss_tokens", pa.int32()),
@@ -99,7 +109,14 @@ STAT_REUSED = "reused"  # rows taken from completions already in the store
 STAT_CONTINUED = "continued"  # rows whose earlier truncated answer the engine continued
 STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}, reused and continued
 STAT_GENERATED = "generated"  # rows the engine produced in the run that generated the shard
+STAT_TURNS = "turns"  # turns: all: what became of the conversations (generate.turn_counts)
+STAT_PER_TURN_SAMPLES = "per_turn_samples"  # samples that are one turn of a conversation
 STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's
+
+
+def is_per_turn(row: dict[str, Any]) -> bool:
+    """Whether each turn of this completion row is a sample of its own."""
+    return bool(row.get("per_turn")) and bool(row.get("turns"))
 
 
 def iter_turn_tokens(row: dict[str, Any]) -> Iterator[tuple[list[int], list[int]]]:

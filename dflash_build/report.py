@@ -91,9 +91,12 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
     total: Counter[str] = Counter()
     wall = engine_tokens = 0.0
     shards = 0
+    turns: dict[str, Any] | None = None
     for path in sorted(plan.completion_dir(source).glob("*.stats.json")):
         stats = json.loads(path.read_text())
         shards += 1
+        if R.STAT_TURNS in stats:
+            turns = _add_turns(turns, stats[R.STAT_TURNS])
         for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED,
                     R.STAT_REUSED, R.STAT_CONTINUED, R.STAT_GENERATED):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
@@ -103,6 +106,7 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         engine_tokens += float(stats.get(R.STAT_OUTPUT_TOK_PER_S) or 0) * seconds
     rows = total[R.STAT_INPUT_ROWS]
     return {
+        **({} if turns is None else {R.STAT_TURNS: turns}),
         "shards": shards,
         **{
             k: total[k]
@@ -116,6 +120,16 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         "gpu_hours": round(wall / 3600 * gpus_per_job, 4),
         "engine_tok_per_s": round(engine_tokens / wall, 2) if wall else None,
     }
+
+
+def _add_turns(total: dict[str, Any] | None, shard: dict[str, Any]) -> dict[str, Any]:
+    """Two shards' ``turns`` summaries (generate.turn_counts) summed."""
+    if total is None:
+        return {**shard, "by_count": dict(shard["by_count"])}
+    out = {k: total[k] + shard.get(k, 0) for k in total if k != "by_count"}
+    by_count = Counter(total["by_count"]) + Counter(shard["by_count"])
+    out["by_count"] = dict(sorted(by_count.items(), key=lambda kv: int(kv[0])))
+    return out
 
 
 def tables(plan: Plan, tally: Tally) -> dict[str, dict[str, dict[str, Any]]]:
@@ -394,6 +408,36 @@ def removals(manifest: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def multi_turn(report: dict[str, Any]) -> str:
+    """The card's section on ``turns: all`` sources: turns per conversation and the per-turn samples;
+    empty when no source regenerates later turns."""
+    rows = []
+    for name, s in report["by_source"].items():
+        turns = s["generation"].get(R.STAT_TURNS)
+        if turns is None:
+            continue
+        spread = ", ".join(f"{n} turns: {c}" for n, c in turns["by_count"].items())
+        rows.append(
+            f"| {name} | {turns['conversations']} | {turns['turns']} | {turns['per_turn']} | "
+            f"{turns['history_retokenized']} | {turns['ended_early']} | {spread} |"
+        )
+    if not rows:
+        return ""
+    head = [
+        "## Multi-turn conversations",
+        "",
+        "Sources with `turns: all`. A per-turn conversation gives one sample per turn, its prompt the chat "
+        "template's own render of the history (earlier answers re-tokenized as the template writes them); the "
+        "others give one sample each. A conversation ends early when a turn does not stop on its own or its "
+        "prompt no longer fits (the completion row's `error` says why).",
+        "",
+        "| source | conversations | turns | per-turn conversations | turns with re-tokenized history | ended early "
+        "| turns per conversation |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + rows) + "\n"
+
+
 def _mean(total: int, rows: int) -> float:
     return total / rows if rows else 0.0
 
@@ -432,7 +476,8 @@ def _digest(fingerprint: Any) -> str:
 def card_body(manifest: dict[str, Any]) -> str:
     """The card's report: tables, then each plot with its caption."""
     plots = "\n\n".join(f"![{caption}]({path})\n\n*{caption}*" for path, caption in _plot_captions(manifest))
-    return f"## Report\n\n{markdown(manifest['report'])}\n{removals(manifest)}\n{plots}\n"
+    sections = [markdown(manifest["report"]), removals(manifest), multi_turn(manifest["report"])]
+    return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{plots}\n"
 
 
 def _plot_captions(manifest: dict[str, Any]) -> list[tuple[str, str]]:

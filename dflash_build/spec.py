@@ -69,6 +69,25 @@ class HubSpec:
         return os.path.isdir(self.path)
 
 
+# How ``turns: all`` makes samples of a conversation. sequence: one sample, each turn's prompt the ids
+# before it + the template's ids in between (needs a template that writes history as a prefix of the
+# next prompt); per_turn: one sample per turn, its prompt the template's own render of the history so
+# far; auto: sequence while the template is prefix-stable for the conversation, else per_turn.
+TURN_SAMPLES = ("auto", "sequence", "per_turn")
+
+
+@dataclass(frozen=True)
+class TemplateKwargFrom:
+    """One chat-template kwarg read from each row: ``field``'s value, through ``map`` when given."""
+
+    field: str
+    map: Mapping[str, Any] | None = None
+    default: Any = None  # for rows without the field; None: such a row is dropped and counted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"field": self.field, "map": None if self.map is None else dict(self.map), "default": self.default}
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     name: str
@@ -86,6 +105,9 @@ class SourceSpec:
     chat_template_kwargs: Mapping[str, Any]
     turns: str = "first"
     max_drop_fraction: float = 0.2  # prepare fails when more rows than this are dropped for defects
+    turn_samples: str = "auto"  # turns: all only; see TURN_SAMPLES
+    # template kwarg -> where each row's value comes from (see TemplateKwargFrom)
+    chat_template_kwargs_from: Mapping[str, TemplateKwargFrom] = field(default_factory=dict)
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -97,6 +119,12 @@ class SourceSpec:
             "seed": self.seed,
             "filters": {"min_chars": self.min_chars, "max_chars": self.max_chars},
             "turns": self.turns,
+            # only when set, so sources without it keep their keys
+            **(
+                {"chat_template_kwargs_from": {k: v.as_dict() for k, v in self.chat_template_kwargs_from.items()}}
+                if self.chat_template_kwargs_from
+                else {}
+            ),
         }
 
 

@@ -1,8 +1,9 @@
 """Tokenize stage: completions → training samples, without re-tokenizing any generated text.
 
 A sample is the prompt ids the model saw, then the ids it generated, then the stop token it emitted
-when it stopped on its own (for ``turns: all``, each turn in order). loss_mask is 1 exactly on the
-generated ids (stop tokens included).
+when it stopped on its own (for ``turns: all`` in one sequence, each turn in order; a conversation
+whose turns are samples of their own gives one sample per turn, ``turn`` naming it). loss_mask is 1
+exactly on the generated ids (stop tokens included).
 Truncated answers follow the `truncated` policy; rows the engine could not generate are dropped.
 Every dropped row is counted by reason in the stats sidecar.
 """
@@ -29,19 +30,26 @@ DROP_EMPTY_ANSWER = "empty_answer"
 DROP_SKIPPED = "skipped"
 
 
-def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], list[int]] | str:
-    """(input_ids, loss_mask) of one completion, or the reason it is dropped.
-
-    Every turn adds the ids the model saw before its answer (mask 0), then the answer and the stop
-    token it emitted (mask 1).
-    """
-    reason = row["finish_reason"]
+def _dropped(reason: str, truncated_policy: str) -> str | None:
+    """Why an answer that ended with ``reason`` is no sample, or None when it is one."""
     if reason in (R.FINISH_ERROR, R.FINISH_ABORT):
         return DROP_ENGINE_ERROR
     if reason == R.FINISH_SKIPPED:
         return DROP_SKIPPED
     if reason == R.FINISH_LENGTH and truncated_policy == "drop":
         return DROP_TRUNCATED
+    return None
+
+
+def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], list[int]] | str:
+    """(input_ids, loss_mask) of one completion as one sequence, or the reason it is dropped.
+
+    Every turn adds the ids the model saw before its answer (mask 0), then the answer and the stop
+    token it emitted (mask 1).
+    """
+    reason = _dropped(row["finish_reason"], truncated_policy)
+    if reason is not None:
+        return reason
     input_ids: list[int] = []
     loss_mask: list[int] = []
     for context, generated in R.iter_turn_tokens(row):
@@ -50,6 +58,31 @@ def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], li
     if not any(loss_mask):
         return DROP_EMPTY_ANSWER
     return input_ids, loss_mask
+
+
+def to_samples(row: dict[str, Any], truncated_policy: str) -> list[tuple[int | None, list[int], list[int]] | str]:
+    """The samples of one completion as (turn, input_ids, loss_mask), each or the reason it is dropped.
+
+    A row whose turns are samples of their own (:func:`records.is_per_turn`) gives one per turn: the
+    whole prompt that turn saw (mask 0), then its answer and stop token (mask 1); each turn follows
+    the truncated policy by its own finish reason. Any other row is one sample (:func:`to_sample`,
+    turn None).
+    """
+    if not R.is_per_turn(row):
+        sample = to_sample(row, truncated_policy)
+        return [sample if isinstance(sample, str) else (None, *sample)]
+    out: list[tuple[int | None, list[int], list[int]] | str] = []
+    for i, t in enumerate(row["turns"]):
+        reason = _dropped(t["finish_reason"], truncated_policy)
+        generated = list(t["output_ids"]) + ([t["stop_token_id"]] if t["stop_token_id"] is not None else [])
+        if reason is None and not generated:
+            reason = DROP_EMPTY_ANSWER
+        if reason is not None:
+            out.append(reason)
+            continue
+        context = list(t["context_ids"])
+        out.append((i, context + generated, [0] * len(context) + [1] * len(generated)))
+    return out
 
 
 def run(
@@ -63,24 +96,25 @@ def run(
     drops: Counter[str] = Counter()
     samples = []
     for row in completions:
-        sample = to_sample(row, plan.config.truncated)
-        if isinstance(sample, str):
-            drops[sample] += 1
-            continue
-        input_ids, loss_mask = sample
-        samples.append(
-            {
-                "input_ids": input_ids,
-                "loss_mask": loss_mask,
-                "source": source,
-                "category": sp.spec.category,
-                "prompt_id": row["prompt_id"],
-                "sample_idx": row["sample_idx"],
-                "finish_reason": row["finish_reason"],
-                "n_tokens": len(input_ids),
-                "n_loss_tokens": sum(loss_mask),
-            }
-        )
+        for sample in to_samples(row, plan.config.truncated):
+            if isinstance(sample, str):
+                drops[sample] += 1
+                continue
+            turn, input_ids, loss_mask = sample
+            samples.append(
+                {
+                    "input_ids": input_ids,
+                    "loss_mask": loss_mask,
+                    "source": source,
+                    "category": sp.spec.category,
+                    "prompt_id": row["prompt_id"],
+                    "sample_idx": row["sample_idx"],
+                    "turn": turn,
+                    "finish_reason": row["finish_reason"] if turn is None else row["turns"][turn]["finish_reason"],
+                    "n_tokens": len(input_ids),
+                    "n_loss_tokens": sum(loss_mask),
+                }
+            )
     stats = {
         "stage": "tokenize",
         "source": source,
@@ -93,6 +127,7 @@ def run(
         R.STAT_TRUNCATED: sum(r["finish_reason"] == R.FINISH_LENGTH for r in completions),
         R.STAT_TOKENS: sum(s["n_tokens"] for s in samples),
         R.STAT_LOSS_TOKENS: sum(s["n_loss_tokens"] for s in samples),
+        R.STAT_PER_TURN_SAMPLES: sum(s["turn"] is not None for s in samples),
     }
     table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
     stats[R.STAT_DATA] = atomic.write_parquet(out_path, table)

@@ -13,7 +13,8 @@ PREP_VERSION = 2
 # 3: row seeds are 31-bit (every engine takes them as they are); the sglang backend sends every penalty
 # explicitly and reads SGLang 0.5.23's results (stop token, NaN faults, refusals).
 GEN_VERSION = 3
-TOK_VERSION = 1
+# 2: samples carry `turn` (per-turn samples of a turns: all conversation; null for a whole row).
+TOK_VERSION = 2
 # 2: data file names carry a digest of their content.
 # 3: the folder also holds the report (card recipe and tables, plots/, tables/); in the mix's params, so
 # a dataset built before gets it on the next run.

@@ -180,9 +180,10 @@ def test_turns_all_builds_each_prompt_on_the_generated_history(
     assert len(second) == 1 and second[0].prompt_ids == ids[: len(second[0].prompt_ids)]
 
 
-def test_a_template_that_rewrites_history_gives_an_error_row(
+def test_a_template_that_rewrites_history_makes_each_turn_a_sample(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """turn_samples: auto (tests/test_multiturn.py has the rest, on a Qwen3-style template)."""
     rewriting = tmp_path / "rewrite.jinja"
     rewriting.write_text(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -192,7 +193,15 @@ def test_a_template_that_rewrites_history_gives_an_error_row(
     plan = _multi_turn_plan(tmp_path, tiny_model, rewriting)
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
     stats = generate.run(plan, "s", "00000")
-    assert stats["error"] == 1 and any("not prefix-stable" in e for e in stats["errors"])
+    assert stats["error"] == 0 and stats["turns"]["per_turn"] == 1
+    [multi] = [r for r in pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist() if r["turns"]]
+    assert multi["per_turn"] and "[earlier answer]" in tokenize_text(tiny_model, multi["turns"][1]["context_ids"])
+
+
+def tokenize_text(model: Path, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).decode(ids)
 
 
 def test_prompts_that_do_not_fit_the_context_are_skipped_before_the_engine(

@@ -109,6 +109,8 @@ def random_config(ws: Workspace, rng: random.Random) -> dict[str, Any]:
         n: {"category": rng.choice(["x", "y"]), "format": "alpaca", "files": [str(ws.root / f"{n}.jsonl")]}
         for n in names
     }
+    for n in names:  # the first source is multi-turn, so turn_samples decides something (EDITS)
+        sources[n]["turns"] = "all" if n == min(names) else rng.choice(["first", "all"])
     sampling = {"temperature": rng.choice([0.0, 0.6, 1.0]), "top_k": rng.choice([0, 20]), "seed": rng.randint(0, 9)}
     filters: dict[str, Any] = {}
     if rng.random() < 0.5:  # the filters on, at their defaults, or off: each edit below holds either way
@@ -248,7 +250,12 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "sources.*.max_samples": (_source("max_samples", 2), keys.PROMPT),
     "sources.*.seed": (_source("seed", 3), keys.PROMPT),
     "sources.*.filters.min_chars": (_source("filters.min_chars", 3), keys.PROMPT),
-    "sources.*.turns": (_source("turns", "all"), keys.PROMPT),
+    "sources.*.turns": (_source("turns", "first"), keys.PROMPT),
+    "sources.*.turn_samples": (_source("turn_samples", "per_turn"), keys.GEN),
+    "sources.*.chat_template_kwargs_from": (
+        _source("chat_template_kwargs_from", {"enable_thinking": {"field": "instruction", "default": True}}),
+        keys.PROMPT,
+    ),
     "sources.*.sampling": (_source("sampling", {"temperature": 0.33}), keys.GEN),
     "sources.*.chat_template_kwargs": (_source("chat_template_kwargs", {"enable_thinking": True}), keys.GEN),
     "sources.*.max_drop_fraction": (_source("max_drop_fraction", 0.9), None),

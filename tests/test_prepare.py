@@ -269,6 +269,7 @@ def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[di
             "messages": json.dumps(messages, ensure_ascii=False),
             "tools": None if tools is None else json.dumps(tools, ensure_ascii=False),
             "meta": json.dumps(raw.origin, sort_keys=True),
+            "template_kwargs": None,  # the source reads none (chat_template_kwargs_from)
         }
         key = prepare.dedup_key(messages, tools)
         if key in kept:

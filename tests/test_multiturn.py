@@ -1,0 +1,447 @@
+"""``turns: all`` on a thinking template (Qwen3-style: history without reasoning, a generation prompt
+that opens ``<think>``): one sample per regenerated turn, each equal to an independent render of its
+conversation so far + the engine's ids; per-row template kwargs; resume mid-conversation.
+
+The driver around the engine is tested here with a scripted stand-in (its answers hold reasoning, so
+the template's rewrite is visible); the real transformers engine runs the same checks in
+:func:`test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_row`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import engines, export, generate, mix, prepare, tokenize
+from dflash_build import plan as plan_mod
+from dflash_build.engines import Request, Result
+from dflash_build.killpoints import KILL_AT_ENV
+from tests.conftest import REPO, TOOLS_TEMPLATE, write_jsonl
+
+QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"
+NEMOTRON = REPO / "tests" / "data" / "upstream" / "nemotron-post-training-v2"
+STOP = 2  # <|im_end|> in SmolLM2's vocabulary
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+MESSAGES_ROWS = [  # an OpenAI-messages conversation with a tool call and its result, and a plain one
+    {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather"}}]},
+            {"role": "tool", "content": '{"temperature": 18, "sky": "cloudy"}'},
+            {"role": "assistant", "content": "It is 18 degrees and cloudy."},
+            {"role": "user", "content": "Should I take an umbrella?"},
+            {"role": "assistant", "content": "Perhaps."},
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Name a prime number."},
+            {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "And an even one?"},
+            {"role": "assistant", "content": "2"},
+        ]
+    },
+]
+SHAREGPT_ROWS = [
+    {
+        "conversations": [
+            {"from": "human", "value": "What is the capital of France?"},
+            {"from": "gpt", "value": "Paris."},
+            {"from": "human", "value": "And of Italy?"},
+            {"from": "gpt", "value": "Rome."},
+            {"from": "human", "value": "Which of the two is larger?"},
+        ]
+    }
+]
+
+
+class ThinkingEngine:
+    """Stand-in: answers turn k with reasoning, ``</think>`` and an answer, then the stop token. The
+    turn is read from the prompt (its assistant headers), so a new instance answers a resumed job alike."""
+
+    def __init__(self, tokenizer: Any, length_at_turn: int | None = None, fail_after: int | None = None) -> None:
+        self.tokenizer, self.length_at_turn, self.fail_after = tokenizer, length_at_turn, fail_after
+        self.requests: list[Request] = []
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        for r in requests:
+            if self.fail_after is not None and len(self.requests) >= self.fail_after:
+                raise RuntimeError("the engine died")
+            self.requests.append(r)
+            turn = self.tokenizer.decode(r.prompt_ids).count("<|im_start|>assistant") - 1
+            text = f"reasoning {turn} of {r.prompt_id[:6]}\n</think>\n\nanswer {turn} of {r.prompt_id[:6]}"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if turn == self.length_at_turn:
+                yield Result(r.prompt_id, r.sample_idx, ids[:3], "length")
+            else:
+                yield Result(r.prompt_id, r.sample_idx, ids, "stop", stop_token_id=STOP)
+
+    def close(self) -> None:
+        pass
+
+
+def _plan(tmp_path: Path, model: Path, source: dict[str, Any], template: Path = QWEN3_TEMPLATE) -> plan_mod.Plan:
+    tmp_path.mkdir(exist_ok=True)
+    raw = {
+        "store": str(tmp_path / "store"),
+        "model": {"path": str(model), "chat_template": str(template)},
+        "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 4, "threads": 1}},
+        "sampling": {"max_new_tokens": 24, "temperature": 0.8, "seed": 3},
+        "sources": {"s": {"category": "c", "turns": "all", **source}},
+        "mix": {"categories": {"c": 1}},
+        "truncated": "drop",
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+    prepare.run(plan, "s")
+    return plan
+
+
+def _messages_plan(tmp_path: Path, model: Path, **source: Any) -> plan_mod.Plan:
+    write_jsonl(tmp_path / "chat.jsonl", MESSAGES_ROWS)
+    return _plan(tmp_path, model, {"format": "messages", "files": [str(tmp_path / "chat.jsonl")], **source})
+
+
+def _tokenizer(model: Path, template: Path = QWEN3_TEMPLATE) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = template.read_text()
+    return tok
+
+
+def _completions(plan: plan_mod.Plan) -> list[dict[str, Any]]:
+    return pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist()
+
+
+def _prompts(plan: plan_mod.Plan) -> dict[str, dict[str, Any]]:
+    return {r["prompt_id"]: r for r in pq.read_table(plan.prompt_dir("s") / "00000.parquet").to_pylist()}
+
+
+def check_against_independent_renders(
+    plan: plan_mod.Plan, tok: Any, kwargs: dict[str, Any] | None = None
+) -> list[tuple[int | None, list[int], list[int]]]:
+    """Every per-turn sample is the template's render (by transformers, not our renderer) of its
+    conversation so far, earlier answers being the engine's decoded ids, then the engine's ids and
+    stop token; the loss mask is 0 on the prompt and 1 on exactly those ids. Returns the samples."""
+    prompts = _prompts(plan)
+    samples = []
+    for row in _completions(plan):
+        assert row["error"] is None, row["error"]
+        prompt = prompts[row["prompt_id"]]
+        messages, tools = json.loads(prompt["messages"]), json.loads(prompt["tools"]) if prompt["tools"] else None
+        row_kwargs = {**(kwargs or {}), **json.loads(prompt["template_kwargs"] or "{}")}
+        slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if messages[-1]["role"] != "assistant":
+            slots.append(len(messages))
+        if row["turns"] is None:  # a conversation of one answer: one sample, rendered the same way
+            text = tok.apply_chat_template(
+                messages[: slots[0]], tools=tools, add_generation_prompt=True, tokenize=False, **row_kwargs
+            )
+            assert len(slots) == 1 and row["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+            continue
+        assert row["per_turn"] is True
+        assert len(row["turns"]) == len(slots), "every assistant turn is regenerated"
+        got = tokenize.to_samples(row, "drop")
+        assert len(got) == len(slots)
+        for k, (turn, sample) in enumerate(zip(row["turns"], got, strict=True)):
+            history = [dict(m) for m in messages[: slots[k]]]
+            for j in range(k):
+                history[slots[j]] = {"role": "assistant", "content": tok.decode(row["turns"][j]["output_ids"])}
+            text = tok.apply_chat_template(
+                history, tools=tools, add_generation_prompt=True, tokenize=False, **row_kwargs
+            )
+            expected_prompt = tok(text, add_special_tokens=False)["input_ids"]
+            answer = turn["output_ids"] + [STOP]
+            assert sample == (k, expected_prompt + answer, [0] * len(expected_prompt) + [1] * len(answer))
+            assert turn["context_ids"] == expected_prompt
+            samples.append(sample)
+    return samples
+
+
+def test_each_turn_is_a_sample_on_a_template_that_drops_earlier_reasoning(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _messages_plan(tmp_path, tiny_model)
+    tok = _tokenizer(tiny_model)
+    stand_in = ThinkingEngine(tok)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
+    stats = generate.run(plan, "s", "00000")
+    assert stats["error"] == 0 and stats["ok"] == 2 and stats["errors"] == {}
+    assert stats["turns"] == {
+        "conversations": 2,
+        "turns": 5,  # 3 answers around the tool call, 2 in the plain conversation
+        "per_turn": 2,
+        "history_retokenized": 2,
+        "ended_early": 0,
+        "by_count": {"2": 1, "3": 1},
+    }
+    samples = check_against_independent_renders(plan, tok)
+    assert len(samples) == 5
+    # the template wrote each earlier answer without its reasoning: the prompt of turn 2 holds answers
+    # 0 and 1, not their reasoning, and the engine saw exactly these prompts
+    tool_row = next(r for r in _completions(plan) if len(r["turns"]) == 3)
+    last_prompt = tok.decode(tool_row["turns"][2]["context_ids"])
+    pid = tool_row["prompt_id"][:6]
+    assert f"answer 0 of {pid}" in last_prompt and f"answer 1 of {pid}" in last_prompt
+    assert "reasoning" not in last_prompt and "<tool_response>" in last_prompt
+    assert last_prompt.endswith("<|im_start|>assistant\n<think>\n")
+    # Answer 0 comes before the tool result, after the last user query: the template writes it with its
+    # reasoning, as generated, so turn 1 extends the sequence; the new user query of turn 2 rewrites both.
+    # So turns 0 and 1 keep the ids the engine saw, and only turn 2's prompt holds re-tokenized history.
+    assert [t["history_retokenized"] for t in tool_row["turns"]] == [False, False, True]
+    assert (
+        tool_row["turns"][1]["context_ids"][: len(tool_row["turns"][0]["context_ids"])]
+        == tool_row["turns"][0]["context_ids"]
+    )
+    sent = {tuple(r.prompt_ids) for r in stand_in.requests}
+    assert {tuple(t["context_ids"]) for r in _completions(plan) for t in r["turns"]} == sent
+
+    shard = tokenize.run(plan, "s", "00000")
+    assert shard["rows_out"] == 5 and shard["per_turn_samples"] == 5 and shard["dropped"] == {}
+    tokens = pq.read_table(plan.token_dir("s") / "00000.parquet").to_pylist()
+    assert sorted((t["prompt_id"], t["turn"]) for t in tokens) == sorted(
+        (r["prompt_id"], k) for r in _completions(plan) for k in range(len(r["turns"]))
+    )
+
+
+def test_a_prefix_stable_template_keeps_one_sequence_and_per_turn_can_be_forced(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """chatml-tools writes history as a prefix of the next prompt: auto keeps today's single sequence
+    (no id re-tokenized); turn_samples: per_turn makes samples of its turns anyway."""
+    write_jsonl(tmp_path / "chat.jsonl", MESSAGES_ROWS)
+    source = {"format": "messages", "files": [str(tmp_path / "chat.jsonl")]}
+    tok = _tokenizer(tiny_model, TOOLS_TEMPLATE)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok))
+    auto = _plan(tmp_path / "auto", tiny_model, source, TOOLS_TEMPLATE)
+    generate.run(auto, "s", "00000")
+    rows = _completions(auto)
+    assert all(r["per_turn"] is False and len(r["turns"]) >= 2 for r in rows)
+    assert all(tokenize.to_samples(r, "drop")[0][0] is None and len(tokenize.to_samples(r, "drop")) == 1 for r in rows)
+    forced = _plan(
+        tmp_path / "forced",
+        tiny_model,
+        {**source, "turn_samples": "per_turn"},
+        TOOLS_TEMPLATE,
+    )
+    assert forced.sources["s"].gen_key != auto.sources["s"].gen_key, "turn_samples is keyed"
+    generate.run(forced, "s", "00000")
+    samples = check_against_independent_renders(forced, tok)
+    assert len(samples) == sum(len(r["turns"]) for r in rows)
+    # the same conversation, the same answers: each per-turn sample is a prefix of the sequence
+    sequences = {r["prompt_id"]: tokenize.to_sample(r, "drop")[0] for r in rows}
+    for row in _completions(forced):
+        for _, ids, _ in tokenize.to_samples(row, "drop"):
+            assert sequences[row["prompt_id"]][: len(ids)] == ids
+
+
+def test_sequence_on_a_rewriting_template_is_an_error_row_that_names_the_fix(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _messages_plan(tmp_path, tiny_model, turn_samples="sequence")
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(_tokenizer(tiny_model)))
+    with pytest.raises(
+        generate.ShardFailedError, match=r"2 x .*not prefix-stable\); set turn_samples: auto or per_turn"
+    ):
+        generate.run(plan, "s", "00000")
+
+
+def test_a_truncated_turn_ends_its_conversation_and_is_counted(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _messages_plan(tmp_path, tiny_model)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(_tokenizer(tiny_model), length_at_turn=1))
+    stats = generate.run(plan, "s", "00000")
+    assert stats["truncated"] == 2 and stats["turns"]["ended_early"] == 1  # the 2-turn one ended on its last
+    assert stats["turns"]["by_count"] == {"2": 2}, "no turn is generated after a truncated one"
+    rows = {len(json.loads(p["messages"])): p["prompt_id"] for p in _prompts(plan).values()}
+    per_turn = {r["prompt_id"]: r["per_turn"] for r in _completions(plan)}
+    # the tool conversation is still one sequence at turn 1 (see the first test): truncated, it is one
+    # dropped sample; the plain one is per-turn from turn 1, so its turn 0 stays a sample
+    assert per_turn == {rows[7]: False, rows[4]: True}
+    shard = tokenize.run(plan, "s", "00000")
+    assert shard["rows_out"] == 1 and shard["dropped"] == {"truncated": 2} and shard["per_turn_samples"] == 1
+
+
+def test_a_killed_job_resumes_at_the_next_unfinished_turn(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = _messages_plan(tmp_path / "whole", tiny_model)
+    tok = _tokenizer(tiny_model)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok))
+    generate.run(whole, "s", "00000")
+    plan = _messages_plan(tmp_path / "resumed", tiny_model)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok, fail_after=3))
+    with pytest.raises(RuntimeError, match="the engine died"):
+        generate.run(plan, "s", "00000")
+    journaled = (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(r)["turn"] for r in journaled] == [0, 0, 1], "two conversations, one of them mid-way"
+    rerun = ThinkingEngine(tok)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: rerun)
+    stats = generate.run(plan, "s", "00000")
+    assert stats["resumed_turns"] == 3 and len(rerun.requests) == 2, "only the unfinished turns are generated"
+    assert _completions(plan) == _completions(whole)
+
+
+def test_a_column_sets_thinking_per_row(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nemotron v2's ``reasoning`` (on/off) as enable_thinking: each row renders as the data says; the
+    same messages with thinking on and off are two prompts; a value the map lacks drops the row."""
+    folder = tmp_path / "nemotron"
+    shutil.copytree(NEMOTRON, folder)
+    table = pq.read_table(folder / "data" / "chat-00000-of-00001.parquet")
+    rows = table.to_pylist()
+    twin = {**rows[1], "reasoning": "off" if rows[1]["reasoning"] == "on" else "on", "uuid": "twin"}
+    odd = {**rows[2], "reasoning": "maybe", "uuid": "odd"}
+    pq.write_table(
+        type(table).from_pylist([*rows, twin, odd], schema=table.schema),
+        folder / "data" / "chat-00000-of-00001.parquet",
+    )
+    source = {
+        "format": "messages",
+        "hf": {"path": str(folder), "split": "chat"},
+        "chat_template_kwargs_from": {"enable_thinking": {"field": "reasoning", "map": {"on": True, "off": False}}},
+        "max_drop_fraction": 0.5,
+    }
+    plan = _plan(tmp_path, tiny_model, source)
+    manifest = json.loads(plan.prompt_manifest("s").read_text())
+    assert manifest["rows_out"] == len(rows) + 1 and manifest["drops"] == {"template_kwarg": 1}
+    [example] = manifest["drop_examples"]["template_kwarg"]
+    assert "'maybe'" in example and "enable_thinking" in example
+    prompts = _prompts(plan)
+    kwargs = {pid: json.loads(p["template_kwargs"]) for pid, p in prompts.items()}
+    assert {json.dumps(k) for k in kwargs.values()} == {'{"enable_thinking": true}', '{"enable_thinking": false}'}
+    by_messages: dict[str, set[bool]] = {}
+    for p in prompts.values():
+        by_messages.setdefault(p["messages"], set()).add(kwargs[p["prompt_id"]]["enable_thinking"])
+    assert {True, False} in by_messages.values(), "the twin kept both renders of its messages"
+    tok = _tokenizer(tiny_model)
+    stand_in = ThinkingEngine(tok)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
+    generate.run(plan, "s", "00000")
+    check_against_independent_renders(plan, tok)
+    firsts = {r["prompt_id"]: tok.decode(r["prompt_ids"]) for r in _completions(plan)}
+    for pid, text in firsts.items():
+        thinking = kwargs[pid]["enable_thinking"]
+        assert text.endswith("<think>\n" if thinking else "<think>\n\n</think>\n\n"), (thinking, text[-30:])
+
+
+def test_a_bare_on_off_map_key_is_a_config_error(tmp_path: Path, tiny_model: Path) -> None:
+    (tmp_path / "c.yaml").write_text(
+        f"""
+store: {tmp_path}/store
+model: {{path: {tiny_model}}}
+sources:
+  s:
+    category: c
+    format: messages
+    files: [{tmp_path}/x.jsonl]
+    chat_template_kwargs_from: {{enable_thinking: {{field: reasoning, map: {{on: true, off: false}}}}}}
+mix: {{categories: {{c: 1}}}}
+"""
+    )
+    write_jsonl(tmp_path / "x.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(cfg.ConfigError, match=r"sources\.s\.chat_template_kwargs_from\.enable_thinking\.map.*quote"):
+        cfg.load(tmp_path / "c.yaml")
+
+
+def test_turn_samples_needs_turns_all(tmp_path: Path, tiny_model: Path) -> None:
+    write_jsonl(tmp_path / "x.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    raw = {
+        "store": str(tmp_path / "store"),
+        "model": {"path": str(tiny_model)},
+        "sources": {
+            "s": {
+                "category": "c",
+                "format": "messages",
+                "files": [str(tmp_path / "x.jsonl")],
+                "turn_samples": "per_turn",
+            }
+        },
+        "mix": {"categories": {"c": 1}},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(cfg.ConfigError, match=r"sources\.s\.turn_samples.*turns: all"):
+        cfg.load(tmp_path / "c.yaml")
+
+
+def test_each_turn_ranks_apart_in_the_mix_and_has_its_own_export_id() -> None:
+    """Per-turn samples of one conversation rank apart in the mix and carry distinct export ids."""
+    import numpy as np
+    import pyarrow as pa
+
+    ids = pa.array(["ab" * 8] * 3)
+    ranks = mix.sample_ranks(0, ids, np.zeros(3), np.array([0, 1, 2]))
+    assert len(set(ranks.tolist())) == 3
+    assert mix.sample_ranks(0, ids[:1], np.zeros(1))[0] == ranks[0], "a whole row ranks as turn 0 did before"
+    assert export.sample_id("p", 0) == "p:0" and export.sample_id("p", 0, 2) == "p:0:2"
+
+
+@pytest.mark.workflow
+def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_row(
+    tmp_path: Path, gguf_path: Path
+) -> None:
+    """SmolLM2-135M-Instruct (its GGUF, through the transformers backend) on the Qwen3-style template:
+    zero error rows, one sample per assistant turn, each equal to an independent render + the engine's
+    ids; a job stopped after its third turn resumes mid-conversation and gives the same rows."""
+    from transformers import AutoTokenizer
+
+    write_jsonl(tmp_path / "chat.jsonl", SHAREGPT_ROWS)
+
+    def built(root: Path, kill_at: str | None) -> plan_mod.Plan:
+        raw = {
+            "store": str(root / "store"),
+            "model": {"path": str(gguf_path), "chat_template": str(QWEN3_TEMPLATE)},
+            "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 2, "threads": 2}},
+            "sampling": {"max_new_tokens": 48, "temperature": 0.0, "seed": 0},
+            "sources": {
+                "s": {"category": "c", "format": "sharegpt", "files": [str(tmp_path / "chat.jsonl")], "turns": "all"},
+            },
+            "mix": {"categories": {"c": 1}},
+            "truncated": "drop",
+        }
+        root.mkdir()
+        (root / "c.yaml").write_text(yaml.safe_dump(raw))
+        plan = plan_mod.build(cfg.load(root / "c.yaml"))
+        prepare.run(plan, "s")
+        if kill_at is not None:  # SIGTERM after N journaled turns: the job stops cleanly mid-conversation
+            os.environ[KILL_AT_ENV] = kill_at
+            try:
+                with pytest.raises(generate.Interrupted):
+                    generate.run(plan, "s", "00000")
+            finally:
+                del os.environ[KILL_AT_ENV]
+            journaled = (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
+            assert [json.loads(r)["turn"] for r in journaled] == [0]
+        generate.run(plan, "s", "00000")
+        return plan
+
+    whole = built(tmp_path / "whole", None)
+    resumed = built(tmp_path / "resumed", "sigterm:1")
+    rows = _completions(whole)
+    assert rows == _completions(resumed), "fresh = resumed, row for row"
+    [row] = rows
+    assert row["finish_reason"] == "stop" and len(row["turns"]) == 3, [t["text"] for t in row["turns"]]
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.chat_template = QWEN3_TEMPLATE.read_text()
+    assert len(check_against_independent_renders(whole, tok)) == 3
+    assert tokenize.run(whole, "s", "00000")["rows_out"] == 3
