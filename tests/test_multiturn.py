@@ -417,6 +417,7 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
                 "s": {"category": "c", "format": "sharegpt", "files": [str(tmp_path / "chat.jsonl")], "turns": "all"},
             },
             "mix": {"categories": {"c": 1}},
+            "dataset": {"name": "mt", "out": str(root / "dist")},
             "truncated": "drop",
         }
         root.mkdir()
@@ -445,3 +446,9 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
     tok.chat_template = QWEN3_TEMPLATE.read_text()
     assert len(check_against_independent_renders(whole, tok)) == 3
     assert tokenize.run(whole, "s", "00000")["rows_out"] == 3
+    # the mix and the card count the per-turn samples and the turns per conversation
+    manifest = mix.run(whole, tmp_path / "whole" / "record.json")
+    assert manifest["rows"] == manifest["per_turn_samples"] == 3
+    card = (tmp_path / "whole" / "dist" / "mt" / "README.md").read_text()
+    retokenized = sum(t["history_retokenized"] for t in row["turns"])
+    assert "## Multi-turn conversations" in card and f"| s | 1 | 3 | 1 | {retokenized} | 0 | 3 turns: 1 |" in card
