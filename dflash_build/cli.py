@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
-from dflash_build import mix, operate, rowindex
+from dflash_build import layout, mix, operate, rowindex
 from dflash_build import plan as plan_mod
 
 
@@ -182,7 +182,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     folder = Path(args.dataset)
-    print(mix.summary(json.loads((folder / "manifest.json").read_text()), folder))
+    print(mix.summary(json.loads((folder / layout.MANIFEST).read_text()), folder))
     return 0
 
 
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("explain", parents=[after], help="why a target would (re)build")
     p.add_argument("target", nargs="+", help="a store path, or SOURCE SHARD")
-    p.add_argument("--stage", choices=sorted(operate.STAGES), default="completions", help="with SOURCE SHARD")
+    p.add_argument("--stage", choices=sorted(layout.STAGES), default="completions", help="with SOURCE SHARD")
     p.set_defaults(func=cmd_explain)
     p = sub.add_parser("gc", parents=[after], help="unreferenced store entries")
     p.add_argument("--yes", action="store_true", help="delete them")

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from dflash_build import engines
+from dflash_build.engines import registry
 from dflash_build.neardup import NearSpec
 from dflash_build.spec import (
     EXPORT_DEFAULTS as EXPORT_DEFAULTS,
@@ -398,8 +399,8 @@ def _engine(engine: Mapping[str, Any]) -> EngineSpec:
         stall_timeout=float(engine.get("stall_timeout", 300)),
     )
     engines.check_options(spec.backend, spec.options)
-    if spec.shared and spec.backend == "openai":
-        raise ConfigError("engine.shared", "the openai backend talks to servers it does not run; remove it")
+    if spec.shared and registry.get(spec.backend).serve is None:
+        raise ConfigError("engine.shared", f"the {spec.backend} backend talks to servers it does not run; remove it")
     return spec
 
 

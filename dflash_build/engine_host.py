@@ -51,13 +51,12 @@ from typing import Any
 
 from dflash_build import atomic, hashing
 from dflash_build.config import Config, EngineSpec
-from dflash_build.engines import EngineFailed
+from dflash_build.engines import EngineFailed, registry
 from dflash_build.engines.openai_backend import PoolChange, ServerDown
 from dflash_build.engines.sglang_backend import OWN_OPTIONS
 from dflash_build.gpus import GpuLease, gpu_lock
 
 log = logging.getLogger(__name__)
-SERVED_BACKENDS = ("sglang", "transformers", "llamacpp")  # what a host can run as a server
 POLL_SECONDS = 0.2
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never via a proxy
 STOP_GRACE_SECONDS = 30.0
@@ -168,25 +167,10 @@ def launch_spec(
     # the driver's own options (how a job talks to the engine) are not what the engine is
     options = {k: v for k, v in engine.options.items() if k not in OWN_OPTIONS}
     env = {"CUDA_VISIBLE_DEVICES": lease.gpu} if lease is not None else {}
-    if engine.backend == "sglang":
-        from dflash_build.engines.sglang_backend import server_kwargs
-
-        kwargs = server_kwargs(model, options, lease, port)
-        argv = [sys.executable, "-m", "dflash_build.engines.sglang_backend", "serve", hashing.canonical_json(kwargs)]
-    elif engine.backend == "transformers":
-        argv = [
-            *(sys.executable, "-m", "dflash_build.engines.server", "--model", model.path),
-            *("--options", hashing.canonical_json(options), "--stop-ids", ",".join(map(str, stop_ids))),
-            *("--port", str(port), *(("--revision", model.revision) if model.revision else ())),
-        ]
-    elif engine.backend == "llamacpp":
-        argv = [
-            *(sys.executable, "-m", "llama_cpp.server", "--model", model.path, "--host", "127.0.0.1"),
-            *("--port", str(port), "--n_ctx", str(context or 4096)),
-            *("--n_threads", str(int(options.get("threads", 1)))),
-        ]
-    else:
+    serve = registry.get(engine.backend).serve
+    if serve is None:
         raise ValueError(f"config key 'engine.backend': {engine.backend} engines run in the job, not as servers")
+    argv = serve.argv(model, options, stop_ids, port, context, lease)
     identity = {
         "backend": engine.backend,
         "model": model.path,
@@ -210,7 +194,7 @@ def launch_spec(
         gpu_lock=None if lease is None else str(gpu_lock(engine, lease.node_id)),
         idle_timeout=engine.idle_timeout,
         start_timeout=engine.start_timeout,
-        health_path="/v1/models" if engine.backend == "llamacpp" else "/health",  # llama-cpp-python has no /health
+        health_path=serve.health_path,
         owner_pid=_allocation_task() if lease is not None and lease.allocation else None,
     )
 
@@ -514,13 +498,8 @@ SHARED_REQUEST_TIMEOUT = 6 * 3600.0  # a request may wait behind other jobs' req
 
 def concurrency(engine: EngineSpec) -> int:
     """Requests one job keeps in flight per engine: enough to fill its batch on its own."""
-    if engine.backend == "sglang":
-        from dflash_build.engines.sglang_backend import DEFAULT_MAX_INFLIGHT
-
-        return int(engine.options.get("max_inflight", DEFAULT_MAX_INFLIGHT))
-    if engine.backend == "transformers":
-        return int(engine.options.get("batch_size", 8))
-    return 2  # llama-cpp-python's server answers one request at a time: one waits while one runs
+    serve = registry.get(engine.backend).serve
+    return serve.concurrency(engine.options) if serve is not None else 2
 
 
 STALLED_STOP_SECONDS = 20.0  # a stalled server is SIGKILLed by its host at once; then the host itself
@@ -649,7 +628,7 @@ def open_engine(
     try:
         options = {
             "urls": attached.urls,
-            "api": "completions" if spec.backend == "llamacpp" else "generate",
+            "api": registry.get(spec.backend).serve.api,  # type: ignore[union-attr]  # launch_spec checked it
             "concurrency": concurrency(cfg.engine),
             "timeout": SHARED_REQUEST_TIMEOUT,  # a last resort: stalls are caught by engine.stall_timeout
             "retries": int(cfg.engine.options.get("retries", 3)),
@@ -840,7 +819,7 @@ def describe(states: list[dict[str, Any]]) -> str:
 
 def served(engine: EngineSpec) -> bool:
     """Whether jobs talk to a host's server instead of an engine of their own."""
-    return engine.shared or engine.backend == "llamacpp"
+    return engine.shared or registry.get(engine.backend).always_served
 
 
 if __name__ == "__main__":

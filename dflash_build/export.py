@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, release
+from dflash_build import atomic, hashing, layout, release
 from dflash_build.config import ExportSpec
 from dflash_build.versions import EXPORT_VERSION
 
@@ -152,7 +152,7 @@ def run(
     and completion shards, ``{"prompts": [...], "completions": [...]}``, in shard order."""
     out_dir = Path(out_dir)
     dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
-    mix_manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    mix_manifest = json.loads((dataset_dir / layout.MANIFEST).read_text())
     files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
     with release.publish(out_dir, Path(record)) as tmp:
         shards = JsonlShards(tmp / DATA_DIR, spec.shard_rows)
@@ -178,7 +178,7 @@ def run(
             "files": shards.close(tmp),
             **counts,
         }
-        atomic.write_json(tmp / "manifest.json", manifest)
+        atomic.write_json(tmp / layout.MANIFEST, manifest)
         atomic.write_text(tmp / "README.md", card(manifest))
     log.info("%s", summary(manifest, out_dir))
     for line in warnings(manifest):

@@ -49,10 +49,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, chat, engine_host, engines, gpus, hashing, killpoints
+from dflash_build import atomic, chat, engine_host, engines, gpus, hashing, killpoints, layout
 from dflash_build import records as R
 from dflash_build.config import SourceSpec
-from dflash_build.engines import Request, Result, SamplingParams
+from dflash_build.engines import Request, Result, SamplingParams, registry
 from dflash_build.journal import Journal
 from dflash_build.plan import Plan
 from dflash_build.rowindex import RowIndex, reuse_key
@@ -384,11 +384,11 @@ class ShardPaths:
 
     @classmethod
     def of(cls, plan: Plan, source: str, shard: str) -> ShardPaths:
-        out = plan.completion_dir(source)
+        data = layout.shard_file(plan.completion_dir(source), shard)
         return cls(
-            plan.prompt_dir(source) / f"{shard}.parquet",
-            out / f"{shard}.parquet",
-            out / f"{shard}.stats.json",
+            layout.shard_file(plan.prompt_dir(source), shard),
+            data,
+            layout.sidecar(data),
             plan.journal_dir(source, shard),
         )
 
@@ -783,7 +783,7 @@ def watch_engine(
     def name() -> str:
         return engine_name(engine, work.plan.config.engine.backend, lease)
 
-    if isinstance(engine, engine_host.ServedEngine) or work.plan.config.engine.backend == "openai":
+    if isinstance(engine, engine_host.ServedEngine) or registry.get(work.plan.config.engine.backend).remote:
         then = "its health check decides: a stalled server leaves the pool (a shared engine is replaced)"
         progress.watch(lambda: counts.in_flight, name, stall_timeout, then)
         return None

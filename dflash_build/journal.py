@@ -31,13 +31,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from dflash_build import atomic
+from dflash_build import atomic, layout
 
 log = logging.getLogger(__name__)
-ROWS_FILE = "rows.jsonl"
+ROWS_FILE = layout.JOURNAL_ROWS
 LOCK_FILE = "lock"
-PUBLISHED_DATA = "published.parquet"
-PUBLISHED_STATS = "published.stats.json"
+PUBLISHED_DATA = layout.PUBLISHED_DATA
+PUBLISHED_STATS = layout.PUBLISHED_STATS
 LOCK_REPORT_SECONDS = 60.0
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, crosssource, hashing, killpoints, release, report
+from dflash_build import atomic, crosssource, hashing, killpoints, layout, release, report
 from dflash_build import records as R
 from dflash_build.plan import Plan
 from dflash_build.report import length_stats
@@ -249,7 +249,7 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
         report.write_tables(tmp, manifest["report"])
         manifest["tables"] = list(report.TABLES)
         manifest["plots"] = report.write_plots(tmp, manifest, written.tally)
-        atomic.write_json(tmp / "manifest.json", manifest)
+        atomic.write_json(tmp / layout.MANIFEST, manifest)
         atomic.write_text(tmp / "README.md", dataset_card(manifest))
     log.info("%s", summary(manifest, cfg.dataset_dir))
     return manifest
@@ -417,7 +417,7 @@ def _token_drops(plan: Plan, source: str) -> str:
     dropped: Counter[str] = Counter()
     rows = 0
     for path in plan.token_shards(source):
-        stats_file = path.with_name(f"{path.stem}.stats.json")
+        stats_file = layout.sidecar(path)
         if stats_file.exists():
             stats = json.loads(stats_file.read_text())
             rows += stats.get(R.STAT_INPUT_ROWS, 0)
@@ -539,7 +539,7 @@ def dataset_card(manifest: dict[str, Any]) -> str:
     return f"""{card_header(manifest)}
 Built by dflash-build. Each row is one training sample: `input_ids` are the prompt as the target model's
 chat template rendered it, followed by the model's own answer; `loss_mask` is 1 on the generated tokens
-only. Content keys of every input shard are in `manifest.json`.
+only. Content keys of every input shard are in `{layout.MANIFEST}`.
 
 ```
 {summary(manifest, Path("."))}

@@ -19,14 +19,13 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, crosssource, hashing, prepare, release, rowindex
+from dflash_build import atomic, crosssource, hashing, layout, prepare, release, rowindex
 from dflash_build.config import Config, TrainerSpec
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
 from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.rowindex import RowIndex, reuse_key
 
 DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
-STAGES = {"prompts": "prepare", "completions": "generate", "tokens": "tokenize"}
 
 
 # -- plan -------------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def window_effect(
 def _model_sidecars(plan: Plan) -> list[tuple[Path, dict[str, Any]]]:
     """The completion sidecars in the store of this config's model, with their paths."""
     found = []
-    for stats_file in sorted((plan.config.store / "completions").glob("*/*/*.stats.json")):
+    for stats_file in layout.store_sidecars(plan.config.store, layout.COMPLETIONS):
         stats = json.loads(stats_file.read_text())
         if stats.get("components", {}).get("model") == plan.model_fingerprint["digest"]:
             found.append((stats_file, stats))
@@ -109,7 +108,7 @@ def _answer_lengths(sidecars: list[tuple[Path, dict[str, Any]]]) -> list[tuple[i
     """(prompt, answer) token counts of these shards' answers that no trainer window cut."""
     lengths: list[tuple[int, int]] = []
     for stats_file, _ in sidecars[:WINDOW_SAMPLE_SHARDS]:
-        data = stats_file.with_name(stats_file.name.removesuffix(".stats.json") + ".parquet")
+        data = layout.data_of(stats_file)
         if not data.exists():
             continue
         table = pq.read_table(data, columns=["n_prompt_tokens", "n_output_tokens", "finish_reason"]).to_pylist()
@@ -221,7 +220,7 @@ class _ShardIds:
 
     def __call__(self, shard: str) -> list[str] | None:
         plan, sp = self.plan, self.plan.sources[self.source]
-        prompt_shard = plan.prompt_dir(self.source) / f"{shard}.parquet"
+        prompt_shard = layout.shard_file(plan.prompt_dir(self.source), shard)
         if prompt_shard.exists():
             return pq.read_table(prompt_shard, columns=["prompt_id"])["prompt_id"].to_pylist()
         if sp.spec.hf is not None and not sp.spec.hf.is_local:
@@ -289,21 +288,18 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _components_in(stage_dir: Path, stage: str) -> dict[str, Any] | None:
-    if stage == "prompts":
-        manifest = stage_dir / "manifest.json"
+    if stage == layout.PROMPTS.folder:
+        manifest = stage_dir / layout.MANIFEST
         return json.loads(manifest.read_text())["components"] if manifest.exists() else None
-    for stats_file in sorted(stage_dir.glob("*.stats.json")):
+    for stats_file in layout.sidecars(stage_dir):
         return json.loads(stats_file.read_text())["components"]
     return None
 
 
 def _current(plan: Plan, stage: str, source: str) -> tuple[str, dict[str, Any]]:
     sp = plan.sources[source]
-    return {
-        "prompts": (sp.prompt_key, sp.prompt_components),
-        "completions": (sp.gen_key, sp.gen_components),
-        "tokens": (sp.tok_key, sp.tok_components),
-    }[stage]
+    key = layout.STAGES[stage].key  # prompt_key, and prompt_components beside it
+    return getattr(sp, key), getattr(sp, key.removesuffix("_key") + "_components")
 
 
 def explain(plan: Plan, stage: str, source: str, shard: str | None = None) -> list[str]:
@@ -311,9 +307,9 @@ def explain(plan: Plan, stage: str, source: str, shard: str | None = None) -> li
     if source not in plan.sources:
         raise KeyError(f"source '{source}' is not in the config (sources: {', '.join(plan.sources)})")
     key, components = _current(plan, stage, source)
-    folder = plan.config.store / stage / source / key
-    target = folder / f"{shard}.parquet" if shard else folder
-    lines = [f"{target} ({STAGES[stage]}, key {key})"]
+    folder = layout.stage_dir(plan.config.store, layout.STAGES[stage], source, key)
+    target = layout.shard_file(folder, shard) if shard else folder
+    lines = [f"{target} ({layout.STAGES[stage].rule}, key {key})"]
     lines += [f"  {k} = {json.dumps(v)}" for k, v in sorted(flatten(components).items())]
     if target.exists():
         lines.append("built: nothing to do")
@@ -326,8 +322,8 @@ def explain(plan: Plan, stage: str, source: str, shard: str | None = None) -> li
 def _nearest(plan: Plan, stage: str, source: str, key: str, components: dict[str, Any], depth: int = 0) -> list[str]:
     indent = "  " * (depth + 1)
     best: tuple[int, str, list[str]] | None = None
-    for other in sorted((plan.config.store / stage / source).glob("*")):
-        if other.name == key or not other.is_dir():
+    for other in layout.source_keys(plan.config.store, layout.STAGES[stage], source):
+        if other.name == key:
             continue
         old = _components_in(other, stage)
         if old is None:
@@ -336,16 +332,17 @@ def _nearest(plan: Plan, stage: str, source: str, key: str, components: dict[str
         if best is None or len(changes) < best[0]:
             best = (len(changes), other.name, changes)
     if best is None:
-        return [f"{indent}no earlier {STAGES[stage]} output of '{source}' in the store to compare with"]
+        return [f"{indent}no earlier {layout.STAGES[stage].rule} output of '{source}' in the store to compare with"]
     _, other_key, changes = best
     lines = [f"{indent}differs from {stage}/{source}/{other_key} in:"]
     for change in changes:
         lines.append(f"{indent}  {change}")
-    upstream = {"completions": ("prompt_key", "prompts"), "tokens": ("gen_key", "completions")}.get(stage)
-    if upstream and any(c.startswith(upstream[0] + ":") for c in changes):
-        up_key, up_components = _current(plan, upstream[1], source)
-        lines.append(f"{indent}{upstream[0]} changed because:")
-        lines += _nearest(plan, upstream[1], source, up_key, up_components, depth + 1)
+    order = list(layout.STAGES)
+    upstream = order[order.index(stage) - 1] if order.index(stage) else None
+    if upstream and any(c.startswith(layout.STAGES[upstream].key + ":") for c in changes):
+        up_key, up_components = _current(plan, upstream, source)
+        lines.append(f"{indent}{layout.STAGES[upstream].key} changed because:")
+        lines += _nearest(plan, upstream, source, up_key, up_components, depth + 1)
     return lines
 
 
@@ -354,23 +351,21 @@ def parse_target(plan: Plan, target: str) -> tuple[str, str, str | None]:
     parts = Path(target).parts
     store_parts = plan.config.store.parts
     rest = parts[len(store_parts) :] if parts[: len(store_parts)] == store_parts else parts
-    if len(rest) < 2 or rest[0] not in STAGES:
+    if len(rest) < 2 or rest[0] not in layout.STAGES:
         raise ValueError(
-            f"'{target}' is not a store path like {plan.config.store}/completions/SOURCE/KEY/SHARD.parquet"
+            f"'{target}' is not a store path like "
+            f"{layout.shard_file(layout.stage_dir(plan.config.store, layout.COMPLETIONS, 'SOURCE', 'KEY'), 'SHARD')}"
         )
-    shard = Path(rest[3]).name.split(".")[0] if len(rest) > 3 else None
+    shard = layout.shard_of(Path(rest[3])) if len(rest) > 3 else None
     return rest[0], rest[1], shard
 
 
 # -- configs sharing the store -------------------------------------------------------------
-REGISTRY = "configs"
-
-
 def referenced(plan: Plan) -> set[Path]:
     refs = set()
     for name in plan.sources:
         refs |= {plan.prompt_dir(name), plan.completion_dir(name), plan.token_dir(name)}
-        refs.add(plan.config.store / "journal" / plan.sources[name].gen_key)
+        refs.add(layout.journal_dir(plan.config.store, plan.sources[name].gen_key))
     return refs
 
 
@@ -393,7 +388,7 @@ def register(plan: Plan) -> Path:
         "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "references": sorted(os.path.relpath(p, store) for p in referenced(plan)),
     }
-    path = store / REGISTRY / f"{registration_id(plan)}.json"
+    path = layout.registration(store, registration_id(plan))
     atomic.write_json(path, entry)
     return path
 
@@ -401,7 +396,7 @@ def register(plan: Plan) -> Path:
 def registrations(store: Path) -> dict[str, dict[str, Any]]:
     """Every config registered on the store, by id; an unreadable registration is reported, not skipped."""
     out = {}
-    for path in sorted((store / REGISTRY).glob("*.json")):
+    for path in sorted(layout.registration(store).glob("*.json")):
         try:
             entry = json.loads(path.read_text())
             entry["references"] = list(entry["references"])
@@ -415,7 +410,7 @@ def registrations(store: Path) -> dict[str, dict[str, Any]]:
 
 
 def forget(store: Path, ident: str) -> Path:
-    path = store / REGISTRY / f"{ident}.json"
+    path = layout.registration(store, ident)
     if not path.exists():
         raise KeyError(f"no config {ident} is registered on {store} (see `dflash-build configs`)")
     path.unlink()
@@ -480,14 +475,13 @@ def dataset_references(plan: Plan) -> dict[Path, list[str]]:
     used: dict[Path, list[str]] = {}
     for folder in sorted(_dataset_folders(plan)):
         try:
-            manifest = json.loads((folder / "manifest.json").read_text())
+            manifest = json.loads((folder / layout.MANIFEST).read_text())
             sources = manifest["sources"]
         except (OSError, ValueError, KeyError):
             continue  # not built (yet), or not a dataset of ours
         for name, source in sources.items():
-            keys = {"prompts": source["prompt_key"], "completions": source["gen_key"], "tokens": source["tok_key"]}
-            entries = [store / stage / name / key for stage, key in keys.items()]
-            for entry in [*entries, store / "journal" / source["gen_key"]]:
+            entries = [layout.stage_dir(store, stage, name, source[stage.key]) for stage in layout.STAGES.values()]
+            for entry in [*entries, layout.journal_dir(store, source["gen_key"])]:
                 used.setdefault(entry, []).append(os.path.relpath(folder))
     return used
 
@@ -541,12 +535,12 @@ def garbage(
         else:
             out.append(Entry(entry, _size(entry, seen), kept=kept))
 
-    for stage in STAGES:
-        for entry in sorted(store.glob(f"{stage}/*/*")):
-            if entry.is_dir() and entry not in refs:
+    for stage in layout.STAGES.values():
+        for entry in layout.stage_entries(store, stage):
+            if entry not in refs:
                 consider(entry)
-    for entry in sorted(store.glob("journal/*")):
-        if entry.is_dir() and entry not in refs:
+    for entry in layout.journal_entries(store):
+        if entry not in refs:
             consider(entry, kept=any(entry.rglob(ROWS_FILE)) and not journals)
     # A dataset whose store entries go goes with them (its versions and record, and its packed folders):
     # left in place, Snakemake would call it up to date while plan and verify find its shards gone.
@@ -583,7 +577,7 @@ def collect(plan: Plan, entries: list[Entry]) -> int:
                 continue
             if entry.path in refs:
                 raise RuntimeError(f"refusing to delete {entry.path}: a registered config references it")
-            for shard in entry.path.glob("*.parquet") if entry.path.is_dir() else ():
+            for shard in entry.path.glob(f"*{layout.DATA}") if entry.path.is_dir() else ():
                 index.remove_shard(shard)
             if entry.path.is_symlink():
                 entry.path.unlink()
@@ -642,14 +636,14 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
     records = tuple(release.record_dir(d) for d in dists)
 
     def with_sidecar(path: Path) -> tuple[Path, Path]:
-        return path, path.with_name(path.name.replace(".parquet", ".stats.json"))
+        return path, layout.sidecar(path)
 
     def expected(path: Path) -> dict[str, Any] | None:
         sidecar = with_sidecar(path)[1]
         return json.loads(sidecar.read_text()).get("data") if sidecar.exists() else None
 
     for name, sp in plan.sources.items():
-        manifest_file = plan.prompt_dir(name) / "manifest.json"
+        manifest_file = plan.prompt_manifest(name)
         # without its manifest (prepare's one output) a source's prompt shards are not published yet
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {"shards": {}}
         for shard, path in zip(sp.shards, plan.prompt_shards(name), strict=True):
@@ -665,7 +659,7 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
             if tokens.exists():
                 yield tokens, expected(tokens), (*with_sidecar(tokens), *records)
     for folder in dists:
-        manifest_file = folder / "manifest.json"
+        manifest_file = folder / layout.MANIFEST
         if manifest_file.exists():
             for info in json.loads(manifest_file.read_text())["files"]:
                 yield folder / info["path"], info, records[dists.index(folder) :]
@@ -673,7 +667,7 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
 
 def _journal_problems(store: Path) -> Iterator[Problem]:
     """Damaged journal lines, and published copies that no longer match their sidecar."""
-    for rows_file in sorted(store.glob(f"journal/*/*/{ROWS_FILE}")):
+    for rows_file in layout.journal_files(store, ROWS_FILE):
         data = rows_file.read_bytes()
         _, bad = parse(data[: data.rfind(b"\n") + 1])
         if bad:
@@ -685,7 +679,7 @@ def _journal_problems(store: Path) -> Iterator[Problem]:
 
             reason = f"{len(bad)} damaged lines (first: line {bad[0]}); their rows would be generated again"
             yield Problem(rows_file, reason, (), drop_bad_lines)
-    for data in sorted(store.glob(f"journal/*/*/{PUBLISHED_DATA}")):
+    for data in layout.journal_files(store, PUBLISHED_DATA):
         stats_file = data.with_name(PUBLISHED_STATS)
         try:
             expected = json.loads(stats_file.read_text()).get("data")
@@ -735,7 +729,7 @@ def verify(plan: Plan) -> tuple[int, list[Problem]]:
         elif (reason := _check(path, expected)) is not None:
             problems.append(Problem(path, reason, remove))
     store = plan.config.store
-    checked += sum(1 for name in (ROWS_FILE, PUBLISHED_DATA) for _ in store.glob(f"journal/*/*/{name}"))
+    checked += sum(len(layout.journal_files(store, name)) for name in (ROWS_FILE, PUBLISHED_DATA))
     problems += _journal_problems(store)
     checked += 1
     problems += _derived_problems(plan)
@@ -764,7 +758,7 @@ def repair(plan: Plan, problems: list[Problem]) -> list[Path]:
                     path.unlink()
                 else:
                     continue
-                if path.suffix == ".parquet" and path.parent.parent.parent.name == "completions":
+                if layout.is_completion_shard(path):
                     index.remove_shard(path)
                 removed.append(path)
     for problem in problems:

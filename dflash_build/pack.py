@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, hashing, release
+from dflash_build import atomic, hashing, layout, release
 from dflash_build.config import PackSpec
 from dflash_build.mix import RollingWriter, card_header
 from dflash_build.report import length_stats
@@ -137,7 +137,7 @@ def run(
     out_dir = Path(out_dir)
     # the version in place now: a dataset swapped in meanwhile does not mix into this one
     dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
-    mix_manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    mix_manifest = json.loads((dataset_dir / layout.MANIFEST).read_text())
     files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
     lengths, ranks = _lengths_and_ranks(files, spec.seed)
     rows, counts = plan_rows(lengths, ranks, spec)
@@ -179,7 +179,7 @@ def run(
             "row_tokens": length_stats(fill),
             "row_tokens_histogram": _histogram(fill, spec.seq_len),
         }
-        atomic.write_json(tmp / "manifest.json", manifest)
+        atomic.write_json(tmp / layout.MANIFEST, manifest)
         atomic.write_text(tmp / "README.md", card(manifest))
     log.info("%s", summary(manifest, out_dir))
     return manifest

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, keys, readers
+from dflash_build import hashing, keys, layout, readers
 from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
 
@@ -81,34 +81,34 @@ class Plan:
     sources: dict[str, SourcePlan]
     reference_files: dict[str, tuple[Path, ...]] = field(default_factory=dict)  # decontaminate's local files
 
-    # Store paths. One place builds them so rules, stages and commands agree.
+    # This plan's store paths (from layout, which owns them).
     def prompt_dir(self, source: str) -> Path:
-        return self.config.store / "prompts" / source / self.sources[source].prompt_key
+        return layout.stage_dir(self.config.store, layout.PROMPTS, source, self.sources[source].prompt_key)
 
     def prompt_manifest(self, source: str) -> Path:
-        return self.prompt_dir(source) / "manifest.json"
+        return self.prompt_dir(source) / layout.MANIFEST
 
     def prompt_bands(self, source: str) -> Path:
         """The selected prompts' near-duplicate band keys (with dedup.near): what the mix compares across sources."""
-        return self.prompt_dir(source) / "bands.parquet"
+        return self.prompt_dir(source) / layout.BANDS
 
     def completion_dir(self, source: str) -> Path:
-        return self.config.store / "completions" / source / self.sources[source].gen_key
+        return layout.stage_dir(self.config.store, layout.COMPLETIONS, source, self.sources[source].gen_key)
 
     def token_dir(self, source: str) -> Path:
-        return self.config.store / "tokens" / source / self.sources[source].tok_key
+        return layout.stage_dir(self.config.store, layout.TOKENS, source, self.sources[source].tok_key)
 
     def journal_dir(self, source: str, shard: str) -> Path:
-        return self.config.store / "journal" / self.sources[source].gen_key / shard
+        return layout.journal_dir(self.config.store, self.sources[source].gen_key, shard)
 
     def prompt_shards(self, source: str) -> list[Path]:
-        return [self.prompt_dir(source) / f"{s}.parquet" for s in self.sources[source].shards]
+        return [layout.shard_file(self.prompt_dir(source), s) for s in self.sources[source].shards]
 
     def completion_shards(self, source: str) -> list[Path]:
-        return [self.completion_dir(source) / f"{s}.parquet" for s in self.sources[source].shards]
+        return [layout.shard_file(self.completion_dir(source), s) for s in self.sources[source].shards]
 
     def token_shards(self, source: str) -> list[Path]:
-        return [self.token_dir(source) / f"{s}.parquet" for s in self.sources[source].shards]
+        return [layout.shard_file(self.token_dir(source), s) for s in self.sources[source].shards]
 
     def all_token_shards(self) -> list[Path]:
         return [p for s in self.sources for p in self.token_shards(s)]
@@ -246,7 +246,7 @@ def _filtering(config: Config, cache: hashing.FingerprintCache) -> tuple[dict[st
 
 
 def components_file(store: Path, key: str) -> Path:
-    return store / ".cache" / "components" / f"{key}.json"
+    return layout.components_file(store, key)
 
 
 def record_components(plan: Plan) -> None:
@@ -273,7 +273,7 @@ def planned_components(store: Path, key: str) -> dict[str, Any] | None:
 
 
 def fingerprint_cache_file(config: Config) -> Path:
-    return config.store / ".cache" / "fingerprints.json"
+    return layout.fingerprint_cache_file(config.store)
 
 
 def fingerprint_cache(config: Config) -> hashing.FingerprintCache:

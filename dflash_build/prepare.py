@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, columnar, hashing, neardup, readers
+from dflash_build import atomic, columnar, hashing, layout, neardup, readers
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
 from dflash_build.decontaminate import ReferenceIndex
 from dflash_build.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE, Example, TextFilters
@@ -793,7 +793,10 @@ def _write_shards(selection: Selection, spill: _Spill, out_dir: Path) -> dict[st
             table = pa.concat_tables(pending) if pending else _SPILL_SCHEMA.empty_table()
             shard, rest = table.slice(0, hi - lo), table.slice(hi - lo)
             written[name] = atomic.write_parquet(
-                out_dir / f"{name}.parquet", shard.select(PROMPT_SCHEMA.names), ["source", "category"], ["prompt_id"]
+                layout.shard_file(out_dir, name),
+                shard.select(PROMPT_SCHEMA.names),
+                ["source", "category"],
+                ["prompt_id"],
             )
             # a slice, not a copy: it holds the buffers of this bucket and at most one shard before it
             pending, have = ([rest] if rest.num_rows else []), rest.num_rows

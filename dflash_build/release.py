@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_build import atomic, hashing
+from dflash_build import atomic, hashing, layout
 
 RECORD = "built"
 VERSION_FILE = "version"
@@ -73,7 +73,7 @@ def publish(folder: Path, record: Path) -> Iterator[Path]:
     tmp.chmod(atomic.DIR_MODE)
     try:
         yield tmp
-        version = versions / hashing.sha256_file(tmp / "manifest.json")[:16]
+        version = versions / hashing.sha256_file(tmp / layout.MANIFEST)[:16]
         if version.exists():  # the same dataset again: the version in place is the one
             shutil.rmtree(tmp)
         else:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_build import layout
 from dflash_build import records as R
 from dflash_build.plan import Plan
 
@@ -92,7 +93,7 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
     wall = engine_tokens = 0.0
     shards = 0
     turns: dict[str, Any] | None = None
-    for path in sorted(plan.completion_dir(source).glob("*.stats.json")):
+    for path in layout.sidecars(plan.completion_dir(source)):
         stats = json.loads(path.read_text())
         shards += 1
         if R.STAT_TURNS in stats:

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing
+from dflash_build import hashing, layout
 
 log = logging.getLogger(__name__)
-INDEX_FILE = Path("index") / "rows.sqlite"
-LOCK_FILE = Path("index") / "rebuild.lock"
+INDEX_FILE = layout.INDEX_FILE
+LOCK_FILE = layout.INDEX_LOCK
 LAYOUT = 2  # PRAGMA user_version: 2 = store-relative paths and per-shard row counts
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
@@ -302,8 +302,8 @@ class RowIndex:
 def published_shards(store: Path) -> list[Path]:
     """Completion shards with their stats sidecar (a shard is published when both exist)."""
     out = []
-    for stats_file in sorted((store / "completions").glob("*/*/*.stats.json")):
-        data = stats_file.with_name(stats_file.name.replace(".stats.json", ".parquet"))
+    for stats_file in layout.store_sidecars(store, layout.COMPLETIONS):
+        data = layout.data_of(stats_file)
         if data.exists():
             out.append(data)
     return out
@@ -312,7 +312,7 @@ def published_shards(store: Path) -> list[Path]:
 def _index_file(index: RowIndex, data: Path) -> None:
     import pyarrow.parquet as pq
 
-    stats_file = data.with_name(data.name.replace(".parquet", ".stats.json"))
+    stats_file = layout.sidecar(data)
     try:
         stats = json.loads(stats_file.read_text())
         components = stats["components"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import engine_host
+from dflash_build import engine_host, layout
 from dflash_build import records as R
 from dflash_build.journal import LOCK_FILE, ROWS_FILE, Journal
 from dflash_build.plan import Plan
@@ -120,7 +120,7 @@ def collect(plan: Plan, window: float = WINDOW_SECONDS, now: float | None = None
         source = SourceStatus(name, 0, True, shards=sp.n_shards)
         prompt_shards = plan.prompt_shards(name)
         for shard, prompts, completion in zip(sp.shards, prompt_shards, plan.completion_shards(name), strict=True):
-            stats_file = completion.with_name(f"{shard}.stats.json")
+            stats_file = layout.sidecar(completion)
             if completion.exists() and stats_file.exists():
                 _published(source, json.loads(stats_file.read_text()), recent)
                 continue

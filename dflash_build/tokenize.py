@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic
+from dflash_build import atomic, layout
 from dflash_build import records as R
 from dflash_build.plan import Plan
 
@@ -90,8 +90,8 @@ def run(
 ) -> dict[str, Any]:
     """Tokenize one completion shard (paths from Snakemake, else the plan's); returns the stats sidecar."""
     sp = plan.sources[source]
-    completions_path = completions_path or plan.completion_dir(source) / f"{shard}.parquet"
-    out_path = out_path or plan.token_dir(source) / f"{shard}.parquet"
+    completions_path = completions_path or layout.shard_file(plan.completion_dir(source), shard)
+    out_path = out_path or layout.shard_file(plan.token_dir(source), shard)
     completions = pq.read_table(completions_path).to_pylist()
     drops: Counter[str] = Counter()
     samples = []
@@ -131,6 +131,6 @@ def run(
     }
     table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
     stats[R.STAT_DATA] = atomic.write_parquet(out_path, table)
-    atomic.write_json(out_path.with_name(f"{out_path.stem}.stats.json"), stats)
+    atomic.write_json(layout.sidecar(out_path), stats)
     log.info("%s/%s: %d samples, dropped %s", source, shard, len(samples), dict(drops))
     return stats

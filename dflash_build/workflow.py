@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
+from dflash_build import layout
 from dflash_build import plan as plan_mod
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -90,6 +91,18 @@ def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
             )
 
 
+def is_dry_run(argv: list[str]) -> bool:
+    """Whether Snakemake was asked for a dry run (``-n``, ``--dry-run``, ``--dryrun``, or ``-n`` among
+    other short flags such as ``-np``). A Snakefile cannot ask Snakemake itself: at parse time its
+    executor is not chosen yet (``workflow.dryrun`` reads false)."""
+    for arg in argv[1:]:
+        if arg in ("--dry-run", "--dryrun"):
+            return True
+        if arg.startswith("-") and not arg.startswith("--") and arg[1:].isalpha() and "n" in arg[1:]:
+            return True
+    return False
+
+
 def plan_from(config: dict[str, Any], source: str | None = None) -> plan_mod.Plan:
     """The plan of ``config``; of its one source ``source`` only, when given (a shard job's)."""
     return plan_mod.build(config_mod.from_dict(config), only=source)
@@ -97,7 +110,7 @@ def plan_from(config: dict[str, Any], source: str | None = None) -> plan_mod.Pla
 
 def prompt_shard(manifest: str | Path, shard: str) -> Path:
     """A prompt shard: beside its source's manifest, the one output of prepare that jobs depend on."""
-    path = Path(manifest).parent / f"{shard}.parquet"
+    path = layout.shard_file(Path(manifest).parent, shard)
     if not path.exists():
         raise FileNotFoundError(
             f"prompt shard {path} is missing although its manifest {manifest} exists; "

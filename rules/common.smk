@@ -5,12 +5,15 @@ from snakemake.utils import validate
 import dflash_build.config
 import dflash_build.engine_host
 import dflash_build.engines
+import dflash_build.engines.registry
 import dflash_build.plan
 import dflash_build.prepare
 import dflash_build.release
 import dflash_build.versions
 import dflash_build.workflow
+from dflash_build import layout
 from dflash_build.hashing import canonical_json
+from dflash_build.layout import shard_pattern
 from dflash_build.mix import summary
 
 # A key given twice in a config file, or one the schema does not know, stops the run in a line that
@@ -40,8 +43,12 @@ PACKED_RECORD = (
 # Each export's record, by format (rules/export.smk); dist/NAME-FORMAT links to its version.
 EXPORT_RECORD = str(dflash_build.release.record_dir(CONFIG.export_dir("{fmt}")))
 dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
+# A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
+# dflash_build.workflow.is_dry_run).
+DRY_RUN = dflash_build.workflow.is_dry_run(sys.argv)
 # In the batch step of a SLURM allocation that generates: the broker that keeps its engines (engine_host).
-dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
+if not DRY_RUN:
+    dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
 # A job on its own engine asks for gpu=1. With shared engines it asks for gpu_jobs=1 instead, and
 # gpu_jobs = --resources gpu x engine.jobs_per_engine, so two jobs feed each GPU's engine. Submitted to a
 # cluster, each job asks for its GPU instead: the cluster profiles set gpu=1, gpu_jobs=0 for generate
@@ -59,10 +66,13 @@ for source_name in PLAN.sources:
         dflash_build.prepare.check_sample(PLAN, source_name)
 # What each key is made of, kept in the store: a job whose own plan gives another key says what
 # changed (workflow.check_key) without a params function per job.
-dflash_build.plan.record_components(PLAN)
+if not DRY_RUN:
+    dflash_build.plan.record_components(PLAN)
 
 
-GENERATE_ENV = f"../envs/{'sglang' if CONFIG.backend == 'sglang' else 'generate'}.yaml"
+GENERATE_ENV = (
+    f"../envs/{dflash_build.engines.registry.get(CONFIG.backend).conda_env}.yaml"
+)
 
 
 wildcard_constraints:
@@ -79,7 +89,7 @@ def get_final_targets():
 
 # Input paths by source, made once: an input function runs for every job.
 PROMPT_MANIFESTS = {s: str(PLAN.prompt_manifest(s)) for s in PLAN.sources}
-COMPLETION_DIRS = {s: str(PLAN.completion_dir(s)) for s in PLAN.sources}
+COMPLETION_DIRS = {s: PLAN.completion_dir(s) for s in PLAN.sources}
 
 
 def get_prompt_manifest(wildcards):
@@ -93,7 +103,7 @@ def get_completion_shard(wildcards):
     # `--rerun-incomplete` would rerun the generate jobs and leave tokenize and mix undone. A
     # completion is rewritten only with its token shard gone (restores keep its mtime), and tokenizing
     # is cheap.
-    return f"{COMPLETION_DIRS[wildcards.source]}/{wildcards.shard}.parquet"
+    return str(layout.shard_file(COMPLETION_DIRS[wildcards.source], wildcards.shard))
 
 
 # The prepare job compares its own key with the one asked for; these say what differs if they do not
@@ -206,12 +216,12 @@ def print_summary():
     import json
     from pathlib import Path
 
-    manifest = Path(DATASET_DIR) / "manifest.json"
+    manifest = Path(DATASET_DIR) / layout.MANIFEST
     if manifest.exists():
         print(
             summary(json.loads(manifest.read_text()), Path(DATASET_DIR), sources=True)
         )
-    packed = Path(PACKED_DIR or "") / "manifest.json"
+    packed = Path(PACKED_DIR or "") / layout.MANIFEST
     if PACKED_DIR and packed.exists():
         import dflash_build.pack
 
@@ -222,8 +232,8 @@ def print_summary():
 
     for fmt in CONFIG.exports:
         folder = CONFIG.export_dir(fmt)
-        if (folder / "manifest.json").exists():
-            exported = json.loads((folder / "manifest.json").read_text())
+        if (folder / layout.MANIFEST).exists():
+            exported = json.loads((folder / layout.MANIFEST).read_text())
             print(dflash_build.export.summary(exported, folder))
             for line in dflash_build.export.warnings(exported):
                 print(f"warning: {line}")

@@ -5,7 +5,7 @@ rule export:
     output:
         directory(EXPORT_RECORD),
     log:
-        f"{LOGS}/dist/{CONFIG.dataset_name}-{{fmt}}.log",
+        layout.dist_log(LOGS, f"{CONFIG.dataset_name}-{{fmt}}"),
     conda:
         "../envs/cpu.yaml"
     params:

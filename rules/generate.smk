@@ -2,10 +2,10 @@ rule generate:
     input:
         prompts=get_prompt_manifest,
     output:
-        data=update(f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.parquet"),
-        stats=update(f"{STORE}/completions/{{source}}/{{key}}/{{shard}}.stats.json"),
+        data=update(shard_pattern(STORE, layout.COMPLETIONS, layout.DATA)),
+        stats=update(shard_pattern(STORE, layout.COMPLETIONS, layout.SIDECAR)),
     log:
-        f"{LOGS}/completions/{{source}}/{{key}}/{{shard}}.log",
+        shard_pattern(LOGS, layout.COMPLETIONS, layout.LOG),
     conda:
         GENERATE_ENV
     threads: get_generate_threads()

@@ -13,7 +13,7 @@ rule mix:
             category="Dataset",
         ),
     log:
-        f"{LOGS}/dist/{CONFIG.dataset_name}.log",
+        layout.dist_log(LOGS, CONFIG.dataset_name),
     conda:
         "../envs/cpu.yaml"
     params:

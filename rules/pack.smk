@@ -4,7 +4,7 @@ rule pack:
     output:
         directory(PACKED_RECORD),
     log:
-        f"{LOGS}/dist/{CONFIG.dataset_name}-packed.log",
+        layout.dist_log(LOGS, f"{CONFIG.dataset_name}-packed"),
     conda:
         "../envs/cpu.yaml"
     params:

@@ -16,7 +16,7 @@ for source_name, source_plan in PLAN.sources.items():
             manifest=update(str(PLAN.prompt_manifest(source_name))),
             bands=get_prompt_bands(source_name),
         log:
-            f"{LOGS}/prompts/{source_name}/{source_plan.prompt_key}/prepare.log",
+            layout.prepare_log(LOGS, source_name, source_plan.prompt_key),
         conda:
             "../envs/cpu.yaml"
         params:

@@ -2,10 +2,10 @@ rule tokenize:
     input:
         get_completion_shard,
     output:
-        data=update(f"{STORE}/tokens/{{source}}/{{key}}/{{shard}}.parquet"),
-        stats=update(f"{STORE}/tokens/{{source}}/{{key}}/{{shard}}.stats.json"),
+        data=update(shard_pattern(STORE, layout.TOKENS, layout.DATA)),
+        stats=update(shard_pattern(STORE, layout.TOKENS, layout.SIDECAR)),
     log:
-        f"{LOGS}/tokens/{{source}}/{{key}}/{{shard}}.log",
+        shard_pattern(LOGS, layout.TOKENS, layout.LOG),
     conda:
         "../envs/cpu.yaml"
     script:

@@ -156,6 +156,10 @@ def test_the_rules_use_these_envs() -> None:
         if stage == "generate":
             assert "GENERATE_ENV" in text
             common = (REPO / "rules" / "common.smk").read_text()
-            assert "'sglang' if CONFIG.backend == 'sglang' else 'generate'" in common
+            assert "registry.get(CONFIG.backend).conda_env" in common
+            from dflash_build.engines import registry
+
+            assert {b.conda_env for b in registry.BACKENDS.values()} == {"sglang", "generate"}
+            assert registry.get("sglang").conda_env == "sglang"
         else:
             assert f'"../envs/{env_name}"' in text, stage

@@ -1,8 +1,11 @@
-"""The package's shape: no import cycle (imports inside functions included) and short functions."""
+"""The package's shape: no import cycle (imports inside functions included), short functions, and one
+module that builds store paths."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,3 +83,94 @@ def test_no_function_reaches_sixty_lines() -> None:
         and node.end_lineno - node.lineno + 1 >= MAX_FUNCTION_LINES
     ]
     assert not long, long
+
+
+# -- one owner of store paths ------------------------------------------------------------------
+# What building a store path by hand looks like: a store file's name, a stage folder as a path
+# segment, or a shard's file name from its name. dflash_build/layout.py alone may write these.
+STORE_NAMES = (".stats.json", "manifest.json", "bands.parquet", "rows.jsonl", "rows.sqlite", "published.", ".cache")
+STORE_SEGMENTS = ("prompts", "completions", "tokens", "journal", "configs", "index", ".cache")
+RULE_PATTERNS = re.compile(r"/(prompts|completions|tokens|journal)/|\.stats\.json|manifest\.json|\{shard\}\.")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+
+
+def _built_paths(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of every store path this module builds by hand."""
+    found = []
+    docs = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if any(name in node.value for name in STORE_NAMES) or any(f"/{s}/" in node.value for s in STORE_SEGMENTS):
+                found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            right = node.right
+            if isinstance(right, ast.Constant) and right.value in STORE_SEGMENTS:
+                found.append((node.lineno, f"/ {right.value!r}"))
+        elif isinstance(node, ast.JoinedStr):
+            parts = node.values
+            for value, after in itertools.pairwise(parts):
+                named = isinstance(value, ast.FormattedValue) and "shard" in ast.unparse(value.value)
+                if named and isinstance(after, ast.Constant) and str(after.value).startswith("."):
+                    found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_store_paths_are_built_only_by_the_layout_module() -> None:
+    built = [
+        f"{path.relative_to(REPO)}:{line} {what}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "layout.py"
+        for line, what in _built_paths(ast.parse(path.read_text(), str(path)))
+    ]
+    rules = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk")), *sorted(REPO.glob("rules/scripts/*.py"))]
+    built += [
+        f"{path.relative_to(REPO)}:{i} {line.strip()}"
+        for path in rules
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if RULE_PATTERNS.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not built, "store paths built outside dflash_build/layout.py:\n" + "\n".join(built)
+
+
+def test_the_path_finder_finds_hand_built_paths() -> None:
+    code = """
+def f(store, shard, folder):
+    a = store / "completions" / "s"
+    b = folder / f"{shard}.parquet"
+    c = folder.with_name("x.stats.json")
+    return a, b, c
+"""
+    assert [line for line, _ in _built_paths(ast.parse(code))] == [3, 4, 5]
+
+
+def test_a_dry_run_is_told_from_snakemakes_command_line() -> None:
+    from dflash_build.workflow import is_dry_run
+
+    for argv in (["-n"], ["--dry-run"], ["--dryrun"], ["-np"], ["--cores", "2", "-pn"]):
+        assert is_dry_run(["snakemake", *argv]), argv
+    for argv in ([], ["--cores", "2"], ["-p"], ["--configfile", "-n.yaml"], ["--rerun-incomplete"]):
+        assert not is_dry_run(["snakemake", *argv]), argv
+
+
+# -- one list of backends ------------------------------------------------------------------------
+def test_the_registry_is_the_one_list_of_backends() -> None:
+    """The schema's enum, the key contract's option decisions and every descriptor agree; a backend that
+    only runs served can be served, and a shared engine needs one a host can run."""
+    import yaml
+
+    from dflash_build import keys
+    from dflash_build.engines import registry
+
+    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+    enum = schema["properties"]["engine"]["properties"]["backend"]["enum"]
+    assert set(enum) == set(registry.BACKENDS) == set(keys.ENGINE_OPTIONS)
+    for name, backend in registry.BACKENDS.items():
+        assert backend.name == name and (backend.load is not None or backend.serve is not None), name
+        assert not backend.always_served or backend.serve is not None, name

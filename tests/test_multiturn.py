@@ -25,7 +25,7 @@ from dflash_build import engines, export, generate, mix, prepare, tokenize
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.killpoints import KILL_AT_ENV
-from tests.conftest import REPO, TOOLS_TEMPLATE, write_jsonl
+from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, write_jsonl
 
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"
 NEMOTRON = REPO / "tests" / "data" / "upstream" / "nemotron-post-training-v2"
@@ -400,16 +400,19 @@ def test_each_turn_ranks_apart_in_the_mix_and_has_its_own_export_id() -> None:
 def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_row(
     tmp_path: Path, gguf_path: Path
 ) -> None:
-    """SmolLM2-135M-Instruct (its GGUF, through the transformers backend) on the Qwen3-style template:
-    zero error rows, one sample per assistant turn, each equal to an independent render + the engine's
-    ids; a job stopped after its third turn resumes mid-conversation and gives the same rows."""
+    """SmolLM2-135M-Instruct (its GGUF, through the transformers backend) on the Qwen3-style template,
+    built by Snakemake: zero error rows, one sample per assistant turn, each equal to an independent
+    render + the engine's ids, counted by the mix and the card; a job stopped after its first turn
+    resumes mid-conversation and gives the same rows."""
     from transformers import AutoTokenizer
 
     write_jsonl(tmp_path / "chat.jsonl", SHAREGPT_ROWS)
 
-    def built(root: Path, kill_at: str | None) -> plan_mod.Plan:
-        raw = {
+    def config(root: Path) -> dict[str, Any]:
+        return {
             "store": str(root / "store"),
+            "logs": str(root / "logs"),
+            "dataset": {"name": "mt", "out": str(root / "dist")},
             "model": {"path": str(gguf_path), "chat_template": str(QWEN3_TEMPLATE)},
             "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 2, "threads": 2}},
             "sampling": {"max_new_tokens": 48, "temperature": 0.0, "seed": 0},
@@ -417,38 +420,38 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
                 "s": {"category": "c", "format": "sharegpt", "files": [str(tmp_path / "chat.jsonl")], "turns": "all"},
             },
             "mix": {"categories": {"c": 1}},
-            "dataset": {"name": "mt", "out": str(root / "dist")},
             "truncated": "drop",
         }
-        root.mkdir()
-        (root / "c.yaml").write_text(yaml.safe_dump(raw))
-        plan = plan_mod.build(cfg.load(root / "c.yaml"))
-        prepare.run(plan, "s")
-        if kill_at is not None:  # SIGTERM after N journaled turns: the job stops cleanly mid-conversation
-            os.environ[KILL_AT_ENV] = kill_at
-            try:
-                with pytest.raises(generate.Interrupted):
-                    generate.run(plan, "s", "00000")
-            finally:
-                del os.environ[KILL_AT_ENV]
-            journaled = (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
-            assert [json.loads(r)["turn"] for r in journaled] == [0]
-        generate.run(plan, "s", "00000")
-        return plan
 
-    whole = built(tmp_path / "whole", None)
-    resumed = built(tmp_path / "resumed", "sigterm:1")
-    rows = _completions(whole)
-    assert rows == _completions(resumed), "fresh = resumed, row for row"
-    [row] = rows
+    Workflow.at(tmp_path / "whole", config(tmp_path / "whole")).build()
+    whole = plan_mod.build(cfg.load(tmp_path / "whole" / "config.yaml"))
+    [row] = _completions(whole)
     assert row["finish_reason"] == "stop" and len(row["turns"]) == 3, [t["text"] for t in row["turns"]]
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.chat_template = QWEN3_TEMPLATE.read_text()
-    assert len(check_against_independent_renders(whole, tok)) == 3
-    assert tokenize.run(whole, "s", "00000")["rows_out"] == 3
+    samples = check_against_independent_renders(whole, tok)
+    tokens = pq.read_table(whole.token_dir("s") / "00000.parquet").to_pylist()
+    assert [(t["turn"], t["input_ids"], t["loss_mask"]) for t in tokens] == samples
     # the mix and the card count the per-turn samples and the turns per conversation
-    manifest = mix.run(whole, tmp_path / "whole" / "record.json")
+    manifest = json.loads((tmp_path / "whole" / "dist" / "mt" / "manifest.json").read_text())
     assert manifest["rows"] == manifest["per_turn_samples"] == 3
     card = (tmp_path / "whole" / "dist" / "mt" / "README.md").read_text()
     retokenized = sum(t["history_retokenized"] for t in row["turns"])
     assert "## Multi-turn conversations" in card and f"| s | 1 | 3 | 1 | {retokenized} | 0 | 3 turns: 1 |" in card
+
+    root = tmp_path / "resumed"
+    root.mkdir()
+    (root / "c.yaml").write_text(yaml.safe_dump(config(root)))
+    resumed = plan_mod.build(cfg.load(root / "c.yaml"))
+    prepare.run(resumed, "s")
+    os.environ[KILL_AT_ENV] = "sigterm:1"  # SIGTERM after the first journaled turn: a clean stop mid-way
+    try:
+        with pytest.raises(generate.Interrupted):
+            generate.run(resumed, "s", "00000")
+    finally:
+        del os.environ[KILL_AT_ENV]
+    journaled = (resumed.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(r)["turn"] for r in journaled] == [0]
+    stats = generate.run(resumed, "s", "00000")
+    assert stats["resumed_turns"] == 1 and stats["generated"] == 2
+    assert _completions(resumed) == [row], "fresh = resumed, row for row"

@@ -265,6 +265,18 @@ def test_adding_a_source_lists_only_its_jobs(built: tuple[Workflow, dict[str, An
     assert _sources_of(jobs, "generate") == _sources_of(jobs, "tokenize") == ["delta"]
 
 
+def test_a_dry_run_writes_nothing_but_the_digest_cache(tmp_path: Path, tiny_model: Path) -> None:
+    """`snakemake -n` on a fresh store starts no process and records nothing: the one file it leaves is
+    the file-digest cache (derived state that spares the next run hashing the model again)."""
+    config = base_config(tiny_model, make_sources(tmp_path / "data"))
+    wf = Workflow.at(tmp_path / "wd", config)
+    jobs = wf.dry_run()
+    assert {"generate", "tokenize", "mix"} <= set(jobs)
+    ours = [p.relative_to(wf.workdir) for p in wf.workdir.rglob("*") if p.is_file()]
+    written = sorted(str(p) for p in ours if p.parts[0] != ".snakemake")  # Snakemake's own metadata
+    assert written == ["config.yaml", "store/.cache/fingerprints.json"], written
+
+
 def test_changing_the_model_lists_every_generate_job(
     built: tuple[Workflow, dict[str, Any]], tiny_model_b: Path
 ) -> None:

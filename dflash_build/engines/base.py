@@ -73,9 +73,6 @@ class Engine(Protocol):
     # is stopped when it stays unchanged for engine.stall_timeout while requests are in flight.
 
 
-BACKENDS = ("transformers", "sglang", "openai", "llamacpp")
-
-
 def position_seed(row_seed: int, position: int) -> int:
     """The seed of one sampled position: (row seed, absolute position in the sequence), 63 bits.
 

@@ -12,12 +12,8 @@ from dflash_build.spec import ConfigError
 
 def check_options(backend: str, options: Mapping[str, Any]) -> None:
     """Refuse an engine option the backend does not know, naming the closest known one (at parse time:
-    no engine library is imported, so a typo stops the run before any job)."""
-    if backend == "sglang":
-        from dflash_build.engines.sglang_backend import check_options as check_sglang
-
-        check_sglang(options)
-        return
+    no engine library is imported, so a typo stops the run before any job). A backend with a check of
+    its own (SGLang's, over every ServerArgs field) is checked through :func:`registry.check_options`."""
     known = sorted(ENGINE_OPTIONS.get(backend, {}))
     for name in sorted(options):
         if name not in known:

@@ -1,0 +1,142 @@
+"""The store's layout: every path and file name in it, built here and nowhere else.
+
+```
+STORE/prompts/SOURCE/PROMPT_KEY/{SHARD.parquet, manifest.json, bands.parquet}
+STORE/completions/SOURCE/GEN_KEY/{SHARD.parquet, SHARD.stats.json}
+STORE/tokens/SOURCE/TOK_KEY/{SHARD.parquet, SHARD.stats.json}
+STORE/journal/GEN_KEY/SHARD/{rows.jsonl, published.parquet, published.stats.json}
+STORE/index/rows.sqlite      STORE/configs/      (the row index; the configs registered on the store)
+LOGS/STAGE_DIR/SOURCE/KEY/SHARD.log              (one log per job, mirroring its store path)
+```
+
+Each stage has one row of :data:`STAGES`: its folder, its rule and the key that names its folders.
+Rules format :func:`shard_pattern`; stages, commands and the plan call the functions below.
+``tests/test_layout.py`` fails when a store path is built anywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Stage:
+    folder: str  # its folder under the store (and the logs)
+    rule: str  # the Snakemake rule that writes it
+    key: str  # the content key that names each source's folder
+
+
+PROMPTS = Stage("prompts", "prepare", "prompt_key")
+COMPLETIONS = Stage("completions", "generate", "gen_key")
+TOKENS = Stage("tokens", "tokenize", "tok_key")
+STAGES = {s.folder: s for s in (PROMPTS, COMPLETIONS, TOKENS)}
+
+JOURNAL = "journal"
+CONFIGS = "configs"  # the configs registered on the store (gc keeps what they reference)
+INDEX_FILE = Path("index") / "rows.sqlite"
+INDEX_LOCK = Path("index") / "rebuild.lock"
+
+DATA = ".parquet"
+SIDECAR = ".stats.json"
+LOG = ".log"
+MANIFEST = "manifest.json"  # a prompt folder's, and a dataset, pack or export folder's
+BANDS = "bands.parquet"  # the selected prompts' near-duplicate band keys (dedup.near)
+JOURNAL_ROWS = "rows.jsonl"
+PUBLISHED_DATA = "published" + DATA
+PUBLISHED_STATS = "published" + SIDECAR
+
+
+def stage_dir(store: Path, stage: Stage, source: str, key: str) -> Path:
+    return Path(store) / stage.folder / source / key
+
+
+def shard_file(folder: Path, shard: str) -> Path:
+    return folder / f"{shard}{DATA}"
+
+
+def sidecar(data: Path) -> Path:
+    """The stats sidecar beside a shard's data file."""
+    return data.with_name(data.name.removesuffix(DATA) + SIDECAR)
+
+
+def data_of(stats: Path) -> Path:
+    """The data file a stats sidecar describes."""
+    return stats.with_name(stats.name.removesuffix(SIDECAR) + DATA)
+
+
+def shard_of(path: Path) -> str:
+    """The shard a data file or sidecar belongs to."""
+    return path.name.removesuffix(SIDECAR).removesuffix(DATA)
+
+
+def sidecars(folder: Path) -> list[Path]:
+    """One stage folder's stats sidecars, in shard order."""
+    return sorted(folder.glob(f"*{SIDECAR}"))
+
+
+def store_sidecars(store: Path, stage: Stage) -> Iterator[Path]:
+    """Every stats sidecar of a stage in the store, of every source and key."""
+    yield from sorted((Path(store) / stage.folder).glob(f"*/*/*{SIDECAR}"))
+
+
+def journal_dir(store: Path, gen_key: str, shard: str | None = None) -> Path:
+    """A generation key's journal folder, or one shard's in it."""
+    folder = Path(store) / JOURNAL / gen_key
+    return folder if shard is None else folder / shard
+
+
+def shard_pattern(root: str | Path, stage: Stage, suffix: str) -> str:
+    """A rule's path pattern of a stage's shard files under ``root`` (the store or the logs)."""
+    return f"{root}/{stage.folder}/{{source}}/{{key}}/{{shard}}{suffix}"
+
+
+def prepare_log(logs: str | Path, source: str, prompt_key: str) -> str:
+    return f"{logs}/{PROMPTS.folder}/{source}/{prompt_key}/{PROMPTS.rule}{LOG}"
+
+
+def dist_log(logs: str | Path, name: str) -> str:
+    """The log of a job that writes ``dist/NAME`` (the mix, a pack, an export)."""
+    return f"{logs}/dist/{name}{LOG}"
+
+
+def stage_entries(store: Path, stage: Stage) -> list[Path]:
+    """Every SOURCE/KEY folder of a stage in the store."""
+    return sorted(p for p in (Path(store) / stage.folder).glob("*/*") if p.is_dir())
+
+
+def source_keys(store: Path, stage: Stage, source: str) -> list[Path]:
+    """Every KEY folder of one source's stage in the store."""
+    return sorted(p for p in (Path(store) / stage.folder / source).glob("*") if p.is_dir())
+
+
+def journal_entries(store: Path) -> list[Path]:
+    """Every generation key's journal folder in the store."""
+    return sorted(p for p in (Path(store) / JOURNAL).glob("*") if p.is_dir())
+
+
+def journal_files(store: Path, name: str) -> list[Path]:
+    """One file (``JOURNAL_ROWS``, ``PUBLISHED_DATA``) of every shard journal in the store."""
+    return sorted((Path(store) / JOURNAL).glob(f"*/*/{name}"))
+
+
+def is_completion_shard(path: Path) -> bool:
+    return path.suffix == DATA and path.parent.parent.parent.name == COMPLETIONS.folder
+
+
+def registration(store: Path, ident: str | None = None) -> Path:
+    """The store's folder of registered configs, or one registration in it."""
+    folder = Path(store) / CONFIGS
+    return folder if ident is None else folder / f"{ident}.json"
+
+
+CACHE = ".cache"  # derived state: file digests, and what each planned key is made of
+
+
+def components_file(store: Path, key: str) -> Path:
+    return Path(store) / CACHE / "components" / f"{key}.json"
+
+
+def fingerprint_cache_file(store: Path) -> Path:
+    return Path(store) / CACHE / "fingerprints.json"
