@@ -2,7 +2,8 @@
 
 Each rule's ``script:`` calls :func:`run_rule` with the ``snakemake`` object; the plan is rebuilt from
 the job's config for the job's own source only (fingerprints come from the cache), and the stage runs
-with its log file attached, on the paths Snakemake gave the job.
+with its log file attached, on the paths Snakemake gave the job. :data:`STAGE_JOBS` is the one table
+of how each rule calls its stage.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import importlib
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,6 @@ from dflash_build import layout
 from dflash_build import plan as plan_mod
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-STAGE_MODULES = {
-    stage: f"dflash_build.{stage}" for stage in ("prepare", "generate", "tokenize", "mix", "pack", "export")
-}
 
 
 @contextlib.contextmanager
@@ -132,11 +131,8 @@ def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned:
     from dflash_build.operate import diff
 
     sp = plan.sources[source]
-    key, components = {
-        "prepare": (sp.prompt_key, sp.prompt_components),
-        "generate": (sp.gen_key, sp.gen_components),
-        "tokenize": (sp.tok_key, sp.tok_components),
-    }[stage]
+    key_name = _KEYED[stage].key  # prompt_key, and prompt_components beside it
+    key, components = getattr(sp, key_name), getattr(sp, key_name.removesuffix("_key") + "_components")
     if key == asked:
         return
     before = json.loads(planned) if planned is not None else plan_mod.planned_components(plan.config.store, asked)
@@ -147,46 +143,81 @@ def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned:
     )
 
 
+_KEYED = {stage.rule: stage for stage in layout.STAGES.values()}  # the stages whose folders carry a key
+
+
+# -- one job of each stage, from the paths Snakemake gave it ------------------------------------------
+@dataclass(frozen=True)
+class StageJob:
+    """How a rule's job calls its stage: ``call(stage module, plan, snakemake)``; ``source`` names the
+    job's source (None: the job reads every source), ``asked`` the key Snakemake planned (None: unkeyed)."""
+
+    call: Callable[[Any, plan_mod.Plan, Any], Any]
+    source: Callable[[Any], str | None] = lambda smk: getattr(smk.wildcards, "source", None)
+    asked: Callable[[Any], str | None] = lambda smk: None
+    planned: Callable[[Any], str | None] = lambda smk: None  # the components Snakemake planned with
+
+
+def _generate(module: Any, plan: plan_mod.Plan, smk: Any) -> Any:
+    source, shard = smk.wildcards.source, smk.wildcards.shard
+    paths = module.ShardPaths(
+        prompt_shard(smk.input.prompts, shard),
+        Path(smk.output.data),
+        Path(smk.output.stats),
+        plan.journal_dir(source, shard),  # not a Snakemake output: it outlives failed jobs
+    )
+    return module.run(plan, source, shard, paths)
+
+
+def _export(module: Any, plan: plan_mod.Plan, smk: Any) -> Any:
+    cfg, fmt = plan.config, smk.wildcards.fmt
+    stores = {s: {"prompts": plan.prompt_shards(s), "completions": plan.completion_shards(s)} for s in plan.sources}
+    return module.run(cfg.dataset_dir, cfg.export_dir(fmt), smk.output[0], cfg.exports[fmt], stores)
+
+
+def _pack(module: Any, plan: plan_mod.Plan, smk: Any) -> Any:
+    cfg = plan.config
+    assert cfg.pack is not None and cfg.packed_dir is not None
+    return module.run(cfg.dataset_dir, cfg.packed_dir, smk.output[0], cfg.pack, cfg.rows_per_file)
+
+
+# Every stage's job, by rule name; each job imports dflash_build.<rule> only, so a CPU tokenize job
+# never loads the GPU driver.
+STAGE_JOBS: dict[str, StageJob] = {
+    "prepare": StageJob(
+        lambda module, plan, smk: module.run(plan, smk.params.source, Path(smk.output.manifest)),
+        source=lambda smk: smk.params.source,
+        asked=lambda smk: Path(smk.output.manifest).parent.name,
+        planned=lambda smk: smk.params.components,
+    ),
+    "generate": StageJob(_generate, asked=lambda smk: smk.wildcards.key),
+    "tokenize": StageJob(
+        lambda module, plan, smk: module.run(
+            plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data)
+        ),
+        asked=lambda smk: smk.wildcards.key,
+    ),
+    "mix": StageJob(lambda module, plan, smk: module.run(plan, smk.output[0])),
+    "export": StageJob(_export),
+    "pack": StageJob(_pack),
+}
+
+
 def run_rule(smk: Any, stage: str) -> None:
     """Run ``stage`` for a Snakemake job (the ``snakemake`` object a script receives).
 
     Before any work (no tokenizer, no GPU), the job checks that its own plan gives the key Snakemake
     asked for, and it reads and writes the paths Snakemake gave it.
     """
-    # each job imports its own stage only: a CPU tokenize job never loads the GPU driver
-    module = importlib.import_module(STAGE_MODULES[stage])
+    job = STAGE_JOBS[stage]
+    module = importlib.import_module(f"dflash_build.{stage}")
     with logged(smk.log[0] if smk.log else None):
-        source = smk.params.source if stage == "prepare" else getattr(smk.wildcards, "source", None)
+        source = job.source(smk)
         plan = plan_from(smk.config, source)
-        if stage == "prepare":
-            check_key(plan, stage, source, Path(smk.output.manifest).parent.name, smk.params.components)
-        elif stage in ("generate", "tokenize"):
-            check_key(plan, stage, source, smk.wildcards.key)
-        if stage == "prepare":
-            module.run(plan, source, Path(smk.output.manifest))
-        elif stage == "generate":
-            shard = smk.wildcards.shard
-            paths = module.ShardPaths(
-                prompt_shard(smk.input.prompts, shard),
-                Path(smk.output.data),
-                Path(smk.output.stats),
-                plan.journal_dir(source, shard),  # not a Snakemake output: it outlives failed jobs
-            )
-            module.run(plan, source, shard, paths)
-        elif stage == "tokenize":
-            module.run(plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data))
-        elif stage == "mix":
-            module.run(plan, smk.output[0])
-        elif stage == "export":
-            cfg, fmt = plan.config, smk.wildcards.fmt
-            stores = {
-                s: {"prompts": plan.prompt_shards(s), "completions": plan.completion_shards(s)} for s in plan.sources
-            }
-            module.run(cfg.dataset_dir, cfg.export_dir(fmt), smk.output[0], cfg.exports[fmt], stores)
-        else:
-            cfg = plan.config
-            assert cfg.pack is not None and cfg.packed_dir is not None
-            module.run(cfg.dataset_dir, cfg.packed_dir, smk.output[0], cfg.pack, cfg.rows_per_file)
+        asked = job.asked(smk)
+        if asked is not None and source is not None:
+            check_key(plan, stage, source, asked, job.planned(smk))
+        job.call(module, plan, smk)
 
 
 def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
