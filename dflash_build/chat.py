@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dflash_build import gguf_meta
 from dflash_build.config import ModelSpec
 
 _PROBE_TOOLS = [
@@ -70,8 +71,6 @@ def context_length(model: ModelSpec) -> int | None:
     if model.context_length is not None:
         return model.context_length
     if model.path.endswith(".gguf"):
-        from dflash_build import gguf_meta
-
         return gguf_meta.context_length(model.path)
     config_file = os.path.join(model.path, "config.json")
     if not os.path.exists(config_file):

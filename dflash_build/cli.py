@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
-from dflash_build import layout, mix, operate, rowindex
+from dflash_build import engine_host, layout, mix, operate, rowindex, status
 from dflash_build import plan as plan_mod
 
 
@@ -187,8 +187,6 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_engines(args: argparse.Namespace) -> int:
-    from dflash_build import engine_host
-
     cfg = config_mod.load(args.configfile)
     lock_dir = cfg.engine.lock_dir
     print(engine_host.describe(engine_host.running(lock_dir)))
@@ -201,8 +199,6 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from dflash_build import status
-
     plan = _plan(args)
     if args.watch is None:
         now = status.collect(plan, args.window)

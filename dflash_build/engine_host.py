@@ -52,9 +52,9 @@ from typing import Any
 from dflash_build import atomic, hashing
 from dflash_build.config import Config, EngineSpec
 from dflash_build.engines import EngineFailed, registry
-from dflash_build.engines.openai_backend import PoolChange, ServerDown
+from dflash_build.engines.openai_backend import OpenAIEngine, PoolChange, ServerDown
 from dflash_build.engines.sglang_backend import OWN_OPTIONS
-from dflash_build.gpus import GpuLease, gpu_lock
+from dflash_build.gpus import GpuLease, gpu_lock, scheduler_assigned
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
@@ -392,8 +392,6 @@ def _spawn_via_broker(spool: Path, spec: LaunchSpec, spec_file: Path, log_path: 
 def broker(spool: Path, owner: int) -> int:
     """Start the hosts the allocation's jobs ask for, as children of the batch step, until it ends."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-broker: %(message)s")
-    from dflash_build.gpus import scheduler_assigned
-
     # The job steps may number their GPU differently from this batch step: map by the node's index.
     visible = {g.node_id: g.visible for g in scheduler_assigned() or []}
     hosts: list[subprocess.Popen[bytes]] = []
@@ -620,8 +618,6 @@ def open_engine(
     context: int | None,
 ) -> ServedEngine:
     """Attach to (starting if needed) the engine servers for this config and return a client of them."""
-    from dflash_build.engines.openai_backend import OpenAIEngine
-
     spec = launch_spec(cfg, stop_ids, lease, model_fingerprint, context)
     attached = attach(spec, pool=cfg.engine.shared)
     served = ServedEngine(spec, attached, stop_on_close=not cfg.engine.shared, pool=cfg.engine.shared)

@@ -14,6 +14,7 @@ gen_key, gen_key of tok_key). ``None``: in no key (recorded in the stats sidecar
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -233,3 +234,24 @@ def keyed_engine_options(backend: str, options: Mapping[str, Any]) -> dict[str, 
         if decision is not None and decision.key == GEN:
             keyed[name] = value
     return keyed
+
+
+# -- what changed between two keys' components (explain, and a job whose key moved) ---------------
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested components as dotted names: {"sampling": {"seed": 0}} → {"sampling.seed": 0}."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per component that differs: ``name: old → new``."""
+    a, b = flatten(old), flatten(new)
+    return [
+        f"{k}: {json.dumps(a.get(k))} → {json.dumps(b.get(k))}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, crosssource, hashing, layout, prepare, release, rowindex
+from dflash_build import atomic, crosssource, hashing, keys, layout, prepare, release, rowindex
 from dflash_build.config import Config, TrainerSpec
 from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
 from dflash_build.plan import Plan, fingerprint_cache_file
@@ -269,24 +269,6 @@ def _count_rows(
 
 
 # -- explain ----------------------------------------------------------------------------------
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: value}
-
-
-def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    a, b = flatten(old), flatten(new)
-    return [
-        f"{k}: {json.dumps(a.get(k))} → {json.dumps(b.get(k))}"
-        for k in sorted(a.keys() | b.keys())
-        if a.get(k) != b.get(k)
-    ]
-
-
 def _components_in(stage_dir: Path, stage: str) -> dict[str, Any] | None:
     if stage == layout.PROMPTS.folder:
         manifest = stage_dir / layout.MANIFEST
@@ -310,7 +292,7 @@ def explain(plan: Plan, stage: str, source: str, shard: str | None = None) -> li
     folder = layout.stage_dir(plan.config.store, layout.STAGES[stage], source, key)
     target = layout.shard_file(folder, shard) if shard else folder
     lines = [f"{target} ({layout.STAGES[stage].rule}, key {key})"]
-    lines += [f"  {k} = {json.dumps(v)}" for k, v in sorted(flatten(components).items())]
+    lines += [f"  {k} = {json.dumps(v)}" for k, v in sorted(keys.flatten(components).items())]
     if target.exists():
         lines.append("built: nothing to do")
         return lines
@@ -328,7 +310,7 @@ def _nearest(plan: Plan, stage: str, source: str, key: str, components: dict[str
         old = _components_in(other, stage)
         if old is None:
             continue
-        changes = diff(old, components)
+        changes = keys.diff(old, components)
         if best is None or len(changes) < best[0]:
             best = (len(changes), other.name, changes)
     if best is None:

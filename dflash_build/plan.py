@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, keys, layout, readers
+from dflash_build import atomic, hashing, keys, layout, readers
 from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
 
@@ -251,8 +251,6 @@ def components_file(store: Path, key: str) -> Path:
 
 def record_components(plan: Plan) -> None:
     """Keep what each planned key is made of in the store (once per key: the file never changes)."""
-    from dflash_build import atomic
-
     for sp in plan.sources.values():
         for key, components in (
             (sp.prompt_key, sp.prompt_components),

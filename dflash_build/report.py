@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from dflash_build import layout
+from dflash_build import atomic, layout
 from dflash_build import records as R
+from dflash_build.engines import uses_gpu
 from dflash_build.plan import Plan
 
 PLOTS = {
@@ -86,8 +87,6 @@ class Tally:
 def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
     """A source's generate sidecars summed: row outcomes, reuse, job hours and engine throughput."""
     engine = plan.config.engine
-    from dflash_build.engines import uses_gpu
-
     gpus_per_job = (1 / engine.jobs_per_engine if engine.shared else 1.0) if uses_gpu(engine) else 0.0
     total: Counter[str] = Counter()
     wall = engine_tokens = 0.0
@@ -232,8 +231,6 @@ def plain(report: dict[str, Any]) -> str:
 
 
 def write_tables(folder: Path, report: dict[str, Any]) -> None:
-    from dflash_build import atomic
-
     for name, key, columns in (
         (TABLES[0], "by_source", _SOURCE_COLUMNS),
         (TABLES[1], "by_category", _CATEGORY_COLUMNS),

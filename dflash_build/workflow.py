@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
-from dflash_build import layout
+from dflash_build import engines, keys, layout, release
 from dflash_build import plan as plan_mod
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -78,8 +78,6 @@ def fix_list_params_changes() -> None:
 
 def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
     """Say so when a dataset folder was deleted by hand: its build record keeps Snakemake from rebuilding it."""
-    from dflash_build import release
-
     for folder in config.dist_folders:
         if release.recorded_but_missing(folder):
             logging.getLogger("dflash_build").warning(
@@ -128,15 +126,13 @@ def check_key(plan: plan_mod.Plan, stage: str, source: str, asked: str, planned:
     ``planned``: the canonical JSON of the components Snakemake planned with (prepare's params); else
     they are read from the store, where the Snakefile recorded them (:func:`plan.record_components`).
     """
-    from dflash_build.operate import diff
-
     sp = plan.sources[source]
     key_name = _KEYED[stage].key  # prompt_key, and prompt_components beside it
     key, components = getattr(sp, key_name), getattr(sp, key_name.removesuffix("_key") + "_components")
     if key == asked:
         return
     before = json.loads(planned) if planned is not None else plan_mod.planned_components(plan.config.store, asked)
-    changes = "\n".join(f"  {c}" for c in diff(before or {}, components)) or "  (no differences recorded)"
+    changes = "\n".join(f"  {c}" for c in keys.diff(before or {}, components)) or "  (no differences recorded)"
     raise KeyMismatchError(
         f"{stage} {source}: Snakemake planned key {asked}, but the config and inputs now give {key}; "
         f"something changed since the workflow started:\n{changes}\nRun snakemake again to plan the new key."
@@ -229,8 +225,6 @@ def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[
     gpu_jobs=0): every job asks for the GPU its allocation needs, and the jobs grouped into one
     allocation share its engine.
     """
-    from dflash_build import engines
-
     if not engines.uses_gpu(engine):
         return 0, 0, None
     if not engine.shared:

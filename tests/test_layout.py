@@ -174,3 +174,42 @@ def test_the_registry_is_the_one_list_of_backends() -> None:
     for name, backend in registry.BACKENDS.items():
         assert backend.name == name and (backend.load is not None or backend.serve is not None), name
         assert not backend.always_served or backend.serve is not None, name
+
+
+def test_the_package_imports_its_modules_at_the_top() -> None:
+    """Inside a function only where the module pulls an optional heavy engine library (torch, SGLang,
+    httpx): the registry's descriptors, so parsing the workflow never needs one."""
+    inside = []
+    for module, tree in _trees().items():
+        if module == "dflash_build.engines.registry":
+            continue
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_build"):
+                        inside.append(f"{module}:{node.lineno} {node.module}")
+                    elif isinstance(node, ast.Import) and any(a.name.startswith("dflash_build") for a in node.names):
+                        inside.append(f"{module}:{node.lineno}")
+    assert not inside, inside
+
+
+def test_cpu_stages_import_no_engine() -> None:
+    """A prepare, tokenize, mix, pack or export job loads no engine, GPU driver or engine library: only
+    the backends' descriptors, which the config's validation reads."""
+    import subprocess
+    import sys
+
+    engine_code = (
+        "dflash_build.generate",
+        "dflash_build.engine_host",
+        "dflash_build.engines.transformers_backend",
+        "dflash_build.engines.sglang_backend",
+        "dflash_build.engines.openai_backend",
+        "torch",
+        "sglang",
+        "httpx",
+    )
+    for stage in ("prepare", "tokenize", "mix", "pack", "export"):
+        code = f"import sys, dflash_build.{stage}; print(sorted(m for m in sys.modules if m in {engine_code!r}))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "[]", (stage, out)

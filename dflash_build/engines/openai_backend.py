@@ -41,6 +41,7 @@ import httpx
 from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines.base import Request, Result
 from dflash_build.engines.options import check_options
+from dflash_build.engines.sglang_wire import parse_output, sampling_params
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -216,8 +217,6 @@ def matches_model(served: list[str], model_path: str, expect: str | None) -> boo
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
     """SGLang's native /generate takes the in-process engine's sampling params as they are."""
-    from dflash_build.engines.sglang_backend import sampling_params
-
     return {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request, stop_token_ids)}
 
 
@@ -385,8 +384,6 @@ class OpenAIEngine:
             return Result(request.prompt_id, request.sample_idx, [], "error", error=f"{url}: {e}")
 
     async def _native(self, url: str, request: Request) -> Result:
-        from dflash_build.engines.sglang_backend import parse_output
-
         def parse(out: Any) -> Result:
             out = out[0] if isinstance(out, list) and out else out
             if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
