@@ -35,7 +35,7 @@ from dflash_build import atomic, layout
 
 log = logging.getLogger(__name__)
 ROWS_FILE = layout.JOURNAL_ROWS
-LOCK_FILE = "lock"
+LOCK_FILE = layout.JOURNAL_LOCK
 PUBLISHED_DATA = layout.PUBLISHED_DATA
 PUBLISHED_STATS = layout.PUBLISHED_STATS
 LOCK_REPORT_SECONDS = 60.0

@@ -4,8 +4,9 @@
 STORE/prompts/SOURCE/PROMPT_KEY/{SHARD.parquet, manifest.json, bands.parquet}
 STORE/completions/SOURCE/GEN_KEY/{SHARD.parquet, SHARD.stats.json}
 STORE/tokens/SOURCE/TOK_KEY/{SHARD.parquet, SHARD.stats.json}
-STORE/journal/GEN_KEY/SHARD/{rows.jsonl, published.parquet, published.stats.json}
+STORE/journal/GEN_KEY/SHARD/{rows.jsonl, published.parquet, published.stats.json, lock}
 STORE/index/rows.sqlite      STORE/configs/      (the row index; the configs registered on the store)
+STORE/.cache/{fingerprints.json, components/KEY.json}   (file digests; what each planned key is made of)
 LOGS/STAGE_DIR/SOURCE/KEY/SHARD.log              (one log per job, mirroring its store path)
 ```
 
@@ -44,6 +45,7 @@ LOG = ".log"
 MANIFEST = "manifest.json"  # a prompt folder's, and a dataset, pack or export folder's
 BANDS = "bands.parquet"  # the selected prompts' near-duplicate band keys (dedup.near)
 JOURNAL_ROWS = "rows.jsonl"
+JOURNAL_LOCK = "lock"  # one job at a time per shard; who holds it is written in it
 PUBLISHED_DATA = "published" + DATA
 PUBLISHED_STATS = "published" + SIDECAR
 

@@ -89,6 +89,7 @@ def test_no_function_reaches_sixty_lines() -> None:
 # What building a store path by hand looks like: a store file's name, a stage folder as a path
 # segment, or a shard's file name from its name. dflash_build/layout.py alone may write these.
 STORE_NAMES = (".stats.json", "manifest.json", "bands.parquet", "rows.jsonl", "rows.sqlite", "published.", ".cache")
+STORE_FILES = ("rebuild.lock", "fingerprints.json")
 STORE_SEGMENTS = ("prompts", "completions", "tokens", "journal", "configs", "index", ".cache")
 RULE_PATTERNS = re.compile(r"/(prompts|completions|tokens|journal)/|\.stats\.json|manifest\.json|\{shard\}\.")
 
@@ -107,7 +108,11 @@ def _built_paths(tree: ast.Module) -> list[tuple[int, str]]:
     docs = _docstrings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            if any(name in node.value for name in STORE_NAMES) or any(f"/{s}/" in node.value for s in STORE_SEGMENTS):
+            if (
+                node.value in STORE_FILES
+                or any(name in node.value for name in STORE_NAMES)
+                or any(f"/{s}/" in node.value for s in STORE_SEGMENTS)
+            ):
                 found.append((node.lineno, repr(node.value)))
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             right = node.right
