@@ -86,7 +86,7 @@ def write_rows(root: Path, rows: int) -> None:
 
 def measure_prepare(root: str, rows: int, filters: str) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
-    from dflash_build import prepare
+    from dflash_build.stages import prepare
 
     base = Path(root)
     extra: dict[str, Any] = {"store": str(base / f"store-{filters}")}
@@ -122,8 +122,8 @@ def measure_library(rows: int) -> dict[str, Any]:
     import pyarrow as pa
     import rensa
 
-    from dflash_build import neardup
-    from dflash_build import words as W
+    from dflash_build.stages import neardup
+    from dflash_build.stages import words as W
 
     rng = random.Random(1)
     vocab = [f"w{i}" for i in range(20000)]

@@ -3,7 +3,7 @@
 One million synthetic sample lengths drawn like the target data (log-normal, mean ~2,068 tokens, P90
 ~4,200, capped at the answer limit of 8,192), packed at seq_len 8,192 / 16,384 / 32,768:
 
-- ours: ``dflash_build.pack.plan_rows`` as the stage runs it (seeded order, windows of 100,000 samples,
+- ours: ``dflash_build.stages.pack.plan_rows`` as the stage runs it (seeded order, windows of 100,000 samples,
   longest-first fill of each row), on one core;
 - baseline: greedy concatenation in file order (a row is closed when the next sample does not fit),
   measured in the same run.
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dflash_build.config import PackSpec  # noqa: E402
-from dflash_build.pack import plan_rows  # noqa: E402
+from dflash_build.stages.pack import plan_rows  # noqa: E402
 
 MEAN, P90, CAP = 2068, 4200, 8192
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build.rowindex import RowIndex
+from dflash_build.store.rowindex import RowIndex
 
 SHARD = 4096
 

@@ -129,7 +129,7 @@ def write_sharegpt(path: Path, rows: int) -> None:
 
 def measure_prepare(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
-    from dflash_build import prepare
+    from dflash_build.stages import prepare
 
     base = Path(root)
     config = _config(
@@ -181,9 +181,9 @@ def write_token_shards(root: str, rows: int) -> None:
     import numpy as np
     import pyarrow as pa
 
-    from dflash_build import atomic
     from dflash_build import plan as plan_mod
-    from dflash_build import records as R
+    from dflash_build.store import atomic
+    from dflash_build.store import records as R
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     rng = np.random.default_rng(0)
@@ -217,8 +217,8 @@ def write_token_shards(root: str, rows: int) -> None:
 
 
 def measure_mix(root: str, rows: int) -> dict[str, Any]:
-    from dflash_build import mix
     from dflash_build import plan as plan_mod
+    from dflash_build.stages import mix
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     start = time.perf_counter()
@@ -231,7 +231,7 @@ def measure_mix_copy(root: str, rows: int) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from dflash_build import plan as plan_mod
-    from dflash_build.mix import RollingWriter
+    from dflash_build.stages.mix import RollingWriter
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     start = time.perf_counter()
@@ -258,7 +258,7 @@ def measure_index(root: str, rows: int) -> dict[str, Any]:
     """Fill an index to ``rows``, then time one more shard's lookup, add and delete (and the lock hold)."""
     import contextlib
 
-    from dflash_build import rowindex
+    from dflash_build.store import rowindex
 
     store = Path(root) / f"store-{rows}"
     index = rowindex.RowIndex(store)
@@ -339,7 +339,7 @@ def build_model(root: str) -> dict[str, Any]:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from dflash_build import plan as plan_mod
-    from dflash_build import prepare
+    from dflash_build.stages import prepare
 
     sys.path.insert(0, str(REPO))
     from tests.conftest import smollm2_gguf
@@ -379,7 +379,8 @@ def _gen_config(base: Path) -> Any:
 def _time_model_work() -> dict[str, float]:
     """Patch the tokenizer load, the engine load and the engine's generate to add up their seconds:
     what is left of a run is the code around them (the driver's own cost, or the plain loop's)."""
-    from dflash_build import chat, engines
+    from dflash_build import engines
+    from dflash_build.stages import chat
 
     spent = {"model_s": 0.0}
     load_tokenizer, load_engine = chat.load_tokenizer, engines.load
@@ -420,8 +421,8 @@ def _time_model_work() -> dict[str, float]:
 def measure_generate_driver(root: str, round_: int) -> dict[str, Any]:
     import shutil
 
-    from dflash_build import generate
     from dflash_build import plan as plan_mod
+    from dflash_build.stages import generate
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -440,8 +441,9 @@ def measure_generate_plain(root: str, round_: int) -> dict[str, Any]:
     """What the driver does without the driver: render, generate, keep the results in a list."""
     import pyarrow.parquet as pq
 
-    from dflash_build import chat, engines, generate
+    from dflash_build import engines
     from dflash_build import plan as plan_mod
+    from dflash_build.stages import chat, generate
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -483,8 +485,8 @@ def measure_tokenize(root: str) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_build import chat, tokenize
     from dflash_build import plan as plan_mod
+    from dflash_build.stages import chat, tokenize
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))

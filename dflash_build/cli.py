@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
-from dflash_build import engine_host, layout, mix, operate, rowindex, status
 from dflash_build import plan as plan_mod
+from dflash_build.engines import host as engine_host
+from dflash_build.ops import operate, status
+from dflash_build.stages import mix
+from dflash_build.store import layout, rowindex
 
 
 def _plan(args: argparse.Namespace) -> plan_mod.Plan:

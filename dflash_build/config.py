@@ -21,7 +21,6 @@ import yaml
 
 from dflash_build import engines
 from dflash_build.engines import registry
-from dflash_build.neardup import NearSpec
 from dflash_build.spec import (
     EXPORT_DEFAULTS as EXPORT_DEFAULTS,
 )
@@ -88,6 +87,7 @@ from dflash_build.spec import (
 from dflash_build.spec import (
     TrainerSpec as TrainerSpec,
 )
+from dflash_build.stages.neardup import NearSpec
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 _COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash_build import atomic
+from dflash_build.store import atomic
 
 KEY_LENGTH = 16
 _CHUNK = 8 << 20

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_build import atomic, hashing, keys, layout, readers
+from dflash_build import hashing, keys
 from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
+from dflash_build.stages import readers
+from dflash_build.store import atomic, layout
 from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
 
 TOKENIZER_FILES = frozenset(

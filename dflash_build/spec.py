@@ -1,7 +1,7 @@
 """The config as typed, frozen values, and the error that names a config key: a leaf of the package.
 
 :mod:`dflash_build.config` builds these from a validated config file; every other module reads them.
-Nothing here imports another module of the package but :mod:`dflash_build.neardup` (its settings).
+Nothing here imports another module of the package but :mod:`dflash_build.stages.neardup` (its settings).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_build.neardup import NearSpec
+from dflash_build.stages.neardup import NearSpec
 
 FORMATS = ("sharegpt", "messages", "alpaca", "prompt", "hermes")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed", "samples_per_prompt")
@@ -148,7 +148,7 @@ class EngineSpec:
     base_port: int
     journal_flush_rows: int
     journal_flush_seconds: float
-    # Long-lived engines shared by the generate jobs (dflash_build.engine_host).
+    # Long-lived engines shared by the generate jobs (dflash_build.engines.host).
     shared: bool = False
     jobs_per_engine: int = 2
     idle_timeout: float = 600.0
@@ -168,7 +168,7 @@ class Checks:
 
 @dataclass(frozen=True)
 class PackSpec:
-    """The optional pack stage (dflash_build.pack); config key `pack`."""
+    """The optional pack stage (dflash_build.stages.pack); config key `pack`."""
 
     seq_len: int
     split_long: bool = False
@@ -184,7 +184,7 @@ LONG_POLICIES = ("warn", "cut", "drop", "split")
 
 @dataclass(frozen=True)
 class ExportSpec:
-    """One trainer-handoff export (dflash_build.export); config key `export.<format>`."""
+    """One trainer-handoff export (dflash_build.stages.export); config key `export.<format>`."""
 
     format: str
     max_length: int | None = None  # the trainer's window (SpecForge max_length, speculators seq_length)

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
-from dflash_build import engines, keys, layout, release
+from dflash_build import engines, keys
 from dflash_build import plan as plan_mod
+from dflash_build.dist import release
+from dflash_build.store import layout
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -206,7 +208,7 @@ def run_rule(smk: Any, stage: str) -> None:
     asked for, and it reads and writes the paths Snakemake gave it.
     """
     job = STAGE_JOBS[stage]
-    module = importlib.import_module(f"dflash_build.{stage}")
+    module = importlib.import_module(f"dflash_build.stages.{stage}")
     with logged(smk.log[0] if smk.log else None):
         source = job.source(smk)
         plan = plan_from(smk.config, source)

@@ -3,18 +3,18 @@ import sys
 from snakemake.utils import validate
 
 import dflash_build.config
-import dflash_build.engine_host
+import dflash_build.engines.host
 import dflash_build.engines
 import dflash_build.engines.registry
 import dflash_build.plan
-import dflash_build.prepare
-import dflash_build.release
+import dflash_build.stages.prepare
+import dflash_build.dist.release
 import dflash_build.versions
 import dflash_build.workflow
-from dflash_build import layout
+from dflash_build.store import layout
 from dflash_build.hashing import canonical_json
-from dflash_build.layout import shard_pattern
-from dflash_build.mix import summary
+from dflash_build.store.layout import shard_pattern
+from dflash_build.stages.mix import summary
 
 # A key given twice in a config file, or one the schema does not know, stops the run in a line that
 # names it and the closest valid key (validate's own message quotes the whole schema).
@@ -33,22 +33,22 @@ LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
 PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
 # What the mix and pack rules output: the build record beside the dataset's versions; dist/NAME itself
-# is a link the stage swaps only when a build passed (dflash_build.release).
-DATASET_RECORD = str(dflash_build.release.record_dir(CONFIG.dataset_dir))
+# is a link the stage swaps only when a build passed (dflash_build.dist.release).
+DATASET_RECORD = str(dflash_build.dist.release.record_dir(CONFIG.dataset_dir))
 PACKED_RECORD = (
-    str(dflash_build.release.record_dir(CONFIG.packed_dir))
+    str(dflash_build.dist.release.record_dir(CONFIG.packed_dir))
     if CONFIG.packed_dir
     else None
 )
 # Each export's record, by format (rules/export.smk); dist/NAME-FORMAT links to its version.
-EXPORT_RECORD = str(dflash_build.release.record_dir(CONFIG.export_dir("{fmt}")))
+EXPORT_RECORD = str(dflash_build.dist.release.record_dir(CONFIG.export_dir("{fmt}")))
 dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
 # dflash_build.workflow.is_dry_run).
 DRY_RUN = dflash_build.workflow.is_dry_run(sys.argv)
 # In the batch step of a SLURM allocation that generates: the broker that keeps its engines (engine_host).
 if not DRY_RUN:
-    dflash_build.engine_host.start_allocation_broker(CONFIG, sys.argv)
+    dflash_build.engines.host.start_allocation_broker(CONFIG, sys.argv)
 # A job on its own engine asks for gpu=1. With shared engines it asks for gpu_jobs=1 instead, and
 # gpu_jobs = --resources gpu x engine.jobs_per_engine, so two jobs feed each GPU's engine. Submitted to a
 # cluster, each job asks for its GPU instead: the cluster profiles set gpu=1, gpu_jobs=0 for generate
@@ -63,7 +63,7 @@ if GPU_JOBS is not None:
 # job takes a GPU; its prepare job would find it only after the other sources' generation started.
 for source_name in PLAN.sources:
     if not PLAN.prompt_manifest(source_name).exists():
-        dflash_build.prepare.check_sample(PLAN, source_name)
+        dflash_build.stages.prepare.check_sample(PLAN, source_name)
 # What each key is made of, kept in the store: a job whose own plan gives another key says what
 # changed (workflow.check_key) without a params function per job.
 if not DRY_RUN:
@@ -195,21 +195,21 @@ def get_pack_params():
 
 def register_config():
     # gc from any config sharing this store keeps what this one references
-    import dflash_build.operate
-    import dflash_build.rowindex
+    import dflash_build.ops.operate
+    import dflash_build.store.rowindex
 
-    dflash_build.operate.register(PLAN)
+    dflash_build.ops.operate.register(PLAN)
     # Once per build, not per job: the row index learns the shards it lacks (see rowindex).
-    with dflash_build.rowindex.RowIndex.open(CONFIG.store):
+    with dflash_build.store.rowindex.RowIndex.open(CONFIG.store):
         pass
 
 
 def stop_engines():
     # Shared engines stop when the workflow ends (those another build still uses wait for their idle
     # timeout); a killed Snakemake leaves them to the idle timeout too.
-    import dflash_build.engine_host
+    import dflash_build.engines.host
 
-    dflash_build.engine_host.stop_workflow_engines(CONFIG)
+    dflash_build.engines.host.stop_workflow_engines(CONFIG)
 
 
 def print_summary():
@@ -223,17 +223,17 @@ def print_summary():
         )
     packed = Path(PACKED_DIR or "") / layout.MANIFEST
     if PACKED_DIR and packed.exists():
-        import dflash_build.pack
+        import dflash_build.stages.pack
 
         print(
-            dflash_build.pack.summary(json.loads(packed.read_text()), Path(PACKED_DIR))
+            dflash_build.stages.pack.summary(json.loads(packed.read_text()), Path(PACKED_DIR))
         )
-    import dflash_build.export
+    import dflash_build.stages.export
 
     for fmt in CONFIG.exports:
         folder = CONFIG.export_dir(fmt)
         if (folder / layout.MANIFEST).exists():
             exported = json.loads((folder / layout.MANIFEST).read_text())
-            print(dflash_build.export.summary(exported, folder))
-            for line in dflash_build.export.warnings(exported):
+            print(dflash_build.stages.export.summary(exported, folder))
+            for line in dflash_build.stages.export.warnings(exported):
                 print(f"warning: {line}")

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_build import atomic
+from dflash_build.store import atomic
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Prepare's batch conversion (dflash_build.columnar) writes exactly what the row path writes.
+"""Prepare's batch conversion (dflash_build.stages.columnar) writes exactly what the row path writes.
 
 Every test here runs prepare twice on the same quirky rows, once as it is and once with the batch
 conversion switched off (every row through ``prepare.to_prompt``), and requires the same manifest
@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash_build import columnar, prepare
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
+from dflash_build.stages import columnar, prepare
 from tests.conftest import write_jsonl
 
 TEXTS = [
@@ -217,7 +217,7 @@ def test_the_scan_never_misses_a_string_that_escaping_or_folding_changes(
 
 
 def test_line_chunks_find_lines_and_blank_lines_as_python_does() -> None:
-    from dflash_build import readers
+    from dflash_build.stages import readers
 
     rng = random.Random(5)
     pieces = [b"", b" ", b"\t", b"\r", b"\x0b", b"\x0c", b"\x1c", b"{}", b'{"a": 1}', b"x", b"\xc2\xa0", b"  {} "]

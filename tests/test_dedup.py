@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import crosssource, neardup, prepare
 from dflash_build import plan as plan_mod
-from dflash_build import words as W
-from dflash_build.decontaminate import ReferenceError
+from dflash_build.stages import crosssource, neardup, prepare
+from dflash_build.stages import words as W
+from dflash_build.stages.decontaminate import ReferenceError
 from tests.conftest import Workflow, base_config, write_jsonl
 
 # GSM8K's test split, item 0 (openai/gsm8k, main), as its dataset viewer shows it.

@@ -66,7 +66,7 @@ def needed(stage: str, skip: set[str]) -> set[str]:
     workflow_top = {
         n.module for n in ast.parse((PACKAGE / "workflow.py").read_text()).body if isinstance(n, ast.ImportFrom)
     }
-    todo = [m for m in workflow_top if m and m.startswith("dflash_build")] + [f"dflash_build.{STAGES[stage]}"]
+    todo = [m for m in workflow_top if m and m.startswith("dflash_build")] + [f"dflash_build.stages.{STAGES[stage]}"]
     seen: set[str] = set()
     third: set[str] = set()
     while todo:

@@ -1,4 +1,4 @@
-"""Trainer-handoff exports (dflash_build.export): what each length policy and filter writes, checked
+"""Trainer-handoff exports (dflash_build.stages.export): what each length policy and filter writes, checked
 against the trainers' own code (SpecForge 0.2.0's pre-tokenized prompt loader and DFlash filter,
 speculators 0.9.0's pass-through of speculator-format rows), and the conversations' shape.
 
@@ -14,8 +14,8 @@ from specforge.data.loss_mask import has_consecutive_supervised_tokens
 from specforge.data.prompt_builder import _prompt_from_record
 from speculators.data_generation.preprocessing import _append_row
 
-from dflash_build import export
 from dflash_build.config import EXPORT_DEFAULTS, ExportSpec
+from dflash_build.stages import export
 
 
 def _samples(n: int = 300, seed: int = 0) -> list[tuple[list[int], list[int]]]:

@@ -24,8 +24,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
 from dflash_build.killpoints import KILL_AT_ENV
+from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
 from tests.conftest import Workflow, base_config, loaded_rows, write_jsonl
 from tests.standin_server import StandIn
 
@@ -490,7 +490,7 @@ def test_a_damaged_row_index_heals_and_every_row_is_still_reused(built: Path, tm
 @pytest.mark.parametrize("damage", ["random_bytes", "emptied_file", "rows_deleted", "old_layout"])
 def test_every_kind_of_row_index_damage_is_found_and_healed_on_open(built: Path, tmp_path: Path, damage: str) -> None:
     """What a build's first step (RowIndex.open) does to a damaged index: every published row is found again."""
-    from dflash_build.rowindex import RowIndex, reuse_key
+    from dflash_build.store.rowindex import RowIndex, reuse_key
 
     wf = _copy(built, tmp_path)
     store = wf.workdir / "store"

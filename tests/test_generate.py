@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import engines, generate, prepare
+from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
+from dflash_build.stages import generate, prepare
 from tests.conftest import TOOLS_TEMPLATE, write_jsonl
 
 
@@ -151,7 +152,7 @@ def test_turns_all_builds_each_prompt_on_the_generated_history(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from dflash_build import tokenize
+    from dflash_build.stages import tokenize
 
     plan = _multi_turn_plan(tmp_path, tiny_model, TOOLS_TEMPLATE)
     stand_in = EchoEngine()
@@ -326,7 +327,7 @@ def test_next_requests_skips_over_the_context_and_continues_prefixes(tmp_path: P
 def test_replay_applies_each_turn_once_and_skips_what_does_not_fit(tmp_path: Path, tiny_model: Path) -> None:
     """Two writers before shards had locks, or a damaged line: the first copy of a turn wins, the rest is
     generated again; nothing makes the journal unusable."""
-    from dflash_build.journal import Journal
+    from dflash_build.store.journal import Journal
 
     work = _work(tmp_path, tiny_model, ROWS[:1])
     pid = next(iter(work.convs))[0]
@@ -364,7 +365,7 @@ def test_the_heartbeat_writes_progress_without_rows_and_names_a_silent_engine(ca
 
     in_flight = {"n": 2}
     progress = generate.Progress(10, 3, "s/00000", every=0.3)
-    with caplog.at_level(logging.INFO, logger="dflash_build.generate"):
+    with caplog.at_level(logging.INFO, logger="dflash_build.stages.generate"):
         progress.watch(lambda: in_flight["n"], "the server http://127.0.0.1:9", 0.5, then="it is looked at")
         time.sleep(1.6)
         progress.update(Result("p", 0, [5, 6], "stop", 2), row_finished=True)

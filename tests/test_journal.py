@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_build.journal import Journal
+from dflash_build.store.journal import Journal
 
 
 def test_rows_survive_and_a_torn_tail_is_cut(tmp_path: Path) -> None:
@@ -43,7 +43,7 @@ def test_a_second_job_on_the_shard_waits_for_the_first(tmp_path: Path) -> None:
             "-c",
             "import sys, time\n"
             "from pathlib import Path\n"
-            "from dflash_build.journal import Journal\n"
+            "from dflash_build.store.journal import Journal\n"
             f"with Journal(Path({str(folder)!r}), 1, 0).locked('a'):\n"
             "    print('held', flush=True)\n"
             "    time.sleep(1.5)\n"

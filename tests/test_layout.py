@@ -87,7 +87,7 @@ def test_no_function_reaches_sixty_lines() -> None:
 
 # -- one owner of store paths ------------------------------------------------------------------
 # What building a store path by hand looks like: a store file's name, a stage folder as a path
-# segment, or a shard's file name from its name. dflash_build/layout.py alone may write these.
+# segment, or a shard's file name from its name. dflash_build/store/layout.py alone may write these.
 STORE_NAMES = (".stats.json", "manifest.json", "bands.parquet", "rows.jsonl", "rows.sqlite", "published.", ".cache")
 STORE_FILES = ("rebuild.lock", "fingerprints.json")
 STORE_SEGMENTS = ("prompts", "completions", "tokens", "journal", "configs", "index", ".cache")
@@ -141,7 +141,7 @@ def test_store_paths_are_built_only_by_the_layout_module() -> None:
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if RULE_PATTERNS.search(line) and not line.lstrip().startswith("#")
     ]
-    assert not built, "store paths built outside dflash_build/layout.py:\n" + "\n".join(built)
+    assert not built, "store paths built outside dflash_build/store/layout.py:\n" + "\n".join(built)
 
 
 def test_the_path_finder_finds_hand_built_paths() -> None:
@@ -205,8 +205,8 @@ def test_cpu_stages_import_no_engine() -> None:
     import sys
 
     engine_code = (
-        "dflash_build.generate",
-        "dflash_build.engine_host",
+        "dflash_build.stages.generate",
+        "dflash_build.engines.host",
         "dflash_build.engines.transformers_backend",
         "dflash_build.engines.sglang_backend",
         "dflash_build.engines.openai_backend",
@@ -215,6 +215,6 @@ def test_cpu_stages_import_no_engine() -> None:
         "httpx",
     )
     for stage in ("prepare", "tokenize", "mix", "pack", "export"):
-        code = f"import sys, dflash_build.{stage}; print(sorted(m for m in sys.modules if m in {engine_code!r}))"
+        code = f"import sys, dflash_build.stages.{stage}; print(sorted(m for m in sys.modules if m in {engine_code!r}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         assert out.strip() == "[]", (stage, out)

@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import hashing, mix, report
+from dflash_build import hashing
 from dflash_build import plan as plan_mod
+from dflash_build.dist import report
+from dflash_build.stages import mix
 
 
 def _one_at_a_time(lengths: list[int], target: float) -> list[int]:

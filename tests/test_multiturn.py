@@ -21,10 +21,11 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import engines, export, generate, mix, prepare, tokenize
+from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.killpoints import KILL_AT_ENV
+from dflash_build.stages import export, generate, mix, prepare, tokenize
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, write_jsonl
 
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash_build.pack import pack_lengths
+from dflash_build.stages.pack import pack_lengths
 from tests.conftest import Workflow, base_config, write_jsonl
 
 

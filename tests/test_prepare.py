@@ -15,7 +15,7 @@ import yaml
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
-from dflash_build import prepare
+from dflash_build.stages import prepare
 from tests.conftest import write_jsonl
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_build import atomic, release
+from dflash_build.dist import release
+from dflash_build.store import atomic
 
 
 def _publish(folder: Path, n: int) -> None:

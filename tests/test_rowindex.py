@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_build import rowindex
-from dflash_build.rowindex import RowIndex
+from dflash_build.store import rowindex
+from dflash_build.store.rowindex import RowIndex
 
 ROWS_PER_SHARD = 300
 

@@ -24,6 +24,7 @@ import yaml
 from dflash_build import keys
 from dflash_build.config import ModelSpec
 from dflash_build.engines import Request, SamplingParams, sglang_fields
+from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.sglang_backend import (
     DRIVER_FIELDS,
     OWN_OPTIONS,
@@ -32,8 +33,7 @@ from dflash_build.engines.sglang_backend import (
     server_args,
     server_kwargs,
 )
-from dflash_build.generate import SEED_BITS, fits_context, row_seed
-from dflash_build.gpus import GpuLease
+from dflash_build.stages.generate import SEED_BITS, fits_context, row_seed
 from tests.conftest import REPO
 
 PRODUCTION = yaml.safe_load((REPO / "config" / "config.yaml").read_text())

@@ -1,4 +1,4 @@
-"""Long-lived engines shared by consecutive jobs (dflash_build.engine_host), on real servers: our own
+"""Long-lived engines shared by consecutive jobs (dflash_build.engines.host), on real servers: our own
 server around the transformers backend on a tiny model (fake GPU ids on the CPU, as the pinning tests
 do) and llama.cpp's server on the SmolLM2 GGUF."""
 
@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from dflash_build import config as config_mod
-from dflash_build import engine_host, workflow
+from dflash_build import workflow
 from dflash_build.engines import Request, SamplingParams
-from dflash_build.gpus import Gpu, GpuLease, job_locks
+from dflash_build.engines import host as engine_host
+from dflash_build.engines.gpus import Gpu, GpuLease, job_locks
 from tests.conftest import Workflow, base_config, completion_rows, write_jsonl
 
 
@@ -313,10 +314,10 @@ def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allo
 @pytest.mark.workflow
 def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tiny_model: Path) -> None:
     """The same requests through the server (as two jobs at once) and through the backend in-process."""
-    from dflash_build import chat
     from dflash_build.config import ModelSpec
     from dflash_build.engines.openai_backend import OpenAIEngine
     from dflash_build.engines.transformers_backend import TransformersEngine
+    from dflash_build.stages import chat
 
     spec = _spec(tmp_path, tiny_model)
     stop = spec.identity["stop_ids"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_build import engine_host
+from dflash_build.engines import host as engine_host
 from tests import slurm_cluster
 from tests.conftest import REPO, Workflow, base_config, completion_rows, write_jsonl
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dflash_build.journal import PUBLISHED_DATA, ROWS_FILE, Journal
+from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
 from tests.conftest import Workflow, base_config, write_jsonl
 
 pytestmark = pytest.mark.workflow
@@ -40,7 +40,7 @@ def _screen(status: dict[str, Any]) -> str:
     """The --watch screen (rich) for a status, as text."""
     from rich.console import Console
 
-    from dflash_build.status import Job, Screen, SourceStatus, Status
+    from dflash_build.ops.status import Job, Screen, SourceStatus, Status
 
     sources = [SourceStatus(**s) for s in status["sources"]]
     jobs = [Job(**j) for j in status["jobs"]]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_build import tokenize
+from dflash_build.stages import tokenize
 
 
 def row(reason: str, output: list[int], stop: int | None = None) -> dict[str, object]:

@@ -13,7 +13,7 @@ import yaml
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
-from dflash_build import prepare
+from dflash_build.stages import prepare
 from tests.conftest import write_jsonl
 
 UPSTREAM = Path(__file__).resolve().parent / "data" / "upstream"

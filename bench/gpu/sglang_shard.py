@@ -8,7 +8,7 @@ engine options, the backend's generate/abort calls and its signal take-over. Thi
    dozen rows each, so nothing is downloaded); the store goes under --out;
 2. runs the generate stage through Snakemake on one GPU and checks every shard's accounting
    (ok + truncated + error + skipped == input rows, no error rows). With the production setting
-   ``engine.shared: true`` that is SGLang's HTTP server kept by dflash_build.engine_host, fed by two
+   ``engine.shared: true`` that is SGLang's HTTP server kept by dflash_build.engines.host, fed by two
    jobs, which must have stopped when the workflow ended; ``--in-process`` runs one
    ``sglang.Engine`` per job instead;
 3. runs ``python -m sglang.benchmark.offline_throughput`` on the same rendered prompts with the same
@@ -121,7 +121,7 @@ def main() -> None:
     found = shards(out)
     check_accounting(found)
     if config["engine"]["shared"]:
-        from dflash_build import engine_host
+        from dflash_build.engines import host as engine_host
 
         history = out / "logs" / "engines" / "engines.jsonl"
         assert history.exists(), "engine.shared: no engine host ran"

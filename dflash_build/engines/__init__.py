@@ -1,7 +1,7 @@
 """Engines behind one small interface.
 
 A backend takes requests (prompt token ids, sampling params, the row's own seed) and yields results as
-they finish. The generation driver (``dflash_build.generate``) owns rendering, batching order,
+they finish. The generation driver (``dflash_build.stages.generate``) owns rendering, batching order,
 accounting and publishing; a backend owns only the engine call. Backends import their engine library
 inside their own module, so an optional engine is never needed to parse the workflow.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dflash_build.gpus import GpuLease
+    from dflash_build.engines.gpus import GpuLease
     from dflash_build.spec import EngineSpec, ModelSpec
 
 
@@ -60,5 +60,5 @@ def load(
     """
     backend = registry.get(engine.backend)
     if backend.load is None:
-        raise ValueError(f"the {backend.name} backend runs as a server: dflash_build.engine_host starts it")
+        raise ValueError(f"the {backend.name} backend runs as a server: dflash_build.engines.host starts it")
     return backend.load(engine, model, stop_token_ids, lease, tokenizer)

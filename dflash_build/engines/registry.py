@@ -18,7 +18,7 @@ from dflash_build.engines.options import check_options as known_names
 from dflash_build.spec import ConfigError
 
 if TYPE_CHECKING:
-    from dflash_build.gpus import GpuLease
+    from dflash_build.engines.gpus import GpuLease
     from dflash_build.spec import EngineSpec, ModelSpec
 
 

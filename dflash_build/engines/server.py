@@ -1,5 +1,5 @@
 """A small HTTP server around the transformers backend, so that a CPU (or small GPU) engine can outlive
-a job the way an SGLang server does (see dflash_build.engine_host).
+a job the way an SGLang server does (see dflash_build.engines.host).
 
 It speaks the subset of SGLang's native API that the openai backend uses with ``api: generate``:
 ``POST /generate`` with ``input_ids`` and SGLang's ``sampling_params`` (``sampling_seed`` included),

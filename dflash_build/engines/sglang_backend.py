@@ -37,10 +37,10 @@ from typing import Any
 
 from dflash_build.engines import sglang_fields
 from dflash_build.engines.base import EngineFailed, Request, Result, closest
+from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.sglang_wire import abort as _abort
 from dflash_build.engines.sglang_wire import parse_output as parse_output
 from dflash_build.engines.sglang_wire import sampling_params as sampling_params
-from dflash_build.gpus import GpuLease
 from dflash_build.spec import ConfigError, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ def server_kwargs(model: ModelSpec, options: Mapping[str, Any], lease: GpuLease 
 
 def serve(kwargs: Mapping[str, Any]) -> None:
     """SGLang's HTTP server for ``ServerArgs(**kwargs)`` (the in-process engine's arguments plus host and
-    port), started as ``python -m sglang.launch_server`` starts it; dflash_build.engine_host runs this in
+    port), started as ``python -m sglang.launch_server`` starts it; dflash_build.engines.host runs this in
     the server process it keeps per GPU, and jobs talk to it with token ids through ``/generate``."""
     import os
 

@@ -26,10 +26,11 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import engine_host, layout
-from dflash_build import records as R
-from dflash_build.journal import LOCK_FILE, ROWS_FILE, Journal
+from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
+from dflash_build.store import layout
+from dflash_build.store import records as R
+from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal
 
 WINDOW_SECONDS = 600.0
 FAILED = frozenset({R.FINISH_ERROR, R.FINISH_ABORT})

@@ -5,7 +5,7 @@ source's key, so nothing of the others regenerates, and the generation of a prom
 holds is served from the row index when the sampling agrees (the same reuse key). Only the mix
 decides, by a rule that depends on neither the config's nor the shards' order: a prompt id several
 sources hold stays with the source that comes first in ``dedup.prefer``, then by name; with
-``dedup.near``, a prompt whose near-copy (:mod:`dflash_build.neardup`) another source's prompt that
+``dedup.near``, a prompt whose near-copy (:mod:`dflash_build.stages.neardup`) another source's prompt that
 comes first (by that source order, then prompt id) holds goes too.
 """
 
@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_build import hashing, neardup
+from dflash_build import hashing
 from dflash_build.plan import Plan
+from dflash_build.stages import neardup
 
 CROSS_DUPLICATE = "cross_source_duplicate"
 CROSS_NEAR_DUPLICATE = "cross_source_near_duplicate"

@@ -2,7 +2,7 @@
 
 The reference sets (``decontaminate.references``) are read like sources, from local files or a pinned
 hub dataset; each item's text is one column, a string or a list of strings (MT-Bench's turns). Words
-are normalised as for near-duplicates (:mod:`dflash_build.words`). An item shorter than ``ngram`` words
+are normalised as for near-duplicates (:mod:`dflash_build.stages.words`). An item shorter than ``ngram`` words
 has no such run and cannot be matched: the index counts those, and the prompt manifest reports them.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import readers
-from dflash_build import words as W
 from dflash_build.config import DecontaminationSpec, ReferenceSpec
+from dflash_build.stages import readers
+from dflash_build.stages import words as W
 
 NO_ITEM = -1
 

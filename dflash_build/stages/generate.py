@@ -49,13 +49,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, chat, engine_host, engines, gpus, hashing, killpoints, layout
-from dflash_build import records as R
+from dflash_build import engines, hashing, killpoints
 from dflash_build.config import SourceSpec
-from dflash_build.engines import Request, Result, SamplingParams, registry
-from dflash_build.journal import Journal
+from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
+from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
-from dflash_build.rowindex import RowIndex, reuse_key
+from dflash_build.stages import chat
+from dflash_build.store import atomic, layout
+from dflash_build.store import records as R
+from dflash_build.store.journal import Journal
+from dflash_build.store.rowindex import RowIndex, reuse_key
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_SECONDS = 30.0

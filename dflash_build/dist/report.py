@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash_build import atomic, layout
-from dflash_build import records as R
+from dflash_build.store import atomic, layout
+from dflash_build.store import records as R
 from dflash_build.engines import uses_gpu
 from dflash_build.plan import Plan
 

@@ -4,7 +4,7 @@ A row is *plain* when converting it needs no judgement: every turn is an object 
 role, every kept content a non-blank string, no tools, a user turn, a length within the filters. Plain
 rows are converted here: Arrow kernels write their JSON and Python hashes it, one SHA-256 a row (the
 prompt id's, which is the dedup key's too unless folding changes the row). That is several times
-faster than :func:`dflash_build.prepare.to_prompt` and the JSON encoder row by row. Every other row (a drop,
+faster than :func:`dflash_build.stages.prepare.to_prompt` and the JSON encoder row by row. Every other row (a drop,
 tools, an odd type anywhere in the batch) goes back to the row path, so what a row becomes, and why a
 row is dropped, is decided in one place; this module only recognises the rows that path would keep
 unchanged, and writes their JSON exactly as Python's ``json`` would (tests compare the two, row for

@@ -4,7 +4,7 @@ Starting a large model's engine takes minutes, and a job that owns its engine al
 its shard's last long answers drain at a shrinking batch. With shared engines:
 
 - **Start.** The first job that needs GPU g's engine starts it: a *host* process (``python -m
-  dflash_build.engine_host serve``, in its own session, so Snakemake's end does not take it down) takes
+  dflash_build.engines.host serve``, in its own session, so Snakemake's end does not take it down) takes
   GPU g's lock (the same lock an in-process engine takes: never two engines on one GPU) and runs the
   server on g's port with ``CUDA_VISIBLE_DEVICES=g``: SGLang's HTTP server (``sglang_backend.serve``),
   llama.cpp's, or our own around the transformers backend (``engines.server``). Its output goes to
@@ -49,12 +49,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build import atomic, hashing
+from dflash_build import hashing
 from dflash_build.config import Config, EngineSpec
 from dflash_build.engines import EngineFailed, registry
+from dflash_build.engines.gpus import GpuLease, gpu_lock, scheduler_assigned
 from dflash_build.engines.openai_backend import OpenAIEngine, PoolChange, ServerDown
 from dflash_build.engines.sglang_backend import OWN_OPTIONS
-from dflash_build.gpus import GpuLease, gpu_lock, scheduler_assigned
+from dflash_build.store import atomic
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
@@ -321,7 +322,7 @@ def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
 
 
 def _host_argv(spec_file: Path) -> list[str]:
-    return [sys.executable, "-m", "dflash_build.engine_host", "serve", str(spec_file)]
+    return [sys.executable, "-m", "dflash_build.engines.host", "serve", str(spec_file)]
 
 
 def _spawn(spec_file: Path, log_path: Path) -> int:
@@ -360,7 +361,7 @@ def start_allocation_broker(cfg: Config, argv: list[str]) -> Path | None:
     spool.mkdir(parents=True, exist_ok=True)
     owner = os.environ.get("SLURM_TASK_PID") or str(os.getpid())
     subprocess.Popen(
-        [sys.executable, "-m", "dflash_build.engine_host", "broker", str(spool), owner],
+        [sys.executable, "-m", "dflash_build.engines.host", "broker", str(spool), owner],
         stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": _package_root()},
         preexec_fn=_die_with_parent,  # with the batch step's Snakemake
@@ -486,7 +487,7 @@ def _tail(path: Path, chars: int = 3000) -> str:
 
 
 def _package_root() -> str:
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
@@ -823,4 +824,4 @@ if __name__ == "__main__":
         sys.exit(serve(sys.argv[2]))
     if len(sys.argv) == 4 and sys.argv[1] == "broker":
         sys.exit(broker(Path(sys.argv[2]), int(sys.argv[3])))
-    sys.exit("usage: python -m dflash_build.engine_host serve SPEC_FILE | broker SPOOL OWNER_PID")
+    sys.exit("usage: python -m dflash_build.engines.host serve SPEC_FILE | broker SPOOL OWNER_PID")

@@ -18,9 +18,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, layout
-from dflash_build import records as R
 from dflash_build.plan import Plan
+from dflash_build.store import atomic, layout
+from dflash_build.store import records as R
 
 log = logging.getLogger(__name__)
 

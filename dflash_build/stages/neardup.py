@@ -1,6 +1,6 @@
 """Near-duplicate prompts: MinHash signatures (rensa) cut into LSH bands, and the rule of which copy stays.
 
-A prompt's set is its word ``ngram``-shingles (:mod:`dflash_build.words`, every message but the
+A prompt's set is its word ``ngram``-shingles (:mod:`dflash_build.stages.words`, every message but the
 answers; a prompt shorter than ``ngram`` words is one shingle). Its MinHash signature of ``num_perm``
 values is cut into ``bands`` bands of ``rows`` values, chosen for ``threshold`` as LSH does (the
 split that minimises false positives plus false negatives around it); two prompts are near-copies
@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import rensa
 
-from dflash_build import atomic
-from dflash_build import words as W
+from dflash_build.stages import words as W
+from dflash_build.store import atomic
 
 NO_MATCH = np.iinfo(np.uint64).max
 _BAND_SALT = np.uint64(0xD1B54A32D192ED03)

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, layout
+from dflash_build import hashing
+from dflash_build.store import layout
 
 log = logging.getLogger(__name__)
 INDEX_FILE = layout.INDEX_FILE

@@ -21,10 +21,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, crosssource, hashing, killpoints, layout, release, report
-from dflash_build import records as R
+from dflash_build import hashing, killpoints
+from dflash_build.dist import release, report
+from dflash_build.dist.report import length_stats
 from dflash_build.plan import Plan
-from dflash_build.report import length_stats
+from dflash_build.stages import crosssource
+from dflash_build.store import atomic, layout
+from dflash_build.store import records as R
 from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
@@ -238,7 +241,7 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
     number of samples, never with their size.
 
     The dataset is a new version of ``dataset.out/NAME``, swapped in only once it is whole and passed its
-    checks (:mod:`dflash_build.release`); ``record`` is the build record, the rule's output.
+    checks (:mod:`dflash_build.dist.release`); ``record`` is the build record, the rule's output.
     """
     cfg = plan.config
     choice = choose(plan)

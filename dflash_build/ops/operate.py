@@ -19,11 +19,14 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, crosssource, hashing, keys, layout, prepare, release, rowindex
+from dflash_build import hashing, keys
 from dflash_build.config import Config, TrainerSpec
-from dflash_build.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
+from dflash_build.dist import release
 from dflash_build.plan import Plan, fingerprint_cache_file
-from dflash_build.rowindex import RowIndex, reuse_key
+from dflash_build.stages import crosssource, prepare
+from dflash_build.store import atomic, layout, rowindex
+from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal, parse
+from dflash_build.store.rowindex import RowIndex, reuse_key
 
 DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
 

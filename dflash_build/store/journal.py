@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from dflash_build import atomic, layout
+from dflash_build.store import atomic, layout
 
 log = logging.getLogger(__name__)
 ROWS_FILE = layout.JOURNAL_ROWS

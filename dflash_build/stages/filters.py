@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from dflash_build import neardup, words
-from dflash_build.decontaminate import NO_ITEM, ReferenceIndex
-from dflash_build.neardup import NearSpec
+from dflash_build.stages import neardup, words
+from dflash_build.stages.decontaminate import NO_ITEM, ReferenceIndex
+from dflash_build.stages.neardup import NearSpec
 
 DROP_CONTAMINATED = "contaminated"
 DROP_NEAR_DUPLICATE = "near_duplicate"

@@ -24,12 +24,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import atomic, columnar, hashing, layout, neardup, readers
+from dflash_build import hashing
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
-from dflash_build.decontaminate import ReferenceIndex
-from dflash_build.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE, Example, TextFilters
 from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
-from dflash_build.records import PROMPT_SCHEMA
+from dflash_build.stages import columnar, neardup, readers
+from dflash_build.stages.decontaminate import ReferenceIndex
+from dflash_build.stages.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE, Example, TextFilters
+from dflash_build.store import atomic, layout
+from dflash_build.store.records import PROMPT_SCHEMA
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_build import atomic, hashing, layout
+from dflash_build.store import atomic, layout
+from dflash_build import hashing
 
 RECORD = "built"
 VERSION_FILE = "version"
