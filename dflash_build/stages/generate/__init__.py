@@ -35,14 +35,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import platform
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +49,20 @@ from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
 from dflash_build.stages import chat
+from dflash_build.stages.generate.accounting import ShardFailedError as ShardFailedError
+from dflash_build.stages.generate.accounting import check_failures, shard_stats, turn_counts
+from dflash_build.stages.generate.control import Interrupted as Interrupted
+from dflash_build.stages.generate.control import Progress as Progress
+from dflash_build.stages.generate.control import SignalStop, StallStop
+from dflash_build.stages.generate.conversation import Conversation as Conversation
+from dflash_build.stages.generate.conversation import HistoryRewritten, Turn, answer_slots
+from dflash_build.stages.generate.conversation import Renderer as Renderer
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 from dflash_build.store.journal import Journal
 from dflash_build.store.rowindex import RowIndex, reuse_key
 
 log = logging.getLogger(__name__)
-PROGRESS_EVERY_SECONDS = 30.0
 
 
 # Row seeds are 31-bit, so every engine takes them as they are: SGLang 0.5.5 built its seed tensor as
@@ -82,281 +83,6 @@ def fits_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -
     """Whether a prompt leaves room for ``max_new_tokens`` in the context: SGLang's own rule (it refuses
     ``prompt + max_new_tokens > context``), applied before any engine call so no backend sees a refusal."""
     return context is None or prompt_tokens + max_new_tokens <= context
-
-
-class Interrupted(RuntimeError):
-    """A signal stopped the job: what finished is journaled, the rest is generated on the next run."""
-
-
-class SignalStop:
-    """The driver owns SIGTERM and SIGINT while it generates (Snakemake's shutdown, SLURM preemption).
-
-    On the first signal it stops sending requests and lets the engine abort what is in flight; the
-    driver then syncs the journal and fails the job, so only the in-flight rows are lost. A second
-    signal stops at once (the journal is synced on every flush and tolerates a torn last line).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.engine: engines.Engine | None = None
-        self._saved: dict[int, Any] = {}
-
-    def __enter__(self) -> SignalStop:
-        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            self._saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            raise Interrupted(f"stopped at once by a second {signal.Signals(signum).name}")
-        self.signum = signum
-        log.warning("%s: finishing what is journaled, then stopping", signal.Signals(signum).name)
-        if self.engine is not None:
-            self.engine.interrupt()
-
-    def check(self, label: str, journaled: int, journal: Journal) -> None:
-        """Fail the job if a signal came, once the journal holds what finished."""
-        if self.signum is None:
-            return
-        journal.sync()
-        raise Interrupted(
-            f"{label}: stopped by {signal.Signals(self.signum).name}; the {journaled} rows finished in this run "
-            f"are kept in {journal.path}, the rest is generated when the job runs again"
-        )
-
-
-class Progress:
-    """Rows done/total, output tok/s, ETA and truncation rate: a bar on a terminal, else log lines.
-
-    While the engine works, a heartbeat (:meth:`watch`) writes the line every ``PROGRESS_EVERY_SECONDS``
-    whether or not a row finished, and warns, naming the engine, when no answer has come back for
-    ``engine.stall_timeout`` seconds while requests are in flight: a stopped or wedged engine is seen
-    in minutes, not at the per-request deadline.
-    """
-
-    def __init__(self, total: int, already: int, label: str, every: float = PROGRESS_EVERY_SECONDS) -> None:
-        self.total, self.label, self.every = total, label, every
-        self.done, self.truncated, self.output_tokens = already, 0, 0
-        self.new = 0
-        self.start = self.last = self.last_answer = time.monotonic()
-        self.stalls = 0  # warnings given (each names the engine)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=already, desc=label, unit="row")
-
-    def update(self, result: Result, row_finished: bool) -> None:
-        with self._lock:
-            self.last_answer = time.monotonic()
-            self.output_tokens += len(result.output_ids)
-            if not row_finished:
-                return
-            self.done += 1
-            self.new += 1
-            self.truncated += result.finish_reason == R.FINISH_LENGTH
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(self.rates())
-            return
-        if self.done == self.total:
-            self._line()
-
-    def watch(
-        self,
-        in_flight: Callable[[], int],
-        engine: str | Callable[[], str],
-        stall_timeout: float,
-        then: str,
-        steps: Callable[[], int] | None = None,
-        on_stall: Callable[[str], None] | None = None,
-    ) -> None:
-        """Start the heartbeat: ``in_flight()`` says how many requests the engine holds now; ``steps()``
-        (an in-process engine's decoding steps) counts as progress too; ``then`` says in the warning what
-        happens next. With ``on_stall``, an engine that made no progress for ``stall_timeout`` while it
-        holds requests is handed to it, once."""
-        tick = max(0.2, min(self.every, stall_timeout) / 4)
-
-        def beat() -> None:
-            warned_for = None  # the progress time the last warning was about
-            seen, stepped_at = (steps() if steps else 0), time.monotonic()
-            while not self._stop.wait(tick):
-                now = time.monotonic()
-                if self.bar is None and now - self.last >= self.every:
-                    self._line()
-                if steps is not None and steps() != seen:
-                    seen, stepped_at = steps(), now
-                progressed = max(self.last_answer, stepped_at)
-                waiting, silent = in_flight(), now - progressed
-                if not (waiting and silent >= stall_timeout) or warned_for == progressed:
-                    continue
-                warned_for = progressed
-                self.stalls += 1
-                who = engine() if callable(engine) else engine  # a pool's members change
-                message = (
-                    f"{self.label}: no answer from {who} for {silent:.0f}s while {waiting} requests are in flight "
-                    f"(engine.stall_timeout {stall_timeout:g}s); it may be stopped, deadlocked or its GPU wedged: "
-                    f"{then}"
-                )
-                log.warning("%s", message)
-                if on_stall is not None:
-                    on_stall(message)
-                    return
-
-        self._heartbeat = threading.Thread(target=beat, name=f"heartbeat {self.label}", daemon=True)
-        self._heartbeat.start()
-
-    def _line(self) -> None:
-        with self._lock:
-            self.last = time.monotonic()
-            line = f"{self.label}: {self.done}/{self.total} rows, {self.rates()}"
-        log.info("%s", line)
-
-    def rates(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = self.new / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        return (
-            f"{self.output_tokens / elapsed:.1f} output tok/s, ETA {eta:.0f}s, "
-            f"truncated {self.truncated / max(self.new, 1):.1%}"
-        )
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
-        if self.bar is not None:
-            self.bar.close()
-
-
-@dataclass
-class Turn:
-    context_ids: list[int]  # ids added before this turn's answer (the whole prompt for turn 0)
-    output_ids: list[int]
-    finish_reason: str
-    stop_token_id: int | None = None
-    error: str | None = None
-    retokenized: bool = False
-    drifted: bool = False  # re-tokenized length differs from the server's own count
-    reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
-    continued: bool = False  # the engine extended the reused (truncated) answer
-    history_retokenized: bool = False  # the prompt holds earlier answers as text the template wrote
-
-    @property
-    def generated_ids(self) -> list[int]:
-        return self.output_ids + ([self.stop_token_id] if self.stop_token_id is not None else [])
-
-
-@dataclass
-class Conversation:
-    prompt_id: str
-    sample_idx: int
-    messages: list[dict[str, Any]]  # for turns=all: with the source's assistant turns as slots
-    tools: list[dict[str, Any]] | None
-    slots: list[int]  # message index of each assistant answer to generate
-    turns: list[Turn] = field(default_factory=list)
-    prefix: list[int] = field(default_factory=list)  # an earlier truncated answer to continue
-    prefix_from: str | None = None
-    finish_reason: str | None = None  # set when the conversation is finished
-    error: str | None = None
-    template_kwargs: dict[str, Any] | None = None  # this row's own (chat_template_kwargs_from)
-    per_turn: bool = False  # each turn is a sample; its context_ids are its whole prompt
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.prompt_id, self.sample_idx
-
-    @property
-    def all_ids(self) -> list[int]:
-        """The sequence so far (one-sequence form): every turn's context, answer and stop token."""
-        ids: list[int] = []
-        for t in self.turns:
-            ids += t.context_ids + t.generated_ids
-        return ids
-
-    def split_turns(self) -> None:
-        """Make each turn a sample of its own: its context becomes the whole prompt the engine saw."""
-        prompt: list[int] = []
-        for t in self.turns:
-            t.context_ids = prompt = prompt + t.context_ids
-            prompt = prompt + t.generated_ids
-        self.per_turn = True
-
-    def request_ids(self, context_ids: list[int]) -> list[int]:
-        """The engine's prompt for the next turn, whose new context is ``context_ids``."""
-        return context_ids if self.per_turn else self.all_ids + context_ids
-
-    def finish(self, reason: str, error: str | None = None) -> None:
-        self.finish_reason, self.error = reason, error
-
-
-def answer_slots(messages: list[dict[str, Any]], turns: str) -> list[int]:
-    """Where each answer goes. ``first``: one answer after the whole prompt."""
-    if turns == "first":
-        return [len(messages)]
-    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not messages or messages[-1]["role"] != "assistant":
-        slots.append(len(messages))
-    return slots
-
-
-class HistoryRewritten(ValueError):
-    """The template does not write a conversation's history as a prefix of its next prompt."""
-
-
-class Renderer:
-    """Prompt ids for each turn of a conversation, never re-tokenizing generated ids but the history
-    text a template rewrites (see the module docstring)."""
-
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any], turn_samples: str = "auto") -> None:
-        self.tokenizer, self.kwargs, self.turn_samples = tokenizer, template_kwargs, turn_samples
-
-    def kwargs_of(self, conv: Conversation) -> dict[str, Any]:
-        return {**self.kwargs, **(conv.template_kwargs or {})}
-
-    def history(self, conv: Conversation) -> list[dict[str, Any]]:
-        """The conversation up to the next answer, with earlier answers replaced by generated ones."""
-        slot = conv.slots[len(conv.turns)]
-        messages = [dict(m) for m in conv.messages[:slot]]
-        for turn, s in zip(conv.turns, conv.slots, strict=False):
-            messages[s] = {"role": "assistant", "content": self.decode(turn.output_ids)}
-        return messages
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def next_context(self, conv: Conversation) -> list[int]:
-        """Ids to add before the next answer (the whole prompt once turns are samples of their own).
-
-        Under ``auto`` a conversation whose template rewrites its history becomes per-turn here (the
-        same turn on every replay, as rendering is deterministic); under ``sequence`` that raises
-        :class:`HistoryRewritten`.
-        """
-        history = self.history(conv)
-        kwargs = self.kwargs_of(conv)
-        text = chat.render_text(self.tokenizer, history, conv.tools, kwargs)
-        if not conv.turns or conv.per_turn:
-            return chat.encode(self.tokenizer, text)
-        # What the template wrote up to the end of the last answer must be a prefix of the new render.
-        seen = chat.render_text(self.tokenizer, history[: conv.slots[len(conv.turns) - 1]], conv.tools, kwargs)
-        seen += self.decode(conv.turns[-1].generated_ids)
-        if text.startswith(seen):
-            return chat.encode(self.tokenizer, text[len(seen) :])
-        if self.turn_samples == "sequence":
-            raise HistoryRewritten(
-                "chat template rewrites earlier turns (not prefix-stable); set turn_samples: auto or per_turn"
-            )
-        conv.split_turns()
-        return chat.encode(self.tokenizer, text)
 
 
 def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
@@ -734,43 +460,6 @@ def engine_name(engine: engines.Engine, backend: str, lease: gpus.GpuLease | Non
     return f"the in-process {backend} engine" + (f" on GPU {lease.gpu}" if lease is not None else "")
 
 
-STALL_STOP_GRACE_SECONDS = 10.0  # an interrupted engine returns within this, or the job exits at once
-STALLED_EXIT_CODE = 75  # EX_TEMPFAIL: a rerun finishes the shard
-
-
-class StallStop:
-    """An in-process engine that makes no progress cannot be replaced: stop the job, keeping the journal.
-
-    The engine is interrupted; if it returns, the job fails with :class:`engines.EngineStalled`. A hung
-    one (a wedged GPU, a kernel that never returns) never does, so after a grace the journal is synced
-    and the process exits, as a kill would (the fault tests prove a rerun loses nothing then).
-    """
-
-    def __init__(self, engine: engines.Engine, journal: Journal, grace: float = STALL_STOP_GRACE_SECONDS) -> None:
-        self.engine, self.journal, self.grace = engine, journal, grace
-        self.message: str | None = None
-        self.returned = threading.Event()  # the job's thread is out of the engine
-
-    def __call__(self, message: str) -> None:
-        self.message = (
-            f"{message}. It runs in this job, so it cannot be replaced: the rows finished so far are kept in "
-            f"{self.journal.path}; check the GPU (nvidia-smi) and the job's log, then run the build again"
-        )
-        log.error("%s", self.message)
-        self.engine.interrupt()
-        if self.returned.wait(self.grace):
-            return
-        self.journal.sync()
-        log.error("the engine did not return within %gs of its interrupt: exiting now", self.grace)
-        logging.shutdown()
-        os._exit(STALLED_EXIT_CODE)
-
-    def check(self) -> None:
-        self.returned.set()
-        if self.message is not None:
-            raise engines.EngineStalled(self.message)
-
-
 def watch_engine(
     engine: engines.Engine,
     work: ShardWork,
@@ -852,31 +541,6 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
     return counts
 
 
-class ShardFailedError(RuntimeError):
-    """Too many rows of a shard could not be generated; publishing it would hide that."""
-
-
-def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_path: Path) -> None:
-    """Refuse to publish a shard whose rows mostly (or all) ended as error, abort or skipped."""
-    rows = stats[R.STAT_INPUT_ROWS]
-    failed = stats[R.STAT_ERROR] + stats[R.STAT_SKIPPED]
-    if rows == 0 or failed / rows <= max_failed_fraction:
-        return
-    reasons = sorted(stats["errors"].items(), key=lambda kv: -kv[1])[:3]
-    lines = [
-        f"{stats['source']}/{stats['shard']}: {failed} of {rows} rows could not be generated "
-        f"({stats[R.STAT_ERROR]} error/abort, {stats[R.STAT_SKIPPED]} skipped over the context); "
-        f"the limit is {max_failed_fraction:.0%} (checks.max_failed_fraction). Nothing was published; "
-        f"finished rows stay in {journal_path}."
-    ]
-    lines += [f"  {n} x {reason}" for reason, n in reasons]
-    lines.append(
-        "Skipped rows: raise model.context_length or lower sampling.max_new_tokens; template errors: "
-        "fix model.chat_template; engine aborts: see the engine log above."
-    )
-    raise ShardFailedError("\n".join(lines))
-
-
 def publish(
     work: ShardWork,
     journal: Journal,
@@ -892,7 +556,7 @@ def publish(
     sampling = work.plan.sources[work.source].spec.sampling
     convs = work.convs.values()
     rows = [_completion_row(conv, work.renderer, sampling.seed) for conv in convs]
-    stats = _stats(work.plan, work.source, work.shard, rows, resumed, lease, wall, engine_run.engine_tokens)
+    stats = shard_stats(work.plan, work.source, work.shard, rows, resumed, lease, wall, engine_run.engine_tokens)
     turns = [t for conv in convs for t in conv.turns]
     retokenized = sum(t.retokenized for t in turns)
     stats[R.STAT_RETOKENIZED_TURNS] = retokenized
@@ -922,22 +586,6 @@ def publish(
     counts = (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_ERROR, R.STAT_SKIPPED, R.STAT_GENERATED, R.STAT_RESUMED_TURNS)
     log.info("%s: published %s", work.label, {k: stats[k] for k in counts})
     return stats
-
-
-def turn_counts(convs: list[Conversation]) -> dict[str, Any]:
-    """What ``turns: all`` made of a shard's conversations: how many turns each got, how many became
-    per-turn samples, and how many ended before their last answer (the row's ``error`` says why)."""
-    by_count: dict[str, int] = {}
-    for conv in convs:
-        by_count[str(len(conv.turns))] = by_count.get(str(len(conv.turns)), 0) + 1
-    return {
-        "conversations": len(convs),
-        "turns": sum(len(c.turns) for c in convs),
-        "per_turn": sum(c.per_turn for c in convs),
-        "history_retokenized": sum(t.history_retokenized for c in convs for t in c.turns),
-        "ended_early": sum(0 < len(c.turns) < len(c.slots) for c in convs),
-        "by_count": dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
-    }
 
 
 # What the row index needs of a completion shard (restore reads only these).
@@ -1024,72 +672,3 @@ def _completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> d
         if multi
         else None,
     }
-
-
-def _stats(
-    plan: Plan,
-    source: str,
-    shard: str,
-    rows: list[dict[str, Any]],
-    resumed_turns: int,
-    lease: gpus.GpuLease | None,
-    wall: float,
-    engine_tokens: int,
-) -> dict[str, Any]:
-    cfg = plan.config
-    sp = plan.sources[source]
-    output_tokens = sum(r["n_output_tokens"] for r in rows)
-
-    def count(*reasons: str) -> int:
-        return sum(r["finish_reason"] in reasons for r in rows)
-
-    stats = {
-        "stage": "generate",
-        "source": source,
-        "shard": shard,
-        "gen_key": sp.gen_key,
-        "components": sp.gen_components,
-        "model_fingerprint": plan.model_fingerprint,
-        "template_fingerprint": plan.template_fingerprint,
-        # Recorded; only the options that change the numbers are keyed (keys.ENGINE_OPTIONS).
-        "engine": {
-            "backend": cfg.backend,
-            "options": dict(cfg.engine_options),
-            "host": platform.node(),
-            "gpu": None
-            if lease is None
-            else {"id": lease.gpu, "node_gpu": lease.node_id, "port": lease.port, "via": lease.source},
-        },
-        "scheduler_job": gpus.scheduler_job(),  # e.g. SLURM_JOB_ID: which allocation wrote this shard
-        R.STAT_INPUT_ROWS: len(rows),
-        R.STAT_OK: count(R.FINISH_STOP),
-        R.STAT_TRUNCATED: count(R.FINISH_LENGTH),
-        R.STAT_WINDOW: count(R.FINISH_WINDOW),
-        R.STAT_ERROR: count(R.FINISH_ERROR, R.FINISH_ABORT),
-        R.STAT_SKIPPED: count(R.FINISH_SKIPPED),
-        R.STAT_RESUMED_TURNS: resumed_turns,
-        R.STAT_PROMPT_TOKENS: sum(r["n_prompt_tokens"] for r in rows),
-        R.STAT_OUTPUT_TOKENS: output_tokens,
-        R.STAT_WALL_SECONDS: round(wall, 3),
-        # what the engine produced in this run: reused, resumed and continued-from tokens cost nothing
-        R.STAT_OUTPUT_TOK_PER_S: round(engine_tokens / wall, 3) if wall > 0 else None,
-        "started_at": round(time.time() - wall, 3),
-        "finished_at": round(time.time(), 3),
-        "errors": _error_summary(rows),
-    }
-    accounted = sum(stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED))
-    if accounted != stats[R.STAT_INPUT_ROWS]:
-        raise RuntimeError(f"{source}/{shard}: {accounted} rows accounted for, {len(rows)} in the shard")
-    return stats
-
-
-def _error_summary(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """Error and skip reasons with their counts (numbers folded so reasons group)."""
-    import re
-
-    counts: dict[str, int] = {}
-    for r in rows:
-        if r["error"]:
-            reason = re.sub(r"\d+", "N", r["error"])[:200]
-            counts[reason] = counts.get(reason, 0) + 1
-    return counts

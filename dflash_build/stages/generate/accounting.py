@@ -1,0 +1,124 @@
+"""A shard's accounting: every row counted by outcome in its stats sidecar, and the refusal of a
+mostly failed shard."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_build.engines import gpus
+from dflash_build.plan import Plan
+from dflash_build.stages.generate.conversation import Conversation
+from dflash_build.store import records as R
+
+
+class ShardFailedError(RuntimeError):
+    """Too many rows of a shard could not be generated; publishing it would hide that."""
+
+
+def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_path: Path) -> None:
+    """Refuse to publish a shard whose rows mostly (or all) ended as error, abort or skipped."""
+    rows = stats[R.STAT_INPUT_ROWS]
+    failed = stats[R.STAT_ERROR] + stats[R.STAT_SKIPPED]
+    if rows == 0 or failed / rows <= max_failed_fraction:
+        return
+    reasons = sorted(stats["errors"].items(), key=lambda kv: -kv[1])[:3]
+    lines = [
+        f"{stats['source']}/{stats['shard']}: {failed} of {rows} rows could not be generated "
+        f"({stats[R.STAT_ERROR]} error/abort, {stats[R.STAT_SKIPPED]} skipped over the context); "
+        f"the limit is {max_failed_fraction:.0%} (checks.max_failed_fraction). Nothing was published; "
+        f"finished rows stay in {journal_path}."
+    ]
+    lines += [f"  {n} x {reason}" for reason, n in reasons]
+    lines.append(
+        "Skipped rows: raise model.context_length or lower sampling.max_new_tokens; template errors: "
+        "fix model.chat_template; engine aborts: see the engine log above."
+    )
+    raise ShardFailedError("\n".join(lines))
+
+
+def turn_counts(convs: list[Conversation]) -> dict[str, Any]:
+    """What ``turns: all`` made of a shard's conversations: how many turns each got, how many became
+    per-turn samples, and how many ended before their last answer (the row's ``error`` says why)."""
+    by_count: dict[str, int] = {}
+    for conv in convs:
+        by_count[str(len(conv.turns))] = by_count.get(str(len(conv.turns)), 0) + 1
+    return {
+        "conversations": len(convs),
+        "turns": sum(len(c.turns) for c in convs),
+        "per_turn": sum(c.per_turn for c in convs),
+        "history_retokenized": sum(t.history_retokenized for c in convs for t in c.turns),
+        "ended_early": sum(0 < len(c.turns) < len(c.slots) for c in convs),
+        "by_count": dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
+    }
+
+
+def shard_stats(
+    plan: Plan,
+    source: str,
+    shard: str,
+    rows: list[dict[str, Any]],
+    resumed_turns: int,
+    lease: gpus.GpuLease | None,
+    wall: float,
+    engine_tokens: int,
+) -> dict[str, Any]:
+    cfg = plan.config
+    sp = plan.sources[source]
+    output_tokens = sum(r["n_output_tokens"] for r in rows)
+
+    def count(*reasons: str) -> int:
+        return sum(r["finish_reason"] in reasons for r in rows)
+
+    stats = {
+        "stage": "generate",
+        "source": source,
+        "shard": shard,
+        "gen_key": sp.gen_key,
+        "components": sp.gen_components,
+        "model_fingerprint": plan.model_fingerprint,
+        "template_fingerprint": plan.template_fingerprint,
+        # Recorded; only the options that change the numbers are keyed (keys.ENGINE_OPTIONS).
+        "engine": {
+            "backend": cfg.backend,
+            "options": dict(cfg.engine_options),
+            "host": platform.node(),
+            "gpu": None
+            if lease is None
+            else {"id": lease.gpu, "node_gpu": lease.node_id, "port": lease.port, "via": lease.source},
+        },
+        "scheduler_job": gpus.scheduler_job(),  # e.g. SLURM_JOB_ID: which allocation wrote this shard
+        R.STAT_INPUT_ROWS: len(rows),
+        R.STAT_OK: count(R.FINISH_STOP),
+        R.STAT_TRUNCATED: count(R.FINISH_LENGTH),
+        R.STAT_WINDOW: count(R.FINISH_WINDOW),
+        R.STAT_ERROR: count(R.FINISH_ERROR, R.FINISH_ABORT),
+        R.STAT_SKIPPED: count(R.FINISH_SKIPPED),
+        R.STAT_RESUMED_TURNS: resumed_turns,
+        R.STAT_PROMPT_TOKENS: sum(r["n_prompt_tokens"] for r in rows),
+        R.STAT_OUTPUT_TOKENS: output_tokens,
+        R.STAT_WALL_SECONDS: round(wall, 3),
+        # what the engine produced in this run: reused, resumed and continued-from tokens cost nothing
+        R.STAT_OUTPUT_TOK_PER_S: round(engine_tokens / wall, 3) if wall > 0 else None,
+        "started_at": round(time.time() - wall, 3),
+        "finished_at": round(time.time(), 3),
+        "errors": error_summary(rows),
+    }
+    accounted = sum(stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED))
+    if accounted != stats[R.STAT_INPUT_ROWS]:
+        raise RuntimeError(f"{source}/{shard}: {accounted} rows accounted for, {len(rows)} in the shard")
+    return stats
+
+
+def error_summary(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Error and skip reasons with their counts (numbers folded so reasons group)."""
+    import re
+
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r["error"]:
+            reason = re.sub(r"\d+", "N", r["error"])[:200]
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts

@@ -1,0 +1,130 @@
+"""The conversation model of a generate job: each (prompt, sample) as its turns so far, and the
+renderer that gives each next turn's prompt ids (see the package docstring for the two sample forms)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_build.stages import chat
+
+
+@dataclass
+class Turn:
+    context_ids: list[int]  # ids added before this turn's answer (the whole prompt for turn 0)
+    output_ids: list[int]
+    finish_reason: str
+    stop_token_id: int | None = None
+    error: str | None = None
+    retokenized: bool = False
+    drifted: bool = False  # re-tokenized length differs from the server's own count
+    reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
+    continued: bool = False  # the engine extended the reused (truncated) answer
+    history_retokenized: bool = False  # the prompt holds earlier answers as text the template wrote
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.output_ids + ([self.stop_token_id] if self.stop_token_id is not None else [])
+
+
+@dataclass
+class Conversation:
+    prompt_id: str
+    sample_idx: int
+    messages: list[dict[str, Any]]  # for turns=all: with the source's assistant turns as slots
+    tools: list[dict[str, Any]] | None
+    slots: list[int]  # message index of each assistant answer to generate
+    turns: list[Turn] = field(default_factory=list)
+    prefix: list[int] = field(default_factory=list)  # an earlier truncated answer to continue
+    prefix_from: str | None = None
+    finish_reason: str | None = None  # set when the conversation is finished
+    error: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # this row's own (chat_template_kwargs_from)
+    per_turn: bool = False  # each turn is a sample; its context_ids are its whole prompt
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.prompt_id, self.sample_idx
+
+    @property
+    def all_ids(self) -> list[int]:
+        """The sequence so far (one-sequence form): every turn's context, answer and stop token."""
+        ids: list[int] = []
+        for t in self.turns:
+            ids += t.context_ids + t.generated_ids
+        return ids
+
+    def split_turns(self) -> None:
+        """Make each turn a sample of its own: its context becomes the whole prompt the engine saw."""
+        prompt: list[int] = []
+        for t in self.turns:
+            t.context_ids = prompt = prompt + t.context_ids
+            prompt = prompt + t.generated_ids
+        self.per_turn = True
+
+    def request_ids(self, context_ids: list[int]) -> list[int]:
+        """The engine's prompt for the next turn, whose new context is ``context_ids``."""
+        return context_ids if self.per_turn else self.all_ids + context_ids
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+
+
+def answer_slots(messages: list[dict[str, Any]], turns: str) -> list[int]:
+    """Where each answer goes. ``first``: one answer after the whole prompt."""
+    if turns == "first":
+        return [len(messages)]
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not messages or messages[-1]["role"] != "assistant":
+        slots.append(len(messages))
+    return slots
+
+
+class HistoryRewritten(ValueError):
+    """The template does not write a conversation's history as a prefix of its next prompt."""
+
+
+class Renderer:
+    """Prompt ids for each turn of a conversation, never re-tokenizing generated ids but the history
+    text a template rewrites (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any], turn_samples: str = "auto") -> None:
+        self.tokenizer, self.kwargs, self.turn_samples = tokenizer, template_kwargs, turn_samples
+
+    def kwargs_of(self, conv: Conversation) -> dict[str, Any]:
+        return {**self.kwargs, **(conv.template_kwargs or {})}
+
+    def history(self, conv: Conversation) -> list[dict[str, Any]]:
+        """The conversation up to the next answer, with earlier answers replaced by generated ones."""
+        slot = conv.slots[len(conv.turns)]
+        messages = [dict(m) for m in conv.messages[:slot]]
+        for turn, s in zip(conv.turns, conv.slots, strict=False):
+            messages[s] = {"role": "assistant", "content": self.decode(turn.output_ids)}
+        return messages
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def next_context(self, conv: Conversation) -> list[int]:
+        """Ids to add before the next answer (the whole prompt once turns are samples of their own).
+
+        Under ``auto`` a conversation whose template rewrites its history becomes per-turn here (the
+        same turn on every replay, as rendering is deterministic); under ``sequence`` that raises
+        :class:`HistoryRewritten`.
+        """
+        history = self.history(conv)
+        kwargs = self.kwargs_of(conv)
+        text = chat.render_text(self.tokenizer, history, conv.tools, kwargs)
+        if not conv.turns or conv.per_turn:
+            return chat.encode(self.tokenizer, text)
+        # What the template wrote up to the end of the last answer must be a prefix of the new render.
+        seen = chat.render_text(self.tokenizer, history[: conv.slots[len(conv.turns) - 1]], conv.tools, kwargs)
+        seen += self.decode(conv.turns[-1].generated_ids)
+        if text.startswith(seen):
+            return chat.encode(self.tokenizer, text[len(seen) :])
+        if self.turn_samples == "sequence":
+            raise HistoryRewritten(
+                "chat template rewrites earlier turns (not prefix-stable); set turn_samples: auto or per_turn"
+            )
+        conv.split_turns()
+        return chat.encode(self.tokenizer, text)
