@@ -31,7 +31,7 @@ from typing import Any
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
-from dflash_build.ops import operate, status
+from dflash_build.ops import estimate, explain, gc, registrations, status, verify
 from dflash_build.stages import mix
 from dflash_build.store import layout, rowindex
 
@@ -42,7 +42,7 @@ def _plan(args: argparse.Namespace) -> plan_mod.Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    estimates = operate.estimate(plan, args.tokens_per_second)
+    estimates = estimate.estimate(plan, args.tokens_per_second)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=2))
         return _errors(estimates)
@@ -81,7 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return _errors(estimates)
 
 
-def _window_line(window: int, estimates: list[operate.SourceEstimate], hours_per_token: float) -> str:
+def _window_line(window: int, estimates: list[estimate.SourceEstimate], hours_per_token: float) -> str:
     """What trainer.max_length saves on the rows to generate, with and without it."""
     effects = [e.window for e in estimates if e.window is not None]
     if not effects:
@@ -104,7 +104,7 @@ def _window_line(window: int, estimates: list[operate.SourceEstimate], hours_per
     )
 
 
-def _errors(estimates: list[operate.SourceEstimate]) -> int:
+def _errors(estimates: list[estimate.SourceEstimate]) -> int:
     """Print what would fail the build (exit 1), before any GPU work is spent on it."""
     errors = [error for e in estimates for error in e.errors]
     for error in errors:
@@ -115,23 +115,23 @@ def _errors(estimates: list[operate.SourceEstimate]) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     plan = _plan(args)
     if len(args.target) == 1:
-        stage, source, shard = operate.parse_target(plan, args.target[0])
+        stage, source, shard = explain.parse_target(plan, args.target[0])
     else:
         stage, (source, shard) = args.stage, args.target
-    print("\n".join(operate.explain(plan, stage, source, shard)))
+    print("\n".join(explain.explain(plan, stage, source, shard)))
     return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     # registers nothing: only a build says what a config uses (an edited config may never be built)
     plan = _plan(args)
-    entries = operate.garbage(plan, args.journals, args.tmp_age * 60, args.break_datasets)
+    entries = gc.garbage(plan, args.journals, args.tmp_age * 60, args.break_datasets)
     for e in entries:
         action = "keep" if e.kept else ("delete" if args.yes else e.why)
         why = f": {e.why}" if e.why.startswith(("used by", "breaks", "dataset")) else ""
         hint = "; --break-datasets deletes it" if e.kept and e.why.startswith("used by") else ""
         print(f"{action} {e.path} ({e.bytes} bytes){why}{hint}")
-    kept_for_others = operate.protected(plan)
+    kept_for_others = gc.protected(plan)
     if kept_for_others:
         configs = sorted({who for whos in kept_for_others.values() for who in whos})
         print(
@@ -141,7 +141,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if not entries:
         print("nothing unreferenced")
     elif args.yes:
-        print(f"freed {operate.collect(plan, entries)} bytes")
+        print(f"freed {gc.collect(plan, entries)} bytes")
     else:
         print("dry run: pass --yes to delete (journals of unfinished shards only with --journals)")
     return 0
@@ -150,9 +150,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_configs(args: argparse.Namespace) -> int:
     store = config_mod.load(args.configfile).store
     if args.forget:
-        print(f"forgot {operate.forget(store, args.forget)}")
+        print(f"forgot {registrations.forget(store, args.forget)}")
         return 0
-    for ident, entry in operate.registrations(store).items():
+    for ident, entry in registrations.registrations(store).items():
         print(
             f"{ident}  {entry['dataset']}  (workdir {entry.get('workdir')}, host {entry.get('host')}, "
             f"last build {entry.get('updated_at')}, {len(entry['references'])} store entries)"
@@ -162,15 +162,15 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     # the cache is checked before a plan is built: building one heals it
-    problems = operate.cache_problems(config_mod.load(args.configfile))
+    problems = verify.cache_problems(config_mod.load(args.configfile))
     plan = _plan(args)
-    checked, found = operate.verify(plan)
+    checked, found = verify.verify(plan)
     problems += found
     for p in problems:
         print(f"BAD {p.path}: {p.reason}")
     print(f"checked {checked + 1} files, {len(problems)} bad")
     if problems and args.repair:
-        for path in operate.repair(plan, problems):
+        for path in verify.repair(plan, problems):
             print(f"repaired {path}")
         print("the next build regenerates exactly what was removed")
         return 0
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens-per-second",
         type=float,
-        default=operate.DEFAULT_TOKENS_PER_SECOND,
+        default=estimate.DEFAULT_TOKENS_PER_SECOND,
         help="output tok/s per GPU when the store has no measured shard (default: %(default)s)",
     )
     p.set_defaults(func=cmd_plan)
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tmp-age",
         type=float,
-        default=operate.TMP_AGE_SECONDS / 60,
+        default=gc.TMP_AGE_SECONDS / 60,
         help="minutes a temporary must be untouched to count as stray (default: %(default)s)",
     )
     p.set_defaults(func=cmd_gc)

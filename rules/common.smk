@@ -195,10 +195,10 @@ def get_pack_params():
 
 def register_config():
     # gc from any config sharing this store keeps what this one references
-    import dflash_build.ops.operate
+    import dflash_build.ops.registrations
     import dflash_build.store.rowindex
 
-    dflash_build.ops.operate.register(PLAN)
+    dflash_build.ops.registrations.register(PLAN)
     # Once per build, not per job: the row index learns the shards it lacks (see rowindex).
     with dflash_build.store.rowindex.RowIndex.open(CONFIG.store):
         pass

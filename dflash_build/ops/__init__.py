@@ -1,1 +1,2 @@
-"""The store commands behind the CLI: plan, explain, gc, verify (operate) and status."""
+"""The store commands behind the CLI, one module each: estimate (plan), explain, gc (with the
+registrations of configs sharing a store), verify, status."""

@@ -1,0 +1,259 @@
+"""`dflash-build plan`: what a build would generate, reuse and cost, per source, before it runs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from dflash_build.config import TrainerSpec
+from dflash_build.plan import Plan
+from dflash_build.stages import crosssource, prepare
+from dflash_build.store import layout
+from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
+from dflash_build.store.rowindex import RowIndex, reuse_key
+
+DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
+
+
+@dataclass
+class SourceEstimate:
+    source: str
+    prompt_rows: int
+    prompt_rows_known: bool  # False: prompts not prepared yet, an upper bound
+    shards: int
+    completions_built: int
+    tokens_built: int
+    generate_jobs: list[str] = field(default_factory=list)
+    rows_in_jobs: int = 0
+    rows_journaled: int = 0
+    rows_reused: int = 0
+    rows_continued: int = 0  # truncated earlier rows the engine extends (part of rows_to_generate)
+    rows_to_generate: int = 0
+    output_tokens: float = 0.0
+    gpu_hours: float = 0.0
+    errors: list[str] = field(default_factory=list)  # what would fail the build before any GPU work
+    window: WindowEffect | None = None  # with trainer.max_length: its effect on the rows to generate
+    cross_source_prompts: int = 0  # prompts another source holds too and keeps (dedup.across_sources)
+    cross_source_gpu_hours: float = 0.0  # what generating them for this source as well would cost
+
+
+WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
+
+
+@dataclass
+class WindowEffect:
+    """What trainer.max_length does to the rows a source still has to generate, estimated from the
+    prompt and answer lengths of this model's answers in the store that no window cut."""
+
+    sample_rows: int
+    output_tokens: float  # with the window
+    output_tokens_without: float  # without it: each answer up to max_new_tokens
+    past_window_tokens: float  # without it: generated past the window, so cut by the trainer
+    dropped_rows: float  # without it: answers at max_new_tokens that `truncated: drop` throws away whole
+    skipped_rows: float  # with it: prompts that leave fewer than trainer.min_new_tokens
+
+
+def window_effect(
+    lengths: list[tuple[int, int]], rows: int, max_new_tokens: int, trainer: TrainerSpec, drop: bool
+) -> WindowEffect | None:
+    """The window's effect on ``rows`` answers drawn like ``lengths`` ((prompt, answer) token counts);
+    ``drop``: `truncated: drop`."""
+    if trainer.max_length is None or not lengths:
+        return None
+    window = trainer.max_length
+    scale = rows / len(lengths)
+    with_window = without = past = dropped = skipped = 0.0
+    for prompt, answer in lengths:
+        generated = min(answer, max_new_tokens)
+        without += generated
+        room = window - prompt
+        if answer >= max_new_tokens and drop:
+            dropped += 1
+        else:
+            past += max(0, generated - max(room, 0))
+        if room < trainer.min_new_tokens:
+            skipped += 1
+        else:
+            with_window += min(generated, room)
+    return WindowEffect(
+        len(lengths), with_window * scale, without * scale, past * scale, dropped * scale, skipped * scale
+    )
+
+
+def _model_sidecars(plan: Plan) -> list[tuple[Path, dict[str, Any]]]:
+    """The completion sidecars in the store of this config's model, with their paths."""
+    found = []
+    for stats_file in layout.store_sidecars(plan.config.store, layout.COMPLETIONS):
+        stats = json.loads(stats_file.read_text())
+        if stats.get("components", {}).get("model") == plan.model_fingerprint["digest"]:
+            found.append((stats_file, stats))
+    return found
+
+
+def _answer_lengths(sidecars: list[tuple[Path, dict[str, Any]]]) -> list[tuple[int, int]]:
+    """(prompt, answer) token counts of these shards' answers that no trainer window cut."""
+    lengths: list[tuple[int, int]] = []
+    for stats_file, _ in sidecars[:WINDOW_SAMPLE_SHARDS]:
+        data = layout.data_of(stats_file)
+        if not data.exists():
+            continue
+        table = pq.read_table(data, columns=["n_prompt_tokens", "n_output_tokens", "finish_reason"]).to_pylist()
+        lengths += [
+            (r["n_prompt_tokens"], r["n_output_tokens"]) for r in table if r["finish_reason"] in ("stop", "length")
+        ]
+    return lengths
+
+
+def _measured(sidecars: list[tuple[Path, dict[str, Any]]]) -> tuple[float | None, float | None]:
+    """Mean output tokens per row and output tok/s per job, from these shards."""
+    rows = tokens = 0
+    rates: list[float] = []
+    for _, stats in sidecars:
+        generated = stats.get("generated", stats.get("input_rows", 0))
+        if generated:
+            rows += stats["input_rows"]
+            tokens += stats["output_tokens"]
+            if stats.get("output_tokens_per_second"):
+                rates.append(stats["output_tokens_per_second"])
+    return (tokens / rows if rows else None), (sum(rates) / len(rates) if rates else None)
+
+
+def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> list[SourceEstimate]:
+    """What a build of the current config would do, per source."""
+    sidecars = _model_sidecars(plan)  # read once: rates, mean answer, and the window's sample
+    mean_tokens, rate = _measured(sidecars)
+    lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
+    selected: dict[str, np.ndarray] = {}
+    with RowIndex.open(plan.config.store) as index:
+        estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selected)
+    _cross_source(plan, estimates, selected)
+    return estimates
+
+
+def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:
+    """Each source's prompts that another source holds too and keeps, and their GPU-hours: the mix takes
+    each once, and the row index serves the second generation when the sampling agrees. Near-copies
+    count once every source is prepared (their band keys are written then); before, exact copies only."""
+    if not plan.config.dedup.across_sources or len(plan.sources) < 2:
+        return
+    if plan.config.dedup.near is not None and all(plan.prompt_bands(n).exists() for n in plan.sources):
+        cross = crosssource.load(plan)
+    else:
+        prompts = {}
+        for name, sp in plan.sources.items():
+            if plan.prompt_manifest(name).exists():
+                prompts[name] = crosssource.prompt_ids(plan, name)
+            elif name in selected:
+                prompts[name] = selected[name]
+            elif sp.spec.hf is None or sp.spec.hf.is_local:
+                prompts[name] = prepare.select(plan, name).selected
+        cross = crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, None)
+    assert cross is not None
+    rows = sum(e.rows_to_generate for e in estimates)
+    hours_per_row = sum(e.gpu_hours for e in estimates) / rows if rows else 0.0
+    for e in estimates:
+        e.cross_source_prompts = len(cross.dropped.get(e.source, ()))
+        samples = plan.sources[e.source].spec.sampling.samples_per_prompt
+        e.cross_source_gpu_hours = e.cross_source_prompts * samples * hours_per_row
+
+
+def _estimate(
+    plan: Plan,
+    index: RowIndex,
+    mean_tokens: float | None,
+    rate: float | None,
+    default_tokens_per_second: float,
+    lengths: list[tuple[int, int]],
+    selected: dict[str, np.ndarray],
+) -> list[SourceEstimate]:
+    """``selected``: filled with the prompt ids of the sources whose selection ran here."""
+    out = []
+    for name, sp in plan.sources.items():
+        sampling = sp.spec.sampling
+        manifest_file = plan.prompt_manifest(name)
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+        est = SourceEstimate(
+            source=name,
+            prompt_rows=manifest["rows_out"] if manifest else sp.planned_rows,
+            prompt_rows_known=manifest is not None,
+            shards=sp.n_shards,
+            completions_built=sum(p.exists() for p in plan.completion_shards(name)),
+            tokens_built=sum(p.exists() for p in plan.token_shards(name)),
+        )
+        ids_of = _ShardIds(plan, name, est, selected)
+        for shard, path in zip(sp.shards, plan.completion_shards(name), strict=True):
+            if not path.exists():
+                est.generate_jobs.append(f"{name}/{shard}")
+                _count_rows(plan, index, name, shard, ids_of(shard), est)
+        per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
+        est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
+        drop = plan.config.truncated == "drop"
+        est.window = window_effect(lengths, est.rows_to_generate, sampling.max_new_tokens, plan.config.trainer, drop)
+        if est.window is not None:
+            est.output_tokens = est.window.output_tokens
+        est.gpu_hours = est.output_tokens / (rate or default_tokens_per_second) / 3600
+        out.append(est)
+    return out
+
+
+class _ShardIds:
+    """A shard's prompt ids: from its prompt shard, else from prepare's selection run in memory (once a
+    source, CPU only), or None for a hub source (never loaded to plan)."""
+
+    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selected: dict[str, np.ndarray]) -> None:
+        self.plan, self.source, self.est, self.selected = plan, source, est, selected
+        self.by_shard: dict[str, list[str]] | None = None
+
+    def __call__(self, shard: str) -> list[str] | None:
+        plan, sp = self.plan, self.plan.sources[self.source]
+        prompt_shard = layout.shard_file(plan.prompt_dir(self.source), shard)
+        if prompt_shard.exists():
+            return pq.read_table(prompt_shard, columns=["prompt_id"])["prompt_id"].to_pylist()
+        if sp.spec.hf is not None and not sp.spec.hf.is_local:
+            return None
+        if self.by_shard is None:
+            selection = prepare.select(plan, self.source)
+            self.selected[self.source] = selection.selected
+            self.by_shard = selection.shard_prompt_ids()
+            self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
+            try:  # the check its prepare job will make: a lost source is found before generation
+                prepare.check_losses(sp.spec, selection)
+            except prepare.SourceLossError as e:
+                self.est.errors.append(str(e))
+        return self.by_shard[shard]
+
+
+def _count_rows(
+    plan: Plan, index: RowIndex, source: str, shard: str, ids: list[str] | None, est: SourceEstimate
+) -> None:
+    """Add one shard's rows to ``est``: journaled, reused from the row index, or to generate."""
+    sp = plan.sources[source]
+    sampling = sp.spec.sampling
+    if ids is None:  # a hub source: the upper bound, every row generated, none reused
+        lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+        est.rows_in_jobs += (hi - lo) * sampling.samples_per_prompt
+        est.rows_to_generate += (hi - lo) * sampling.samples_per_prompt
+        return
+    wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
+    est.rows_in_jobs += len(wanted)
+    journal_dir = plan.journal_dir(source, shard)
+    if (journal_dir / PUBLISHED_DATA).exists():  # published before: the job restores it
+        est.rows_journaled += len(wanted)
+        return
+    journaled = Journal.read(journal_dir / ROWS_FILE)
+    if journaled:
+        done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
+        est.rows_journaled += len(wanted & done)
+        wanted -= done
+    if sp.spec.turns == "first":
+        found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens)
+        taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
+        est.rows_reused += len(taken)
+        est.rows_continued += len(found) - len(taken)
+        wanted -= taken
+    est.rows_to_generate += len(wanted)
