@@ -226,7 +226,9 @@ def print_summary():
         import dflash_build.stages.pack
 
         print(
-            dflash_build.stages.pack.summary(json.loads(packed.read_text()), Path(PACKED_DIR))
+            dflash_build.stages.pack.summary(
+                json.loads(packed.read_text()), Path(PACKED_DIR)
+            )
         )
     import dflash_build.stages.export
 
