@@ -291,7 +291,7 @@ def test_changing_the_model_lists_every_generate_job(
 def test_comment_edits_in_rules_and_package_rerun_nothing(built: tuple[Workflow, dict[str, Any]]) -> None:
     wf, _ = built
     code = wf.snakefile.parent
-    for path in (code / "rules" / "generate.smk", code / "dflash_build" / "generate.py"):
+    for path in (code / "rules" / "generate.smk", code / "dflash_build" / "stages" / "generate" / "__init__.py"):
         path.write_text(path.read_text() + "\n# a comment added by a test\n")
     assert wf.dry_run() == {}
 
