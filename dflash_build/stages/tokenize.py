@@ -72,16 +72,14 @@ def to_samples(row: dict[str, Any], truncated_policy: str) -> list[tuple[int | N
         sample = to_sample(row, truncated_policy)
         return [sample if isinstance(sample, str) else (None, *sample)]
     out: list[tuple[int | None, list[int], list[int]] | str] = []
-    for i, t in enumerate(row["turns"]):
+    for i, (t, (context, generated)) in enumerate(zip(row["turns"], R.iter_turn_tokens(row), strict=True)):
         reason = _dropped(t["finish_reason"], truncated_policy)
-        generated = list(t["output_ids"]) + ([t["stop_token_id"]] if t["stop_token_id"] is not None else [])
         if reason is None and not generated:
             reason = DROP_EMPTY_ANSWER
         if reason is not None:
             out.append(reason)
             continue
-        context = list(t["context_ids"])
-        out.append((i, context + generated, [0] * len(context) + [1] * len(generated)))
+        out.append((i, list(context) + list(generated), [0] * len(context) + [1] * len(generated)))
     return out
 
 
