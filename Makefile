@@ -67,10 +67,10 @@ bench: setup
 test: test-unit test-workflow
 
 test-unit: setup
-	$(BIN)/python -m pytest -q -m "not workflow"
+	$(BIN)/python -m pytest -q -m "not workflow" --durations=15
 
 test-workflow: setup slurm-packages
-	$(BIN)/python -m pytest -q -m workflow
+	$(BIN)/python -m pytest -q -m workflow --durations=15
 
 # tests/test_slurm.py starts a real single-node SLURM cluster from Debian's packages (as root). Where
 # they cannot be installed the test is skipped, except under CI, where it fails.

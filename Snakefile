@@ -43,3 +43,4 @@ onsuccess:
 
 onerror:
     stop_engines()
+    restore_records()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, explain, gc, registrations, status, verify
 from dflash_build.stages import mix
-from dflash_build.store import layout, rowindex
+from dflash_build.store import filesystem, layout, rowindex
 
 
 def _plan(args: argparse.Namespace) -> plan_mod.Plan:
@@ -42,10 +43,10 @@ def _plan(args: argparse.Namespace) -> plan_mod.Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    estimates = estimate.estimate(plan, args.tokens_per_second)
+    estimates, disk = estimate.estimate_with_disk(plan, args.tokens_per_second)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=2))
-        return _errors(estimates)
+        return _errors(estimates, disk)
     header = (
         f"{'source':<28}{'prompts':>10}{'shards':>8}{'built':>7}{'todo':>6}{'rows':>9}{'reused':>8}{'generate':>10}"
     )
@@ -74,11 +75,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     window = plan.config.trainer.max_length if total else None
     if window is not None:
         print(_window_line(window, estimates, hours / tokens if tokens else 0.0))
+    print(disk.line())
     if args.jobs:
         for e in estimates:
             for job in e.generate_jobs:
                 print(f"generate {job}")
-    return _errors(estimates)
+    return _errors(estimates, disk)
 
 
 def _window_line(window: int, estimates: list[estimate.SourceEstimate], hours_per_token: float) -> str:
@@ -104,9 +106,12 @@ def _window_line(window: int, estimates: list[estimate.SourceEstimate], hours_pe
     )
 
 
-def _errors(estimates: list[estimate.SourceEstimate]) -> int:
-    """Print what would fail the build (exit 1), before any GPU work is spent on it."""
-    errors = [error for e in estimates for error in e.errors]
+def _errors(estimates: list[estimate.SourceEstimate], disk: estimate.DiskNeed) -> int:
+    """Print what would fail the build (exit 1), and what may (warnings), before any GPU work is spent on it."""
+    warnings, disk_errors = disk.problems()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    errors = [error for e in estimates for error in e.errors] + disk_errors
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     return 1 if errors else 0
@@ -167,8 +172,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     checked, found = verify.verify(plan)
     problems += found
     for p in problems:
-        print(f"BAD {p.path}: {p.reason}")
-    print(f"checked {checked + 1} files, {len(problems)} bad")
+        print(f"{'CANNOT READ' if p.unreadable else 'BAD'} {p.path}: {p.reason}")
+    unreadable = sum(p.unreadable for p in problems)
+    cannot = f", {unreadable} not readable by this user (--repair leaves them)" if unreadable else ""
+    print(f"checked {checked + 1} files, {len(problems) - unreadable} bad{cannot}")
     if problems and args.repair:
         for path in verify.repair(plan, problems):
             print(f"repaired {path}")
@@ -213,7 +220,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`status | head`): nothing more to say, and Python's flush at exit must
+        # not complain about the closed pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except filesystem.StoreFault as e:
+        print(f"dflash-build {args.command}: {e}", file=sys.stderr)
+        return 2
     except (config_mod.ConfigError, KeyError, ValueError, FileNotFoundError) as e:
         print(f"dflash-build {args.command}: {e}", file=sys.stderr)
         return 2

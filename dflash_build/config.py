@@ -234,6 +234,7 @@ def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
         max_failed_fraction=float(raw.get("max_failed_fraction", 0.5)),
         share_tolerance=float(raw.get("share_tolerance", 0.02)),
         allow_shortfall=allowed,
+        min_free_gb=float(raw.get("min_free_gb", 2.0)),
     )
 
 

@@ -103,8 +103,13 @@ class FingerprintCache:
     and the file is hashed again (to the same digest when the bytes did not change).
     """
 
-    def __init__(self, cache_file: str | os.PathLike[str] | None) -> None:
+    def __init__(
+        self, cache_file: str | os.PathLike[str] | None, fallback: str | os.PathLike[str] | None = None
+    ) -> None:
+        """``fallback``: where the cache goes when ``cache_file`` cannot be written (a read-only or full
+        store); read too, after ``cache_file`` (entries check their own file's stamp, so either may be stale)."""
         self.cache_file = Path(cache_file) if cache_file is not None else None
+        self.fallback = Path(fallback) if fallback is not None else None
         self._entries: dict[str, dict[str, Any]] = {}
         self._dirty = False
         if self.cache_file is not None and self.cache_file.exists():
@@ -114,6 +119,8 @@ class FingerprintCache:
             else:  # only a cache: start afresh (files are hashed again) and replace it on save
                 log.warning("fingerprint cache %s is %s: rebuilding it", self.cache_file, problem)
                 self._dirty = True
+        if self.fallback is not None and self.fallback.exists() and cache_problem(self.fallback) is None:
+            self._entries.update(json.loads(self.fallback.read_text(encoding="utf-8")))
 
     def file(self, path: str | os.PathLike[str]) -> str:
         real = os.path.realpath(path)
@@ -147,9 +154,20 @@ class FingerprintCache:
         self._dirty = True
 
     def save(self) -> None:
-        if self._dirty and self.cache_file is not None:
-            atomic.write_json(self.cache_file, self._entries)
+        """Write the cache where it can be written: the store, else the fallback, else nowhere (it is
+        only a cache, and a command that only reads must work on a store it cannot write)."""
+        if not self._dirty:
+            return
+        for dest in (self.cache_file, self.fallback):
+            if dest is None:
+                continue
+            try:
+                atomic.write_json(dest, self._entries)
+            except OSError as e:
+                log.debug("fingerprint cache not written to %s (%s)", dest, e)
+                continue
             self._dirty = False
+            return
 
 
 def cache_problem(path: Path) -> str | None:

@@ -111,6 +111,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "checks.max_failed_fraction": _d(None, _CHECK),
     "checks.share_tolerance": _d(None, _CHECK),
     "checks.allow_shortfall": _d(None, _CHECK),
+    "checks.min_free_gb": _d(None, _CHECK),
     "sources.*": _d(PROMPT, "the source's name is a store path segment and a column of every row"),
     "sources.*.category": _d(PROMPT, "a column of every row"),
     "sources.*.hf": _d(PROMPT, "hub id, config, split and pinned commit, or a local folder's file digests"),

@@ -278,7 +278,7 @@ def fingerprint_cache_file(config: Config) -> Path:
 
 def fingerprint_cache(config: Config) -> hashing.FingerprintCache:
     """The store's file-digest cache: parse time fills it, jobs read it instead of hashing again."""
-    return hashing.FingerprintCache(fingerprint_cache_file(config))
+    return hashing.FingerprintCache(fingerprint_cache_file(config), layout.user_fingerprint_cache_file(config.store))
 
 
 def _gen_components(

@@ -164,6 +164,10 @@ class Checks:
     max_failed_fraction: float = 0.5
     share_tolerance: float = 0.02
     allow_shortfall: frozenset[str] = frozenset()
+    # a build refuses to start with less free on the store's filesystem: room for 8 jobs to finish the
+    # shards they hold (each ~100 MB of journal and parquet at 2,000 rows of 8K tokens) and the row index's
+    # journal; the estimate of the whole remaining work is a warning (`plan`)
+    min_free_gb: float = 2.0
 
 
 @dataclass(frozen=True)

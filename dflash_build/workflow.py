@@ -9,6 +9,7 @@ of how each rule calls its stage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import json
 import logging
@@ -22,19 +23,40 @@ from dflash_build import config as config_mod
 from dflash_build import engines, keys
 from dflash_build import plan as plan_mod
 from dflash_build.dist import release
-from dflash_build.store import layout
+from dflash_build.store import filesystem, layout
+from dflash_build.store.rowindex import RowIndex
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _LogFile(logging.FileHandler):
+    """A job's log file that, on a full disk, says so once on stderr instead of a traceback per record."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if error is None or filesystem.fault(error, self.baseFilename) is None:
+            super().handleError(record)
+        elif not self.failed:
+            self.failed = True
+            print(
+                f"dflash-build: the job's log stops here: {filesystem.fault(error, self.baseFilename)}", file=sys.stderr
+            )
+
+
 @contextlib.contextmanager
-def logged(log_path: str | Path | None) -> Iterator[None]:
-    """Send the package's log records to ``log_path`` (and stderr) for the duration of a job."""
+def logged(log_path: str | Path | None, writing: str | Path | None = None) -> Iterator[None]:
+    """Send the package's log records to ``log_path`` (and stderr) for the duration of a job.
+
+    A job the environment stops (a full disk, a store it cannot write) ends with one line that names the
+    path (``writing``: the job's output, where the error names none) and what to do, and exit status 1.
+    """
     root = logging.getLogger("dflash_build")
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_path, mode="w", encoding="utf-8"))
+        handlers.append(_LogFile(log_path, mode="w", encoding="utf-8"))
     for h in handlers:
         h.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(h)
@@ -42,9 +64,12 @@ def logged(log_path: str | Path | None) -> Iterator[None]:
     root.setLevel(logging.INFO)
     try:
         yield
-    except Exception:
-        root.exception("job failed")
-        raise
+    except Exception as e:
+        if (env := filesystem.fault(e, writing)) is None:
+            root.exception("job failed")
+            raise
+        root.error("%s", env)
+        raise SystemExit(1) from None
     finally:
         root.setLevel(previous)
         for h in handlers:
@@ -88,6 +113,53 @@ def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
                 folder,
                 release.record_dir(folder),
             )
+
+
+def check_store(config: config_mod.Config) -> None:
+    """Before any job: the store can be written, and its filesystem has ``checks.min_free_gb`` free.
+
+    One line each (a :class:`filesystem.StoreFault`) that names the store and what to do; a GPU job
+    that would meet either fault later has then not started.
+    """
+    store = Path(config.store)
+    filesystem.check_writable(store)
+    free, _ = filesystem.free_bytes(store)
+    floor = config.checks.min_free_gb * 1e9
+    if free < floor:
+        raise filesystem.StoreFault(
+            f"refusing to start: {store} has {filesystem.size_text(free)} free, below checks.min_free_gb "
+            f"{config.checks.min_free_gb:g} ({filesystem.describe(store)}); free space there (`dflash-build gc` "
+            "lists what no config uses) or lower checks.min_free_gb",
+            errno.ENOSPC,
+        )
+
+
+def or_exit(step: Callable[..., object], *args: Any) -> None:
+    """A step of the workflow's own process (parse time, ``onstart``) that writes to the store: a full disk
+    or a store it cannot write ends the run with one line and exit 1, without Snakemake's frames."""
+    try:
+        step(*args)
+    except Exception as e:
+        if (env := filesystem.fault(e)) is None:
+            raise
+        sys.exit(f"dflash-build: {env}")
+
+
+def sync_index(config: config_mod.Config) -> None:
+    """The row index learns the shards it lacks (once per build, not per job: see rowindex)."""
+    with RowIndex.open(config.store):
+        pass
+
+
+def restore_records(config: config_mod.Config) -> list[Path]:
+    """After a failed build (the Snakefile's ``onerror``): each dataset, pack and export folder whose job
+    failed gets back the record of the version it still links to (:func:`release.restore_record`)."""
+    restored = [folder for folder in config.dist_folders if release.restore_record(folder)]
+    for folder in restored:
+        logging.getLogger("dflash_build").warning(
+            "%s keeps its last good version (%s)", folder, release.current(folder)
+        )
+    return restored
 
 
 def is_dry_run(argv: list[str]) -> bool:
@@ -201,6 +273,14 @@ STAGE_JOBS: dict[str, StageJob] = {
 }
 
 
+def _first_output(smk: Any) -> str | None:
+    """The job's first output (what a full disk stopped it writing, where the error names no file)."""
+    try:
+        return str(smk.output[0])
+    except (TypeError, IndexError, KeyError):  # a job without outputs, or a stand-in with names only
+        return None
+
+
 def run_rule(smk: Any, stage: str) -> None:
     """Run ``stage`` for a Snakemake job (the ``snakemake`` object a script receives).
 
@@ -209,7 +289,7 @@ def run_rule(smk: Any, stage: str) -> None:
     """
     job = STAGE_JOBS[stage]
     module = importlib.import_module(f"dflash_build.stages.{stage}")
-    with logged(smk.log[0] if smk.log else None):
+    with logged(smk.log[0] if smk.log else None, _first_output(smk)):
         source = job.source(smk)
         plan = plan_from(smk.config, source)
         asked = job.asked(smk)

@@ -46,6 +46,9 @@ dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
 # dflash_build.workflow.is_dry_run).
 DRY_RUN = dflash_build.workflow.is_dry_run(sys.argv)
+# A build needs a store it can write, with checks.min_free_gb free: one line, before any job starts.
+if not DRY_RUN:
+    dflash_build.workflow.or_exit(dflash_build.workflow.check_store, CONFIG)
 # In the batch step of a SLURM allocation that generates: the broker that keeps its engines (engine_host).
 if not DRY_RUN:
     dflash_build.engines.host.start_allocation_broker(CONFIG, sys.argv)
@@ -67,7 +70,7 @@ for source_name in PLAN.sources:
 # What each key is made of, kept in the store: a job whose own plan gives another key says what
 # changed (workflow.check_key) without a params function per job.
 if not DRY_RUN:
-    dflash_build.plan.record_components(PLAN)
+    dflash_build.workflow.or_exit(dflash_build.plan.record_components, PLAN)
 
 
 GENERATE_ENV = (
@@ -195,13 +198,20 @@ def get_pack_params():
 
 def register_config():
     # gc from any config sharing this store keeps what this one references
+    import dflash_build.ops.estimate
     import dflash_build.ops.registrations
-    import dflash_build.store.rowindex
 
-    dflash_build.ops.registrations.register(PLAN)
+    dflash_build.workflow.or_exit(dflash_build.ops.registrations.register, PLAN)
     # Once per build, not per job: the row index learns the shards it lacks (see rowindex).
-    with dflash_build.store.rowindex.RowIndex.open(CONFIG.store):
-        pass
+    dflash_build.workflow.or_exit(dflash_build.workflow.sync_index, CONFIG)
+    # the remaining work against the store's free space: a warning (checks.min_free_gb refused above)
+    dflash_build.ops.estimate.warn_at_start(PLAN)
+
+
+def restore_records():
+    # A failed mix, pack or export keeps its last good version; its build record comes back with it, so
+    # that `snakemake -n`, `plan` and `verify` agree after the failure.
+    dflash_build.workflow.restore_records(CONFIG)
 
 
 def stop_engines():

@@ -251,3 +251,22 @@ def loaded_rows(folder: Path) -> int:
     """Rows of a dataset folder as `datasets` loads it, in a new process (nothing cached from an earlier load)."""
     code = f"import datasets; print(len(datasets.load_dataset({str(folder)!r}, split='train')))"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+OPERATED_ROWS = [{"instruction": f"Describe object number {i}."} for i in range(20)]
+
+
+@pytest.fixture(scope="session")
+def operated_store(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> tuple[Path, dict[str, Any]]:
+    """One built workdir (one alpaca source of 20 rows in 2 shards, answers that stop or run out) that
+    tests of the store's commands copy (``Workflow.copy_to``) instead of building their own."""
+    work = tmp_path_factory.mktemp("operate") / "work"
+    work.mkdir()
+    write_jsonl(work / "objs.jsonl", OPERATED_ROWS)
+    sources = {"objs": {"category": "general", "files": ["objs.jsonl"], "format": "alpaca"}}
+    config = base_config(stoppy_model, sources, shard_size=10)
+    config["sampling"]["max_new_tokens"] = 6
+    wf = Workflow(work)
+    wf.write_config(config)
+    wf.build()
+    return work, config

@@ -42,6 +42,7 @@ class StandIn:
     delay_seconds: float = 0.0  # every completion takes this long (a busy server)
     freeze_after: int = 0  # from this completion on, nothing answers at all, /health neither (SIGSTOP)
     frozen: threading.Event = field(default_factory=threading.Event)
+    frozen_at: float = 0.0  # time.time() of the freeze: a stall's verdict is measured from it
     completions: int = 0
     faults_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,7 +76,8 @@ class StandIn:
                 with standin.lock:
                     standin.completions += 1
                     n = standin.completions
-                    if standin.freeze_after and n >= standin.freeze_after:
+                    if standin.freeze_after and n >= standin.freeze_after and not standin.frozen.is_set():
+                        standin.frozen_at = time.time()
                         standin.frozen.set()
                 standin.wait_while_frozen()
                 time.sleep(standin.delay_seconds)

@@ -106,6 +106,26 @@ def test_a_stalled_server_leaves_the_pool_and_its_requests_go_to_the_others(
     assert "engine.stall_timeout 1s), and its health check /v1/models failed" in left
 
 
+def test_the_stall_verdict_comes_within_the_documented_bound(
+    servers: list[StandIn], caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/generation.md: a silent server is named within stall_timeout plus a bounded health check
+    (0.75 x stall_timeout here), measured from the moment it froze to the verdict's log record."""
+    stall = 2.0
+    stalls, healthy = _standin(servers, freeze_after=3), _standin(servers)
+    opts = {"urls": [stalls.url, healthy.url], "prompt": "ids", "retries": 2, "backoff": 0.01, "timeout": 60}
+    engine = OpenAIEngine({**opts, "concurrency": 2}, [STOP_ID], None, MODEL, stall_timeout=stall, pool=Owner())  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger=openai_backend.__name__):
+        _run(engine)
+    [verdict] = [r for r in caplog.records if "leaves the pool (stalled" in r.getMessage()]
+    took = verdict.created - stalls.frozen_at
+    bound = openai_backend.stall_verdict_seconds(stall)
+    assert bound == stall * 1.75, "below 10 s: one look a quarter of stall_timeout, two checks of a quarter each"
+    assert openai_backend.stall_verdict_seconds(300.0) == 312.5, "the docs' 12.5 s at the production setting"
+    # the last answer before the freeze came a moment earlier than the freeze itself: 0.3 s of slack
+    assert stall <= took + 0.3 and took <= bound + 0.3, f"named {took:.2f}s after the freeze (bound {bound:.2f}s)"
+
+
 def test_a_busy_server_whose_health_check_answers_stays_in_the_pool(
     servers: list[StandIn], undisturbed: dict[str, tuple[list[int], str]], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -159,11 +179,12 @@ def test_the_owner_replaces_a_lost_server_and_the_pool_grows_with_servers_that_s
 ) -> None:
     monkeypatch.setattr(openai_backend, "POOL_REFRESH_SECONDS", 0.2)
     stalls = _standin(servers, freeze_after=2, delay_seconds=0.05)
-    replacement = _standin(servers, start=False, delay_seconds=0.2)
+    replacement = _standin(servers, start=False, delay_seconds=0.4)  # slow: the run outlasts the later start
     later = _standin(servers, start=False, delay_seconds=0.05)
     owner = Owner(replacement=replacement, later=later)
     engine = _engine([stalls.url], pool=owner)
-    threading.Timer(STALL * 4, later.start).start()  # after the replacement came
+    # after the replacement came: the stall is named within stall_verdict_seconds of the freeze
+    threading.Timer(openai_backend.stall_verdict_seconds(STALL) + 1.0, later.start).start()
     assert _run(engine) == undisturbed
     assert owner.lost_calls == [(stalls.url, True)]
     assert replacement.completions > 0, "the replacement took the stalled server's place"

@@ -11,9 +11,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import OPERATED_ROWS as ROWS
 from tests.conftest import Workflow, base_config, write_jsonl
-
-ROWS = [{"instruction": f"Describe object number {i}."} for i in range(20)]
 
 
 def completions(wf: Workflow, source: str = "objs") -> dict[str, dict[tuple[str, int], dict[str, Any]]]:
@@ -31,18 +30,8 @@ def generate_jobs(wf: Workflow) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> tuple[Path, dict[str, Any]]:
-    root = tmp_path_factory.mktemp("operate")
-    work = root / "work"
-    work.mkdir()
-    write_jsonl(work / "objs.jsonl", ROWS)
-    sources = {"objs": {"category": "general", "files": ["objs.jsonl"], "format": "alpaca"}}
-    config = base_config(stoppy_model, sources, shard_size=10)
-    config["sampling"]["max_new_tokens"] = 6
-    wf = Workflow(work)
-    wf.write_config(config)
-    wf.build()
-    return work, config
+def base(operated_store: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    return operated_store
 
 
 def workflow_copy(base: tuple[Path, dict[str, Any]], tmp_path: Path) -> tuple[Workflow, dict[str, Any]]:

@@ -87,6 +87,23 @@ def publish(folder: Path, record: Path) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
+def restore_record(folder: Path) -> bool:
+    """Write the build record of the version ``folder`` links to, where a failed build's job lost it.
+
+    Snakemake deletes a failed job's output, the record, while the last good dataset stays linked; without
+    the record `snakemake -n` would plan the mix again although `plan` and `verify` find nothing to do.
+    The record takes the version's own time, so that it is no newer than the dataset it records: an input
+    changed since then still reruns the mix. Returns whether a record was written.
+    """
+    record, version = record_dir(folder), current(folder)
+    if version is None or record.exists():
+        return False
+    _write_record(record, version)
+    stamp = version.stat().st_mtime
+    os.utime(record, (stamp, stamp))
+    return True
+
+
 def _point(folder: Path, version: Path) -> None:
     """Make ``folder`` a link to ``version`` with one rename (a relative link: the tree can move)."""
     link = folder.parent / f".{folder.name}.{os.getpid()}.link.tmp"  # gc's stray pattern, if we die here

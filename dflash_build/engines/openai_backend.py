@@ -58,8 +58,28 @@ _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # How servers refuse a token-id prompt (llama.cpp: a 500 validation error); busy answers are not refusals.
 _REFUSAL_STATUS = frozenset({400, 415, 422, 500})
 _SHOWN = 300  # characters of a server's answer quoted in errors
-PROBE_SECONDS = 30.0  # a health check's deadline: SGLang's /health_generate itself gives up after 20 s
+PROBE_SECONDS = 30.0  # first contact's deadline: SGLang's /health_generate itself gives up after 20 s
 POOL_REFRESH_SECONDS = 10.0  # how often the pool's owner is asked for servers that started or went
+# The stall verdict's health check: two attempts of at most this each (a quarter of stall_timeout when
+# shorter). A server silent for stall_timeout has had its chance; the check only tells a busy one from a
+# stopped one, and a live server answers its health path in well under a second.
+HEALTH_CHECK_SECONDS = 5.0
+
+
+def _tick_seconds(stall_timeout: float | None) -> float:
+    """How often the pool looks at its servers (and so at their silence)."""
+    return max(0.1, min(stall_timeout or POOL_REFRESH_SECONDS, POOL_REFRESH_SECONDS) / 4)
+
+
+def health_check_seconds(stall_timeout: float) -> float:
+    return min(HEALTH_CHECK_SECONDS, stall_timeout / 4)
+
+
+def stall_verdict_seconds(stall_timeout: float) -> float:
+    """The longest a silent server holding requests goes unnamed: ``stall_timeout``, then one look of the
+    pool at most, then its two-attempt health check (docs/generation.md says so; a test measures it):
+    ``stall_timeout`` + 12.5 s at most, + 0.75 x ``stall_timeout`` when that is less."""
+    return stall_timeout + _tick_seconds(stall_timeout) + 2 * health_check_seconds(stall_timeout)
 
 
 class ServerDown(RuntimeError):
@@ -241,6 +261,7 @@ class OpenAIEngine:
         self.health_path = self.opts["health"] or health_path
         # a SIGSTOPped server accepts connections and never answers: checks made here wait this long
         self.probe_seconds = min(PROBE_SECONDS, stall_timeout or PROBE_SECONDS)
+        self.health_seconds = health_check_seconds(stall_timeout or PROBE_SECONDS)  # the stall verdict's
         self._servers = {url: _Server(url) for url in self.opts["urls"]}
         self._changes: set[asyncio.Future[PoolChange]] = set()  # the pool owner's answers still to come
         self._failure: ServerDown | None = None  # why the last server left
@@ -571,7 +592,7 @@ class OpenAIEngine:
 
     # -- the pool -----------------------------------------------------------------------------
     def _tick(self) -> float:
-        return max(0.1, min(self.stall_timeout or POOL_REFRESH_SECONDS, POOL_REFRESH_SECONDS) / 4)
+        return _tick_seconds(self.stall_timeout)
 
     def _leave(self, server: _Server, why: str, stalled: bool, failure: ServerDown) -> None:
         """``server`` leaves the pool (its requests were taken back); its owner hears of it."""
@@ -645,9 +666,9 @@ class OpenAIEngine:
         last = ""
         for _ in range(2):
             try:
-                response = await asyncio.wait_for(self._client.get(url + self.health_path), self.probe_seconds)
+                response = await asyncio.wait_for(self._client.get(url + self.health_path), self.health_seconds)
             except (asyncio.TimeoutError, TimeoutError):
-                last = f"no answer within {self.probe_seconds:g}s"
+                last = f"no answer within {self.health_seconds:g}s"
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
             else:

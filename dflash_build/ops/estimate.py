@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ import pyarrow.parquet as pq
 from dflash_build.config import TrainerSpec
 from dflash_build.plan import Plan
 from dflash_build.stages import crosssource, prepare
-from dflash_build.store import layout
+from dflash_build.store import filesystem, layout
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
 from dflash_build.store.rowindex import RowIndex, reuse_key
 
+log = logging.getLogger(__name__)
 DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
 
 
@@ -123,16 +125,116 @@ def _measured(sidecars: list[tuple[Path, dict[str, Any]]]) -> tuple[float | None
     return (tokens / rows if rows else None), (sum(rates) / len(rates) if rates else None)
 
 
+# Bytes the store gains per generated output token (its journal line, completion and token shards, the
+# prompt ids in them included) before any shard is measured; measured on the demo (short answers, so
+# prompts weigh more than in production, where this overestimates).
+ASSUMED_BYTES_PER_OUTPUT_TOKEN = 40.0
+# Files a shard's generate and tokenize jobs add (journal rows and lock, completion and token shards with
+# their sidecars, two logs): each takes at least one filesystem block, which small shards feel.
+FILES_PER_SHARD = 8
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    """What the remaining work writes to the store, against its filesystem's free space."""
+
+    store: Path
+    bytes: float
+    per_token: float
+    measured: bool  # per_token from this model's shards in the store (else the assumption)
+    free: int
+    floor: float  # checks.min_free_gb, in bytes
+
+    def line(self) -> str:
+        how = "measured on this model's shards" if self.measured else "assumed: no shard measured yet"
+        return (
+            f"disk: the remaining work writes about {filesystem.size_text(self.bytes)} to {self.store} "
+            f"({self.per_token:.0f} bytes per output token, {how}); {filesystem.describe(self.store)}"
+        )
+
+    def problems(self) -> tuple[list[str], list[str]]:
+        """(warnings, errors): the estimate over the free space; the free space under checks.min_free_gb."""
+        warnings, errors = [], []
+        if self.bytes > self.free:
+            warnings.append(
+                f"the store's filesystem has {filesystem.size_text(self.free)} free, less than the "
+                f"{filesystem.size_text(self.bytes)} the remaining work is estimated to write: free space (or "
+                "move `store:`) before the disk fills mid-run"
+            )
+        if self.free < self.floor:
+            errors.append(
+                f"{self.store} has {filesystem.size_text(self.free)} free, below checks.min_free_gb "
+                f"{self.floor / 1e9:g}: a build refuses to start"
+            )
+        return warnings, errors
+
+
+def _bytes_per_output_token(plan: Plan, sidecars: list[tuple[Path, dict[str, Any]]]) -> float | None:
+    """What this model's shards in the store take per output token: completion shard, journal, token shard."""
+    store, size, tokens = plan.config.store, 0, 0
+    for stats_file, stats in sidecars[:WINDOW_SAMPLE_SHARDS]:
+        data, shard = layout.data_of(stats_file), layout.shard_of(stats_file)
+        source = stats_file.parent.parent.name
+        parts = [data, layout.journal_dir(store, stats_file.parent.name, shard) / ROWS_FILE]
+        parts += layout.shard_files(store, layout.TOKENS, source, shard)
+        size += sum(p.stat().st_size for p in parts if p.exists())
+        tokens += stats.get("output_tokens", 0)
+    return size / tokens if tokens else None
+
+
+def disk_need(plan: Plan, estimates: list[SourceEstimate], sidecars: list[tuple[Path, dict[str, Any]]]) -> DiskNeed:
+    measured = _bytes_per_output_token(plan, sidecars)
+    per_token = measured if measured is not None else ASSUMED_BYTES_PER_OUTPUT_TOKEN
+    free, _ = filesystem.free_bytes(plan.config.store)
+    jobs = sum(len(e.generate_jobs) for e in estimates)
+    need = per_token * sum(e.output_tokens for e in estimates) + jobs * FILES_PER_SHARD * filesystem.block_size(
+        plan.config.store
+    )
+    return DiskNeed(
+        plan.config.store, need, per_token, measured is not None, free, plan.config.checks.min_free_gb * 1e9
+    )
+
+
+def disk_at_start(plan: Plan) -> DiskNeed:
+    """The build's start: the same comparison from shard counts alone (every missing shard's rows generated,
+    none reused), so that it costs no selection and no index lookup."""
+    sidecars = _model_sidecars(plan)
+    mean_tokens, _ = _measured(sidecars)
+    estimates = []
+    for name, sp in plan.sources.items():
+        sampling = sp.spec.sampling
+        missing = [s for s, p in zip(sp.shards, plan.completion_shards(name), strict=True) if not p.exists()]
+        per_row = min(mean_tokens or sampling.max_new_tokens / 2, sampling.max_new_tokens)
+        rows = sp.planned_rows * len(missing) / sp.n_shards * sampling.samples_per_prompt
+        est = SourceEstimate(name, sp.planned_rows, False, sp.n_shards, 0, 0, missing, output_tokens=rows * per_row)
+        estimates.append(est)
+    return disk_need(plan, estimates, sidecars)
+
+
+def warn_at_start(plan: Plan) -> None:
+    """At the build's start: say so when the remaining work may not fit on the store's filesystem."""
+    need = disk_at_start(plan)
+    for warning in need.problems()[0]:
+        log.warning("%s (%s)", warning, need.line())
+
+
 def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> list[SourceEstimate]:
     """What a build of the current config would do, per source."""
-    sidecars = _model_sidecars(plan)  # read once: rates, mean answer, and the window's sample
+    return estimate_with_disk(plan, default_tokens_per_second)[0]
+
+
+def estimate_with_disk(
+    plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
+) -> tuple[list[SourceEstimate], DiskNeed]:
+    """What a build of the current config would do, per source, and what it writes to the store."""
+    sidecars = _model_sidecars(plan)  # read once: rates, mean answer, the window's sample, bytes per token
     mean_tokens, rate = _measured(sidecars)
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     selected: dict[str, np.ndarray] = {}
-    with RowIndex.open(plan.config.store) as index:
+    with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selected)
     _cross_source(plan, estimates, selected)
-    return estimates
+    return estimates, disk_need(plan, estimates, sidecars)
 
 
 def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:

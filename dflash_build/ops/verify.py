@@ -3,8 +3,10 @@ journals, the row index and the dataset records; `--repair` removes what is dama
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ class Problem:
     reason: str
     remove: tuple[Path, ...]  # what --repair deletes so the next build rebuilds exactly this
     heal: Callable[[], object] | None = None  # what --repair does instead, for derived state
+    unreadable: bool = False  # this process cannot read it (permission, I/O): no damage, --repair leaves it
 
 
 def _count_lines(path: Path) -> int:
@@ -36,11 +39,22 @@ def _count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
+_ACCESS = {errno.EACCES, errno.EPERM, errno.EIO}
+
+
+class CannotRead(Exception):
+    """A file this process cannot read (permission, I/O): not damage, and --repair must not delete it."""
+
+
 def _check(path: Path, expected: dict[str, Any] | None) -> str | None:
     if expected is None:
         return "no manifest entry or stats sidecar describes it"
     try:
         rows = _count_lines(path) if path.suffix == ".jsonl" else pq.read_metadata(path).num_rows
+    except OSError as e:
+        if e.errno in _ACCESS or not os.access(path, os.R_OK):
+            raise CannotRead(f"cannot be read ({e.strerror or e}): check its permissions and the disk") from e
+        return f"unreadable parquet footer ({type(e).__name__}: {e})"
     except Exception as e:
         return f"unreadable parquet footer ({type(e).__name__}: {e})"
     if rows != expected["rows"]:
@@ -115,17 +129,27 @@ def _journal_problems(store: Path) -> Iterator[Problem]:
             expected = json.loads(stats_file.read_text()).get("data")
         except (OSError, ValueError):
             expected = None
-        if (reason := _check(data, expected)) is not None:
+        try:
+            reason = _check(data, expected)
+        except CannotRead as e:
+            yield Problem(data, f"published copy: {e}", (), unreadable=True)
+            continue
+        if reason is not None:
             yield Problem(data, f"published copy: {reason}", (data, stats_file))
 
 
 def _derived_problems(plan: Plan) -> Iterator[Problem]:
-    """The row index: damaged, or out of step with the store."""
+    """The row index: damaged, or out of step with the store (derived state: --repair rebuilds it);
+    one that cannot be read (permission, I/O) is reported as such and left alone."""
     store = plan.config.store
     index_file = store / rowindex.INDEX_FILE
-    reason = RowIndex.problem(store)
+    found = RowIndex.problem(store)
+    if found is not None and not found[1]:
+        yield Problem(index_file, found[0], (), unreadable=True)
+        return
+    reason = found[0] if found is not None else None
     if reason is None and index_file.exists():
-        index = RowIndex(store)
+        index = RowIndex(store, rowindex.read_only(index_file))
         try:
             missing, gone = index.differences()
         finally:
@@ -133,7 +157,7 @@ def _derived_problems(plan: Plan) -> Iterator[Problem]:
         if missing or gone:
             reason = (
                 f"out of step with the store: {len(missing)} published shards missing or incomplete, "
-                f"{len(gone)} entries for shards that are gone"
+                f"{len(gone)} entries for shards that are gone (the next build indexes them)"
             )
     elif reason is None and rowindex.published_shards(store):
         reason = "missing while the store has published shards"
@@ -156,7 +180,13 @@ def verify(plan: Plan) -> tuple[int, list[Problem]]:
         checked += 1
         if not path.exists():
             problems.append(Problem(path, "missing", remove))
-        elif (reason := _check(path, expected)) is not None:
+            continue
+        try:
+            reason = _check(path, expected)
+        except CannotRead as e:
+            problems.append(Problem(path, str(e), (), unreadable=True))
+            continue
+        if reason is not None:
             problems.append(Problem(path, reason, remove))
     store = plan.config.store
     checked += sum(len(layout.journal_files(store, name)) for name in (ROWS_FILE, PUBLISHED_DATA))
@@ -179,7 +209,7 @@ def repair(plan: Plan, problems: list[Problem]) -> list[Path]:
     removed = []
     with RowIndex.open(plan.config.store) as index:
         for problem in problems:
-            if problem.heal is not None:
+            if problem.heal is not None or problem.unreadable:
                 continue
             for path in problem.remove:
                 if path.is_dir():
@@ -192,7 +222,7 @@ def repair(plan: Plan, problems: list[Problem]) -> list[Path]:
                     index.remove_shard(path)
                 removed.append(path)
     for problem in problems:
-        if problem.heal is not None:
+        if problem.heal is not None and not problem.unreadable:
             problem.heal()
             removed.append(problem.path)
     return removed

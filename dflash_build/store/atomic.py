@@ -49,6 +49,10 @@ def atomic_path(dest: str | os.PathLike[str]) -> Iterator[Path]:
             os.fsync(handle.fileno())
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
+    except OSError as e:
+        if e.filename is None:  # a failed write or fsync names no file: name the one being written
+            e.filename = str(dest)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 

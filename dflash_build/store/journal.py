@@ -139,7 +139,8 @@ class Journal:
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held across calls)
             if new:
                 atomic.fsync_dir(self.folder)
-        self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+        with self._naming_errors():
+            self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
         self._unsynced += 1
         if self._unsynced >= self.flush_rows or time.monotonic() - self._last_sync >= self.flush_seconds:
             self.sync()
@@ -147,10 +148,20 @@ class Journal:
     def sync(self) -> None:
         with self._lock:
             if self._file is not None and self._unsynced:
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                with self._naming_errors():
+                    self._file.flush()
+                    os.fsync(self._file.fileno())
             self._unsynced = 0
             self._last_sync = time.monotonic()
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        """A failed write (a full disk) names the journal file, which the OSError of a write does not."""
+        try:
+            yield
+        except OSError as e:
+            e.filename = e.filename or str(self.path)
+            raise
 
     def close(self) -> None:
         self.sync()

@@ -17,6 +17,8 @@ Rules format :func:`shard_pattern`; stages, commands and the plan call the funct
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +115,11 @@ def source_keys(store: Path, stage: Stage, source: str) -> list[Path]:
     return sorted(p for p in (Path(store) / stage.folder / source).glob("*") if p.is_dir())
 
 
+def shard_files(store: Path, stage: Stage, source: str, shard: str) -> list[Path]:
+    """One shard's data file under every key of a source's stage."""
+    return sorted((Path(store) / stage.folder / source).glob(f"*/{shard}{DATA}"))
+
+
 def journal_entries(store: Path) -> list[Path]:
     """Every generation key's journal folder in the store."""
     return sorted(p for p in (Path(store) / JOURNAL).glob("*") if p.is_dir())
@@ -142,3 +149,11 @@ def components_file(store: Path, key: str) -> Path:
 
 def fingerprint_cache_file(store: Path) -> Path:
     return Path(store) / CACHE / "fingerprints.json"
+
+
+def user_fingerprint_cache_file(store: Path) -> Path:
+    """Where the file-digest cache goes when the store cannot take it (read-only, full): the user's cache
+    folder, one file per store."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    store_id = hashlib.sha256(os.path.realpath(store).encode()).hexdigest()[:16]
+    return root / "dflash-build" / "fingerprints" / f"{store_id}.json"

@@ -11,11 +11,16 @@ sample of this one. Under a new max_new_tokens M, a row with n output tokens is 
 - as a prefix to continue from, when it was truncated with n < M: the engine generates the rest,
   which is as valid a sample as one generated from scratch.
 
-SQLite (WAL, one file per store) keeps the lookup fast at millions of rows and safe for concurrent
-jobs: every lookup and delete goes through an index, and a write transaction holds the lock only for
-its own shard's statements (rows are read and prepared before it begins). Paths in it are relative to
-the store, so every working directory (and every mount point of a shared store) reads the same
-entries. The index is derived data and heals itself: :meth:`RowIndex.open` rebuilds an index that is
+SQLite (one file per store) keeps the lookup fast at millions of rows and safe for concurrent jobs:
+every lookup and delete goes through an index, and a write transaction holds the lock only for its own
+shard's statements (rows are read and prepared before it begins). On a local filesystem it runs in WAL
+mode (readers never wait for a writer); on a network filesystem (NFS, Lustre, GPFS, ...) in rollback
+journal mode, whose locks are the filesystem's own file locks, since WAL's index of the log lives in
+shared memory that one host alone sees (:mod:`dflash_build.store.filesystem` tells which).
+Inspection (plan, verify, gc without --yes) opens it read-only and, where it is out of step with the
+store, reads the store into an index in memory: nothing is written, and the answers are true. Paths in
+it are relative to the store, so every working directory (and every mount point of a shared store)
+reads the same entries. The index is derived data and heals itself: :meth:`RowIndex.open` rebuilds an index that is
 not a database or is of an older layout, and adds the published shards it lacks, with a warning: at
 the start of every build (a full comparison with the store), and in any job that finds it empty (a
 lost index); ``dflash-build reindex`` rebuilds it by hand.
@@ -30,13 +35,14 @@ import logging
 import os
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing
-from dflash_build.store import layout
+from dflash_build.store import filesystem, layout
 
 log = logging.getLogger(__name__)
 INDEX_FILE = layout.INDEX_FILE
@@ -135,36 +141,105 @@ def _when_free(statement: Callable[[], object], seconds: float = LOCK_WAIT_SECON
             delay = min(delay * 2, 0.5)
 
 
+def journal_mode(store: Path) -> str:
+    """WAL on a local filesystem; the rollback journal where several hosts may share the store."""
+    return "DELETE" if filesystem.mount_of(store).network else "WAL"
+
+
+def _uri(path: Path, *options: str) -> str:
+    return f"file:{urllib.parse.quote(str(path.absolute()))}?{'&'.join(('mode=ro', *options))}"
+
+
+def read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection that creates nothing, also where the folder cannot be written.
+
+    A WAL database opened read-only needs its shared-memory file, which a read-only folder cannot get;
+    with no log to read (``-wal`` absent or empty: the last writer closed cleanly) the file alone is the
+    whole database, and SQLite reads it as immutable.
+    """
+    db = sqlite3.connect(_uri(path), uri=True, timeout=LOCK_WAIT_SECONDS)
+    try:
+        db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        db.close()
+        wal = Path(f"{path}-wal")
+        if wal.exists() and wal.stat().st_size:
+            raise
+    db = sqlite3.connect(_uri(path, "immutable=1"), uri=True)
+    db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone()
+    return db
+
+
 class RowIndex:
-    def __init__(self, store: Path) -> None:
-        """Connect without any check (use :meth:`open`)."""
+    def __init__(self, store: Path, db: sqlite3.Connection | None = None) -> None:
+        """Connect for writing, without any check (use :meth:`open`); or wrap ``db``, to read only."""
         self.store = store
         self.path = store / INDEX_FILE
+        self.readonly = db is not None
+        if db is not None:
+            self.db = db
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, timeout=LOCK_WAIT_SECONDS)
-        _when_free(lambda: self.db.execute("PRAGMA journal_mode=WAL"))
+        mode = journal_mode(store)
+        _when_free(lambda: self.db.execute(f"PRAGMA journal_mode={mode}"))
         _when_free(lambda: self.db.executescript(_SCHEMA))
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, store: Path, sync: bool | None = True) -> Iterator[RowIndex]:
+    def open(cls, store: Path, sync: bool | None = True, readonly: bool = False) -> Iterator[RowIndex]:
         """The store's index, healed first: rebuilt when damaged or old, completed when shards are missing.
 
         ``sync``: True compares it with every published shard (a scan of every sidecar: at the start of
         a build, and in commands); None does so only when the index is empty (lost), as a job does, since
         at 100,000 shards a scan per job would cost more than the reuse saves; False never.
+        ``readonly``: write nothing (inspection): the index as it is when it is whole and in step with the
+        store, else one read from the store into memory.
         """
-        index = cls._healthy(store)
+        index = cls.reading(store) if readonly else cls._healthy(store)
         try:
-            if sync or (sync is None and index.db.execute("SELECT 1 FROM shards LIMIT 1").fetchone() is None):
+            if not readonly and (
+                sync or (sync is None and index.db.execute("SELECT 1 FROM shards LIMIT 1").fetchone() is None)
+            ):
                 index.sync()
             yield index
         except sqlite3.DatabaseError as e:
+            if (env := filesystem.fault(e, index.path)) is not None:
+                raise env from None
             raise IndexCorrupt(
                 f"the row index {index.path} is damaged ({e}); run `dflash-build reindex` to rebuild it"
             ) from e
         finally:
             index.close()
+
+    @classmethod
+    def reading(cls, store: Path) -> RowIndex:
+        """The index to read only: the file when it is usable and in step with the store, else the store
+        read into memory (with a note: the next build heals the file)."""
+        path = store / INDEX_FILE
+        why = "missing"
+        if path.exists():
+            try:
+                index = cls(store, read_only(path))
+                if index.db.execute("PRAGMA user_version").fetchone()[0] != LAYOUT:
+                    why = "of an older layout"
+                else:
+                    missing, gone = index.differences()
+                    if not missing and not gone:
+                        return index
+                    why = f"out of step ({len(missing)} shards missing, {len(gone)} gone)"
+                index.close()
+            except sqlite3.DatabaseError as e:
+                why = f"not readable ({e})"
+        shards = published_shards(store)
+        if shards:
+            log.info("row index %s is %s: read %d shards into memory (the next build heals it)", path, why, len(shards))
+        memory = cls(store, sqlite3.connect(":memory:"))
+        memory.db.executescript(_SCHEMA)
+        for data in shards:
+            _index_file(memory, data)
+        return memory
 
     @classmethod
     def _healthy(cls, store: Path) -> RowIndex:
@@ -175,6 +250,8 @@ class RowIndex:
         except sqlite3.DatabaseError as e:
             if isinstance(e, sqlite3.OperationalError) and _busy(e):
                 raise  # held by another process past every wait: not damage, never rebuilt under it
+            if (env := filesystem.fault(e, store / INDEX_FILE)) is not None:
+                raise env from None  # a full disk or a store we cannot write: rebuilding would not help
             log.warning("row index %s is not readable (%s): rebuilding it from the store", store / INDEX_FILE, e)
             rebuild(store, force=False)
             return cls(store)
@@ -188,24 +265,27 @@ class RowIndex:
         return index
 
     @staticmethod
-    def problem(store: Path) -> str | None:
-        """Why the index cannot be used as it is (None: it can, or there is none yet)."""
+    def problem(store: Path) -> tuple[str, bool] | None:
+        """Why the index cannot be used as it is, and whether that is damage (False: it cannot be read,
+        for permission or I/O, which no rebuild mends); None: it can, or there is none yet."""
         path = store / INDEX_FILE
         if not path.exists():
             return None
         try:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+            db = read_only(path)
             try:
                 layout = db.execute("PRAGMA user_version").fetchone()[0]
                 check = db.execute("PRAGMA quick_check").fetchone()[0]
             finally:
                 db.close()
         except sqlite3.DatabaseError as e:
-            return f"not a readable SQLite database ({e})"
+            if not os.access(path, os.R_OK) or getattr(e, "sqlite_errorname", "").startswith("SQLITE_IOERR"):
+                return f"cannot be read ({e}): check its permissions and the disk", False
+            return f"not a readable SQLite database ({e})", True
         if check != "ok":
-            return f"damaged ({check})"
+            return f"damaged ({check})", True
         if layout not in (0, LAYOUT):
-            return f"layout {layout}, this version writes {LAYOUT}"
+            return f"layout {layout}, this version writes {LAYOUT}", True
         return None
 
     def close(self) -> None:
@@ -240,13 +320,18 @@ class RowIndex:
     def _writing(self) -> Iterator[None]:
         """One write transaction, taking the write lock at its start (BEGIN IMMEDIATE): a transaction
         that first reads and then wants to write can fail at once under concurrent writers."""
-        self.db.execute("BEGIN IMMEDIATE")
         try:
-            yield
-        except BaseException:
-            self.db.rollback()
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self.db.rollback()
+                raise
+            self.db.commit()
+        except sqlite3.OperationalError as e:
+            if (env := filesystem.fault(e, self.path)) is not None:
+                raise env from None  # a full disk is no damaged index: the next build heals what is missing
             raise
-        self.db.commit()
 
     def differences(self) -> tuple[list[Path], list[str]]:
         """(published shards the index lacks or lists with another row count, indexed shards that are gone)."""
