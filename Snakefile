@@ -43,4 +43,3 @@ onsuccess:
 
 onerror:
     stop_engines()
-    restore_records()

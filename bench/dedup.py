@@ -8,8 +8,10 @@ is that process's own): without the filters (the baseline), with ``dedup.near`` 
 ``dedup.near`` and ``decontaminate`` (1,000 reference items of GSM8K's shape, 60 of them planted in
 the rows). The rows are bench/scale.py's synthetic ShareGPT rows (a ~550-character user turn; every
 tenth an exact copy with other spacing) plus, every 50th, a near-copy of an earlier row (one word
-changed). The target (issue 29): at least 50,000 rows per CPU-second with both filters on, memory
-bounded by the band keys (``8 × bands`` bytes a converted row, stated below).
+changed). ``--corpus cjk`` writes the same rows in Chinese words without spaces, ``mixed`` alternates
+English and Chinese words (issue 42: words of scripts without spaces are characters). The target
+(issue 29): at least 50,000 rows per CPU-second with both filters on, memory bounded by the band keys
+(``8 × bands`` bytes a converted row, stated below).
 
 The MinHash library was chosen by measurement, in the same run (``library``): rensa's batch digest
 against datasketch's bulk MinHash, on the same shingle sets.
@@ -46,10 +48,29 @@ def _question(rng: random.Random, i: int) -> str:
     )
 
 
-def write_rows(root: Path, rows: int) -> None:
-    """ShareGPT rows of random words (a Zipf-like draw from 5,000, ~550 characters); every tenth an exact
-    copy of an earlier row with other spacing, every 50th a near-copy (one word changed), and the first
-    near-copies with a reference question in them."""
+# Chinese words of one to three characters from the 3,000 most common Han characters' block (U+4E00...)
+def _han_vocab(size: int) -> list[str]:
+    rng = random.Random(3)
+    return ["".join(chr(0x4E00 + rng.randrange(3000)) for _ in range(rng.choice((1, 2, 2, 3)))) for _ in range(size)]
+
+
+CORPORA = ("english", "cjk", "mixed")
+
+
+def _vocab(corpus: str) -> list[str]:
+    english = [f"{w}{i}" for i, w in enumerate(["al", "be", "ka", "do", "mi", "ru"] * 834)][:5000]
+    if corpus == "english":
+        return english
+    han = _han_vocab(5000)
+    # mixed: English and Chinese words interleaved in one text, as code-switched prompts are
+    return han if corpus == "cjk" else [w for pair in zip(english[:2500], han[:2500], strict=True) for w in pair]
+
+
+def write_rows(root: Path, rows: int, corpus: str = "english") -> None:
+    """ShareGPT rows of random words (a Zipf-like draw from 5,000, ~550 characters in English); every
+    tenth an exact copy of an earlier row with other spacing, every 50th a near-copy (one word changed),
+    and the first near-copies with a reference question in them. ``cjk``: the words are Chinese, written
+    without spaces (90 words, ~180 characters); ``mixed``: English and Chinese words alternate."""
     import numpy as np
 
     rng = random.Random(7)
@@ -57,7 +78,8 @@ def write_rows(root: Path, rows: int) -> None:
     with open(root / "ref.jsonl", "w") as f:
         for q in questions:
             f.write(json.dumps({"question": q, "answer": "42"}) + "\n")
-    vocab = np.array([f"{w}{i}" for i, w in enumerate(["al", "be", "ka", "do", "mi", "ru"] * 834)][:5000])
+    vocab = np.array(_vocab(corpus))
+    joiner = "" if corpus == "cjk" else " "
     weights = 1 / np.arange(1, len(vocab) + 1)
     draw = np.random.default_rng(0)
     chunk = 100_000
@@ -69,13 +91,13 @@ def write_rows(root: Path, rows: int) -> None:
             lines = []
             for i in range(n):
                 words = picks[i] if (lo + i) % 10 else picks[max(i - 5, 0)]
-                text = " ".join(words)
+                text = joiner.join(words)
                 if (lo + i) % 10 == 0:
-                    text = text.replace(" ", "  ", 3)
+                    text = text.replace(" ", "  ", 3)  # Chinese alone has no spaces: an exact copy
                 elif (lo + i) % NEAR_EVERY == 1 and i >= 7:
                     copy = list(picks[i - 7])
-                    copy[45] = "changed"
-                    text = " ".join(copy)
+                    copy[45] = "changed" if joiner else "改"
+                    text = joiner.join(copy)
                     if planted < PLANTED:
                         text = f"Please solve: {questions[planted]} {text}"
                         planted += 1
@@ -84,7 +106,7 @@ def write_rows(root: Path, rows: int) -> None:
             f.write("\n".join(lines) + "\n")
 
 
-def measure_prepare(root: str, rows: int, filters: str) -> dict[str, Any]:
+def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english") -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
 
@@ -103,6 +125,7 @@ def measure_prepare(root: str, rows: int, filters: str) -> dict[str, Any]:
     bands = config.dedup.near.bands_rows[0] if config.dedup.near is not None else 0
     return {
         "rows": rows,
+        "corpus": corpus,
         "filters": filters,
         "seconds": round(seconds, 2),
         "cpu_seconds": round(cpu_seconds, 2),
@@ -150,27 +173,60 @@ def measure_library(rows: int) -> dict[str, Any]:
     }
 
 
+def measure_words(corpus: str, rows: int = 20000, repeats: int = 5) -> dict[str, Any]:
+    """words() and 5-word shingles of one batch, against the same with no cut between characters of
+    scripts without spaces (the words before issue 42), in the same process; best of ``repeats``."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dflash_build.stages import words as W
+
+    rng = random.Random(0)
+    vocab = _vocab(corpus)
+    texts = pa.array([("" if corpus == "cjk" else " ").join(rng.choices(vocab, k=90)) for _ in range(rows)])
+    cut, best = W._spaceless_edges, {}
+    for label in ("uncut", "cut"):
+        W._spaceless_edges = cut if label == "cut" else (lambda raw: np.zeros(0, dtype=np.int64))
+        times = []
+        for _ in range(repeats):
+            start = time.process_time()
+            W.words(texts).ngrams(5, whole_if_shorter=True)
+            times.append(time.process_time() - start)
+        best[label] = min(times)
+    W._spaceless_edges = cut
+    return {
+        "corpus": corpus,
+        "texts_per_cpu_s": round(rows / best["cut"]),
+        "uncut_texts_per_cpu_s": round(rows / best["uncut"]),
+        "ratio_to_uncut_cpu": round(best["cut"] / best["uncut"], 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--corpus", nargs="+", choices=CORPORA, default=list(CORPORA))
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"machine": {"cpus": scale.os.cpu_count()}, "started": time.strftime("%F %T")}
     results["library"] = measure_library(20000)
     print(f"library: {json.dumps(results['library'])}", flush=True)
+    results["words"] = [measure_words(corpus) for corpus in args.corpus]
+    for run in results["words"]:
+        print(f"words: {json.dumps(run)}", flush=True)
     results["prepare"] = []
-    for rows in args.rows:
+    for rows, corpus in itertools.product(args.rows, args.corpus):
         with tempfile.TemporaryDirectory(prefix="dflash-dedup-bench-") as tmp:
             root = Path(tmp)
-            write_rows(root, rows)
-            runs = {f: _child(root, rows, f) for f in ("none", "near", "near+decontaminate")}
+            write_rows(root, rows, corpus)
+            runs = {f: _child(root, rows, f, corpus) for f in ("none", "near", "near+decontaminate")}
             base = runs["none"]
             for run in runs.values():
                 run["ratio_to_baseline_cpu"] = round(run["cpu_seconds"] / base["cpu_seconds"], 2)
                 run["extra_rss_mb"] = round(run["peak_rss_mb"] - base["peak_rss_mb"], 1)
                 print(f"prepare: {json.dumps(run)}", flush=True)
             results["prepare"].append(runs)
-    both = [r["near+decontaminate"]["rows_per_cpu_s"] for r in results["prepare"]]
+    both = [r["near+decontaminate"]["rows_per_cpu_s"] for r in results["prepare"] if r["none"]["corpus"] == "english"]
     results["target_rows_per_cpu_s"] = 50_000
     results["target_met"] = all(rate >= 50_000 for rate in both)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -179,19 +235,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def _child(root: Path, rows: int, filters: str) -> dict[str, Any]:
+def _child(root: Path, rows: int, filters: str, corpus: str) -> dict[str, Any]:
     import subprocess
 
     code = (
         f"import json, sys; sys.path[:0] = [{str(scale.REPO)!r}, {str(scale.REPO / 'bench')!r}]; import dedup, scale; "
         "import logging, resource; logging.disable(logging.WARNING); "
-        f"r = dedup.measure_prepare({str(root)!r}, {rows}, {filters!r}); "
+        f"r = dedup.measure_prepare({str(root)!r}, {rows}, {filters!r}, {corpus!r}); "
         "r['peak_rss_mb'] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1); "
         "print('@@' + json.dumps(r))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=scale.REPO)
     if done.returncode != 0:
-        raise RuntimeError(f"prepare {filters} at {rows} rows failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"prepare {filters} at {rows} rows of {corpus} failed:\n{done.stderr[-3000:]}")
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("@@"))[2:])
 
 

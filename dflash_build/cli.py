@@ -31,6 +31,7 @@ from typing import Any
 
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
+from dflash_build.dist import release
 from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, explain, gc, registrations, status, verify
 from dflash_build.stages import mix
@@ -76,6 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if window is not None:
         print(_window_line(window, estimates, hours / tokens if tokens else 0.0))
     print(disk.line())
+    for line in release.pending(plan.config.dist_folders):
+        print(line)
     if args.jobs:
         for e in estimates:
             for job in e.generate_jobs:
@@ -173,6 +176,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problems += found
     for p in problems:
         print(f"{'CANNOT READ' if p.unreadable else 'BAD'} {p.path}: {p.reason}")
+    for line in release.pending(plan.config.dist_folders):
+        print(line)
     unreadable = sum(p.unreadable for p in problems)
     cannot = f", {unreadable} not readable by this user (--repair leaves them)" if unreadable else ""
     print(f"checked {checked + 1} files, {len(problems) - unreadable} bad{cannot}")

@@ -20,7 +20,7 @@ from dflash_build import hashing, keys
 from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.stages import readers
 from dflash_build.store import atomic, layout
-from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION
+from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
 
 TOKENIZER_FILES = frozenset(
     {
@@ -237,6 +237,8 @@ def _filtering(config: Config, cache: hashing.FingerprintCache) -> tuple[dict[st
     files: dict[str, tuple[Path, ...]] = {}
     if config.dedup.near is not None:
         components["near_dedup"] = config.dedup.near.components()
+    if config.dedup.near is not None or config.decontaminate is not None:
+        components["words"] = WORDS_VERSION
     decon = config.decontaminate
     if decon is not None:
         references = {}

@@ -8,6 +8,11 @@ alone and rerun nothing.
 # 2: empty system turns no longer drop a row; Hermes tools found past a prose mention of <tools> and in
 # Python-literal blocks; a UTF-8 BOM no longer costs the first row; invalid UTF-8 costs only its row.
 PREP_VERSION = 2
+# The words near-duplicate removal and decontamination compare (stages/words.py), in the prompt key of a
+# source only when one of those filters is on. 2: a character of a script written without spaces (Han,
+# Kana, Thai, ...) is a word of its own. English text splits as before; its keys change once, and the row
+# index serves every row again, so nothing is generated twice.
+WORDS_VERSION = 2
 # 2: the transformers backend seeds every position from (row seed, position), so a continued answer
 # equals a fresh one; reused rows pass the context check; keyed engine options in gen_key.
 # 3: row seeds are 31-bit (every engine takes them as they are); the sglang backend sends every penalty

@@ -151,17 +151,6 @@ def sync_index(config: config_mod.Config) -> None:
         pass
 
 
-def restore_records(config: config_mod.Config) -> list[Path]:
-    """After a failed build (the Snakefile's ``onerror``): each dataset, pack and export folder whose job
-    failed gets back the record of the version it still links to (:func:`release.restore_record`)."""
-    restored = [folder for folder in config.dist_folders if release.restore_record(folder)]
-    for folder in restored:
-        logging.getLogger("dflash_build").warning(
-            "%s keeps its last good version (%s)", folder, release.current(folder)
-        )
-    return restored
-
-
 def is_dry_run(argv: list[str]) -> bool:
     """Whether Snakemake was asked for a dry run (``-n``, ``--dry-run``, ``--dryrun``, or ``-n`` among
     other short flags such as ``-np``). A Snakefile cannot ask Snakemake itself: at parse time its

@@ -208,12 +208,6 @@ def register_config():
     dflash_build.ops.estimate.warn_at_start(PLAN)
 
 
-def restore_records():
-    # A failed mix, pack or export keeps its last good version; its build record comes back with it, so
-    # that `snakemake -n`, `plan` and `verify` agree after the failure.
-    dflash_build.workflow.restore_records(CONFIG)
-
-
 def stop_engines():
     # Shared engines stop when the workflow ends (those another build still uses wait for their idle
     # timeout); a killed Snakemake leaves them to the idle timeout too.

@@ -1,7 +1,8 @@
-"""The machine's bad days (issue 43): a full disk, a read-only store, a network filesystem, a failed mix
-and a closed pipe, each on the real thing where this machine has it: a small tmpfs, a read-only bind
-mount, the real SQLite, Snakemake and CLI. The workflow tests start from the shared built store
-(``operated_store``) and copy it.
+"""The machine's bad days (issue 43): a full disk, a read-only store, a network filesystem and a closed
+pipe, each on the real thing where this machine has it: a small tmpfs, a read-only bind mount, the real
+SQLite, Snakemake and CLI. The workflow tests start from the shared built store (``operated_store``)
+and copy it. A killed mix's record is tested with the killed mix (tests/test_faults.py); the stall
+verdict's bound with the pool (tests/test_engine_pool.py).
 """
 
 from __future__ import annotations
@@ -231,21 +232,6 @@ def test_a_full_disk_fails_in_one_line_plan_warns_first_and_the_rerun_is_identic
         assert verify.stdout.rstrip().endswith("0 bad"), verify.stdout
         rerun = digests(wf.workdir / "dist" / "test-mix")
         assert rerun and rerun == digests(reference.workdir / "dist" / "test-mix")
-
-
-@pytest.mark.workflow
-def test_after_a_failed_mix_dry_run_plan_and_verify_agree(
-    operated_store: tuple[Path, dict[str, Any]], tmp_path: Path
-) -> None:
-    wf, _ = copied(operated_store, tmp_path / "work")
-    dataset = wf.workdir / "dist" / "test-mix"
-    version = os.readlink(dataset)
-    failed = wf.run("--forcerun", "mix", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "mix"})
-    assert failed.returncode != 0
-    assert os.readlink(dataset) == version, "the last good dataset stays"
-    assert wf.dry_run() == {}, "snakemake -n: nothing to do, as before the failed mix"
-    assert "total: 0 generate jobs" in wf.cli("plan").stdout
-    assert wf.cli("verify").stdout.rstrip().endswith("0 bad")
 
 
 @pytest.mark.workflow

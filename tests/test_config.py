@@ -120,6 +120,7 @@ def test_schema_refuses_unknown_keys_and_bad_values(
     assert err.value.key == key and "\n" not in str(err.value)
 
 
+@pytest.mark.workflow  # runs snakemake
 def test_a_share_without_a_source_is_an_error_unless_its_shortfall_is_allowed(
     raw: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -190,6 +191,7 @@ def test_production_config_is_schema_valid_and_refuses_unpinned_revisions() -> N
         cfg.from_dict(dict(raw, model={**raw["model"], "revision": "r"}))
 
 
+@pytest.mark.workflow  # runs snakemake
 def test_snakemake_stops_before_any_job_on_a_bad_config(tmp_path: Path) -> None:
     wf = Workflow(tmp_path)
     wf.write_config({"model": {"path": "x"}, "sources": {}, "mix": {"categories": {"c": 1}}, "stroe": "s"})
@@ -246,6 +248,7 @@ mix:
 """
 
 
+@pytest.mark.workflow  # runs snakemake
 def test_a_key_given_twice_is_refused_with_both_lines(raw: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(DUPLICATED.format(model=raw["model"]["path"]))

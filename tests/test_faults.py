@@ -580,9 +580,22 @@ def test_a_killed_mix_keeps_the_last_good_dataset_and_gc_removes_what_it_left(bu
     assert f"stray temporary {strays[0].relative_to(wf.workdir)}" in listed, listed
     wf.cli("gc", "--tmp-age", "0", "--yes")
     assert not list((dist / ".test-mix.versions").glob(".*.tmp"))
-    assert wf.dry_run() == {"mix": [{}]}, "the failed mix's record is gone: it runs again"
+    # the killed mix's record is gone (Snakemake deletes a failed job's output): -n, plan and verify agree
+    assert wf.dry_run() == {"mix": [{}]}, "the failed mix runs again"
+    again = (
+        "dist/test-mix: built again by the next build (its last build failed or was stopped; the last good "
+        f"version, {good_version(wf)}, stays"
+    )
+    assert again in wf.cli("plan").stdout
+    verified = wf.cli("verify").stdout
+    assert again in verified and "0 bad" in verified
     wf.build()
     assert dataset(wf) == good
+    assert again not in wf.cli("plan").stdout + wf.cli("verify").stdout
+
+
+def good_version(wf: Workflow) -> str:
+    return Path(os.readlink(wf.workdir / "dist" / "test-mix")).name
 
 
 def _files(wf: Workflow) -> list[dict[str, Any]]:

@@ -267,6 +267,7 @@ def test_a_rerun_generate_job_keeps_its_intact_shard_when_the_journal_is_gone(
     assert logs.count("is intact; nothing generated") == len(shards)
 
 
+@pytest.mark.workflow  # runs snakemake
 def test_plan_fails_on_a_source_its_prepare_would_lose_before_anything_runs(tmp_path: Path, tiny_model: Path) -> None:
     write_jsonl(tmp_path / "good.jsonl", ROWS)
     write_jsonl(tmp_path / "bad.jsonl", [{"question": f"no instruction field {i}"} for i in range(5)])

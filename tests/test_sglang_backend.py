@@ -70,6 +70,7 @@ def test_other_backends_name_the_closest_option_too() -> None:
         check_options("openai", {"concurency": 4, "urls": ["http://x"]})
 
 
+@pytest.mark.workflow  # runs snakemake
 def test_a_misspelled_option_stops_the_workflow_before_any_job(tmp_path: Path, tiny_model: Path) -> None:
     data = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "hi"}])
     config = base_config(tiny_model, {"a": {"category": "x", "format": "alpaca", "files": [str(data)]}})

@@ -385,6 +385,8 @@ def test_a_failed_rebuild_keeps_the_last_good_dataset_and_a_passing_one_swaps_in
         assert json.loads((folder / "manifest.json").read_text()) == good
         assert loaded_rows(folder) == rows, "the last good dataset still loads, whole"
     assert set(wf.dry_run()) == {"mix"}, "the failed mix runs again"
+    said = wf.cli("plan").stdout + wf.cli("verify", check=False).stdout
+    assert said.count("dist/test-mix: built again by the next build") == 2, "plan and verify say so too"
 
     # a passing edit swaps the new dataset in; the old version is superseded and gc takes it
     reseeded = copy.deepcopy(config)

@@ -87,21 +87,20 @@ def publish(folder: Path, record: Path) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
-def restore_record(folder: Path) -> bool:
-    """Write the build record of the version ``folder`` links to, where a failed build's job lost it.
+def unrecorded(folder: Path) -> bool:
+    """A dataset in place without its build record: the last build of it failed or was killed (Snakemake
+    deleted the record, its output, and the link kept the last good version). The next build runs it again."""
+    return current(folder) is not None and not record_dir(folder).is_dir()
 
-    Snakemake deletes a failed job's output, the record, while the last good dataset stays linked; without
-    the record `snakemake -n` would plan the mix again although `plan` and `verify` find nothing to do.
-    The record takes the version's own time, so that it is no newer than the dataset it records: an input
-    changed since then still reruns the mix. Returns whether a record was written.
-    """
-    record, version = record_dir(folder), current(folder)
-    if version is None or record.exists():
-        return False
-    _write_record(record, version)
-    stamp = version.stat().st_mtime
-    os.utime(record, (stamp, stamp))
-    return True
+
+def pending(folders: tuple[Path, ...]) -> list[str]:
+    """What ``plan`` and ``verify`` say of each folder whose last build failed: the same as ``snakemake -n``."""
+    return [
+        f"{folder}: built again by the next build (its last build failed or was stopped; the last good "
+        f"version, {current(folder).name if current(folder) else '?'}, stays until then)"
+        for folder in folders
+        if unrecorded(folder)
+    ]
 
 
 def _point(folder: Path, version: Path) -> None:

@@ -20,10 +20,10 @@ shared memory that one host alone sees (:mod:`dflash_build.store.filesystem` tel
 Inspection (plan, verify, gc without --yes) opens it read-only and, where it is out of step with the
 store, reads the store into an index in memory: nothing is written, and the answers are true. Paths in
 it are relative to the store, so every working directory (and every mount point of a shared store)
-reads the same entries. The index is derived data and heals itself: :meth:`RowIndex.open` rebuilds an index that is
-not a database or is of an older layout, and adds the published shards it lacks, with a warning: at
-the start of every build (a full comparison with the store), and in any job that finds it empty (a
-lost index); ``dflash-build reindex`` rebuilds it by hand.
+reads the same entries. The index is derived data and heals itself: :meth:`RowIndex.open` rebuilds an
+index that is not a database or is of an older layout, and adds the published shards it lacks, with a
+warning: at the start of every build (a full comparison with the store), and in any job that finds it
+empty (a lost index); ``dflash-build reindex`` rebuilds it by hand.
 """
 
 from __future__ import annotations
@@ -176,7 +176,6 @@ class RowIndex:
         """Connect for writing, without any check (use :meth:`open`); or wrap ``db``, to read only."""
         self.store = store
         self.path = store / INDEX_FILE
-        self.readonly = db is not None
         if db is not None:
             self.db = db
             return
@@ -276,6 +275,7 @@ class RowIndex:
             try:
                 layout = db.execute("PRAGMA user_version").fetchone()[0]
                 check = db.execute("PRAGMA quick_check").fetchone()[0]
+                tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             finally:
                 db.close()
         except sqlite3.DatabaseError as e:
@@ -284,6 +284,8 @@ class RowIndex:
             return f"not a readable SQLite database ({e})", True
         if check != "ok":
             return f"damaged ({check})", True
+        if not {"rows", "shards"} <= tables:
+            return "holds no index tables (an emptied or foreign file)", True
         if layout not in (0, LAYOUT):
             return f"layout {layout}, this version writes {LAYOUT}", True
         return None
