@@ -179,9 +179,3 @@ def check_writable(folder: Path) -> None:
     except OSError as e:
         # named as the folder (the store), not as the probe file the check made in it
         raise fault(OSError(e.errno, e.strerror), folder) or e from None
-
-
-def writable(folder: Path) -> bool:
-    """Whether this process may create files in ``folder`` (or in its nearest existing ancestor)."""
-    here = existing(folder)
-    return os.access(here, os.W_OK) and not mount_of(here).read_only
