@@ -36,13 +36,12 @@ class _LogFile(logging.FileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
-        if error is None or filesystem.fault(error, self.baseFilename) is None:
+        env = filesystem.fault(error, self.baseFilename) if error is not None else None
+        if env is None:
             super().handleError(record)
         elif not self.failed:
             self.failed = True
-            print(
-                f"dflash-build: the job's log stops here: {filesystem.fault(error, self.baseFilename)}", file=sys.stderr
-            )
+            print(f"dflash-build: the job's log stops here: {env}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -124,14 +123,8 @@ def check_store(config: config_mod.Config) -> None:
     store = Path(config.store)
     filesystem.check_writable(store)
     free, _ = filesystem.free_bytes(store)
-    floor = config.checks.min_free_gb * 1e9
-    if free < floor:
-        raise filesystem.StoreFault(
-            f"refusing to start: {store} has {filesystem.size_text(free)} free, below checks.min_free_gb "
-            f"{config.checks.min_free_gb:g} ({filesystem.describe(store)}); free space there (`dflash-build gc` "
-            "lists what no config uses) or lower checks.min_free_gb",
-            errno.ENOSPC,
-        )
+    if (why := filesystem.below_floor(store, free, config.checks.min_free_gb)) is not None:
+        raise filesystem.StoreFault(f"refusing to start: {why}", errno.ENOSPC)
 
 
 def or_exit(step: Callable[..., object], *args: Any) -> None:

@@ -246,3 +246,19 @@ def test_every_command_exits_quietly_when_its_reader_goes_away(
             ["bash", "-c", f"set -o pipefail; {command} | true"], cwd=wf.workdir, capture_output=True, text=True
         )
         assert proc.returncode == 0 and proc.stderr == "", f"{args}: {proc.returncode} {proc.stderr[-2000:]}"
+
+
+def test_a_build_refuses_to_start_below_the_free_space_floor(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from dflash_build import workflow
+
+    free, _ = filesystem.free_bytes(tmp_path)
+    config = SimpleNamespace(store=tmp_path / "store", checks=SimpleNamespace(min_free_gb=(free + 1e9) / 1e9))
+    with pytest.raises(filesystem.StoreFault) as err:
+        workflow.check_store(config)  # type: ignore[arg-type]
+    assert str(err.value).startswith(f"refusing to start: {tmp_path / 'store'} has ")
+    assert "below checks.min_free_gb" in str(err.value) and "\n" not in str(err.value)
+    config.checks.min_free_gb = 0.0
+    workflow.check_store(config)  # type: ignore[arg-type]
+    assert (tmp_path / "store").is_dir() and not list((tmp_path / "store").iterdir()), "its probe file is gone"

@@ -143,7 +143,7 @@ class DiskNeed:
     per_token: float
     measured: bool  # per_token from this model's shards in the store (else the assumption)
     free: int
-    floor: float  # checks.min_free_gb, in bytes
+    min_free_gb: float
 
     def line(self) -> str:
         how = "measured on this model's shards" if self.measured else "assumed: no shard measured yet"
@@ -161,11 +161,8 @@ class DiskNeed:
                 f"{filesystem.size_text(self.bytes)} the remaining work is estimated to write: free space (or "
                 "move `store:`) before the disk fills mid-run"
             )
-        if self.free < self.floor:
-            errors.append(
-                f"{self.store} has {filesystem.size_text(self.free)} free, below checks.min_free_gb "
-                f"{self.floor / 1e9:g}: a build refuses to start"
-            )
+        if (why := filesystem.below_floor(self.store, self.free, self.min_free_gb)) is not None:
+            errors.append(f"{why}: a build refuses to start")
         return warnings, errors
 
 
@@ -190,9 +187,7 @@ def disk_need(plan: Plan, estimates: list[SourceEstimate], sidecars: list[tuple[
     need = per_token * sum(e.output_tokens for e in estimates) + jobs * FILES_PER_SHARD * filesystem.block_size(
         plan.config.store
     )
-    return DiskNeed(
-        plan.config.store, need, per_token, measured is not None, free, plan.config.checks.min_free_gb * 1e9
-    )
+    return DiskNeed(plan.config.store, need, per_token, measured is not None, free, plan.config.checks.min_free_gb)
 
 
 def disk_at_start(plan: Plan) -> DiskNeed:
@@ -216,11 +211,6 @@ def warn_at_start(plan: Plan) -> None:
     need = disk_at_start(plan)
     for warning in need.problems()[0]:
         log.warning("%s (%s)", warning, need.line())
-
-
-def estimate(plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND) -> list[SourceEstimate]:
-    """What a build of the current config would do, per source."""
-    return estimate_with_disk(plan, default_tokens_per_second)[0]
 
 
 def estimate_with_disk(

@@ -115,6 +115,17 @@ def describe(path: str | os.PathLike[str]) -> str:
     return f"filesystem {mount.point} ({mount.fstype}): {size_text(free)} free of {size_text(total)}"
 
 
+def below_floor(path: str | os.PathLike[str], free: int, min_free_gb: float) -> str | None:
+    """Why ``free`` bytes on the filesystem of ``path`` are too few for a build (``checks.min_free_gb``)."""
+    if free >= min_free_gb * 1e9:
+        return None
+    return (
+        f"{os.path.abspath(path)} has {size_text(free)} free, below checks.min_free_gb {min_free_gb:g} "
+        f"({describe(path)}); free space there (`dflash-build gc` lists what no config uses) or lower "
+        "checks.min_free_gb"
+    )
+
+
 class StoreFault(OSError):
     """The environment refused a write (a full disk, a read-only store): one line that says what to do."""
 
