@@ -20,7 +20,7 @@ from dflash_build import hashing, keys
 from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
 from dflash_build.stages import readers
 from dflash_build.store import atomic, layout
-from dflash_build.versions import GEN_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
+from dflash_build.versions import GEN_VERSION, LANGUAGE_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
 
 TOKENIZER_FILES = frozenset(
     {
@@ -345,12 +345,14 @@ def build(config: Config, only: str | None = None) -> Plan:
             "input": identity,
             "n_shards": n_shards,
             **filtering,
+            **({"language": LANGUAGE_VERSION} if spec.languages is not None else {}),
         }
         gen_components = _gen_components(config, spec, prompt_components, model_fp, template_fp)
         tok_components = {
             "scheme": TOK_VERSION,
             "gen_key": hashing.content_key(gen_components),
             "truncated": config.truncated,
+            "language": LANGUAGE_VERSION,
         }
         sources[name] = SourcePlan(
             spec, files, n_shards, rows, prompt_components, gen_components, tok_components, raw_rows

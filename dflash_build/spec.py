@@ -108,6 +108,7 @@ class SourceSpec:
     turn_samples: str = "auto"  # turns: all only; see TURN_SAMPLES
     # template kwarg -> where each row's value comes from (see TemplateKwargFrom)
     chat_template_kwargs_from: Mapping[str, TemplateKwargFrom] = field(default_factory=dict)
+    languages: tuple[str, ...] | None = None  # keep only prompts in these languages (dflash_build.language)
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -125,6 +126,7 @@ class SourceSpec:
                 if self.chat_template_kwargs_from
                 else {}
             ),
+            **({"languages": sorted(self.languages)} if self.languages is not None else {}),
         }
 
 
@@ -261,6 +263,8 @@ class Config:
     mix_categories: Mapping[str, float]
     mix_budget_tokens: int | None
     mix_seed: int
+    # category -> language -> the least share of the category's tokens in that language
+    mix_languages: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
     checks: Checks = field(default_factory=Checks)
     pack: PackSpec | None = None

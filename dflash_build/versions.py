@@ -13,13 +13,17 @@ PREP_VERSION = 2
 # Kana, Thai, ...) is a word of its own. English text splits as before; its keys change once, and the row
 # index serves every row again, so nothing is generated twice.
 WORDS_VERSION = 2
+# The language detector and its script rule (dflash_build/language.py): in the tokenize key (every
+# sample's `language`) and, for a source with a language list, in its prompt key.
+LANGUAGE_VERSION = 1
 # 2: the transformers backend seeds every position from (row seed, position), so a continued answer
 # equals a fresh one; reused rows pass the context check; keyed engine options in gen_key.
 # 3: row seeds are 31-bit (every engine takes them as they are); the sglang backend sends every penalty
 # explicitly and reads SGLang 0.5.23's results (stop token, NaN faults, refusals).
 GEN_VERSION = 3
 # 2: samples carry `turn` (per-turn samples of a turns: all conversation; null for a whole row).
-TOK_VERSION = 2
+# 3: samples carry `language`, their prompt's (tokenize reads the prompt shard; nothing is generated again).
+TOK_VERSION = 3
 # 2: data file names carry a digest of their content.
 # 3: the folder also holds the report (card recipe and tables, plots/, tables/); in the mix's params, so
 # a dataset built before gets it on the next run.

@@ -245,7 +245,12 @@ STAGE_JOBS: dict[str, StageJob] = {
     "generate": StageJob(_generate, asked=lambda smk: smk.wildcards.key),
     "tokenize": StageJob(
         lambda module, plan, smk: module.run(
-            plan, smk.wildcards.source, smk.wildcards.shard, Path(smk.input[0]), Path(smk.output.data)
+            plan,
+            smk.wildcards.source,
+            smk.wildcards.shard,
+            Path(smk.input[0]),
+            Path(smk.output.data),
+            prompt_shard(smk.input.prompts, smk.wildcards.shard),
         ),
         asked=lambda smk: smk.wildcards.key,
     ),

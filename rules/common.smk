@@ -1,7 +1,5 @@
 import sys
 
-from snakemake.utils import validate
-
 import dflash_build.config
 import dflash_build.engines.host
 import dflash_build.engines
@@ -17,11 +15,11 @@ from dflash_build.store.layout import shard_pattern
 from dflash_build.stages.mix import summary
 
 # A key given twice in a config file, or one the schema does not know, stops the run in a line that
-# names it and the closest valid key (validate's own message quotes the whole schema).
+# names it and the closest valid key (Snakemake's validate quotes the whole schema); the schema's
+# defaults are filled in place.
 for config_file in workflow.config_settings.configfiles or workflow.configfiles:
     dflash_build.config.read_file(config_file)
-dflash_build.config.check_schema(config)
-validate(config, schema="../config/schema.yaml")
+dflash_build.config.validate(config)
 
 
 dflash_build.workflow.warnings_to_stderr()
@@ -173,6 +171,7 @@ def get_mix_params():
             "categories": dict(CONFIG.mix_categories),
             "budget_tokens": CONFIG.mix_budget_tokens,
             "seed": CONFIG.mix_seed,
+            "languages": {c: dict(f) for c, f in CONFIG.mix_languages.items()},
             "rows_per_file": CONFIG.rows_per_file,
             "dedup": {
                 "across_sources": CONFIG.dedup.across_sources,

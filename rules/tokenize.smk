@@ -1,6 +1,8 @@
 rule tokenize:
     input:
         get_completion_shard,
+        # each sample's language is its prompt's (the shard's prompts lie beside the manifest)
+        prompts=get_prompt_manifest,
     output:
         data=update(shard_pattern(STORE, layout.TOKENS, layout.DATA)),
         stats=update(shard_pattern(STORE, layout.TOKENS, layout.SIDECAR)),

@@ -191,6 +191,24 @@ def test_production_config_is_schema_valid_and_refuses_unpinned_revisions() -> N
         cfg.from_dict(dict(raw, model={**raw["model"], "revision": "r"}))
 
 
+@pytest.mark.parametrize("name", ["config.yaml", "demo.yaml"])
+def test_the_defaults_we_fill_are_snakemakes(name: str, raw: dict[str, Any]) -> None:
+    """config.validate fills the schema's defaults as snakemake.utils.validate(set_default=True) does."""
+    from snakemake.utils import validate
+
+    for config in (yaml.safe_load((REPO / "config" / name).read_text()), raw):
+        theirs, ours = copy.deepcopy(config), copy.deepcopy(config)
+        validate(theirs, str(cfg.SCHEMA_PATH))
+        cfg.validate(ours)
+        assert ours == theirs
+    filled: dict[str, Any] = copy.deepcopy(raw)
+    cfg.validate(filled)
+    filled["dedup"]["prefer"].append("x")  # a default is the caller's own copy, not the schema's
+    again = copy.deepcopy(raw)
+    cfg.validate(again)
+    assert again["dedup"]["prefer"] == []
+
+
 @pytest.mark.workflow  # runs snakemake
 def test_snakemake_stops_before_any_job_on_a_bad_config(tmp_path: Path) -> None:
     wf = Workflow(tmp_path)
@@ -300,11 +318,9 @@ def test_non_finite_numbers_are_refused(raw: dict[str, Any], tmp_path: Path, dot
 
 
 def _defaults(raw: dict[str, Any]) -> dict[str, Any]:
-    """Schema defaults filled in as snakemake's validate would (it lets non-finite numbers through)."""
-    from snakemake.utils import validate
-
+    """Schema defaults filled in (the schema lets non-finite numbers through)."""
     validated = copy.deepcopy(raw)
-    validate(validated, str(cfg.SCHEMA_PATH))
+    cfg.fill_defaults(validated)
     return validated
 
 

@@ -10,6 +10,7 @@ function level) from ``dflash_build.workflow`` and the rule's stage module throu
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata as metadata
 import re
 import sys
@@ -35,6 +36,7 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
+@functools.cache  # each rule's walk reads the same modules
 def imports(module: str) -> tuple[set[str], set[str]]:
     """(package modules, third-party top-level names) one module imports anywhere in its code."""
     file = _module_file(module)
@@ -121,8 +123,14 @@ def covered(env_file: Path) -> set[str]:
     return names
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    """Top-level module -> distributions, once: each call reads every installed distribution's files."""
+    return dict(metadata.packages_distributions())
+
+
 def distributions(module: str) -> set[str]:
-    found = metadata.packages_distributions().get(module)
+    found = _installed().get(module)
     assert found, f"no installed distribution provides '{module}'"
     return {_norm(d) for d in found}
 

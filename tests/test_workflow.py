@@ -183,6 +183,13 @@ def test_the_report_numbers_are_the_datas_and_the_sidecars(built: tuple[Workflow
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[2:5] == [str(entry["rows"]), str(entry["prompt_tokens"]), str(entry["completion_tokens"])]
     assert "## Recipe" in card and manifest["sources"]["alpha"]["gen_key"] in card
+    for name in by:  # tokens by the prompt's language, as the rows say
+        tokens: dict[str, int] = {}
+        for r in rows:
+            if r["source"] == name:
+                tokens[r["language"]] = tokens.get(r["language"], 0) + r["n_tokens"]
+        assert manifest["languages"]["by_source"].get(name, {}) == tokens
+    assert "## Languages" in card
     with open(dist / "tables" / "by_source.csv", newline="") as f:
         csv_rows = list(csv.DictReader(f))
     assert {r["source"]: int(r["rows"]) for r in csv_rows} == {n: e["rows"] for n, e in by.items()}

@@ -32,8 +32,10 @@ PLOTS = {
     "prompt_removals_by_source.png": (
         "Rows each source lost before generation (prepare) and in the mix to other sources' copies, by reason."
     ),
+    "languages_by_category.png": "Tokens per category by the prompt's language (the largest languages; the rest as other).",
 }
-TABLES = ("tables/by_source.csv", "tables/by_category.csv")
+TABLES = ("tables/by_source.csv", "tables/by_category.csv", "tables/by_language.csv")
+PLOTTED_LANGUAGES = 8
 
 
 def percentile(values: Sequence[int] | np.ndarray, q: float) -> int:
@@ -230,17 +232,80 @@ def plain(report: dict[str, Any]) -> str:
     )
 
 
-def write_tables(folder: Path, report: dict[str, Any]) -> None:
-    for name, key, columns in (
-        (TABLES[0], "by_source", _SOURCE_COLUMNS),
-        (TABLES[1], "by_category", _CATEGORY_COLUMNS),
+def write_tables(folder: Path, manifest: dict[str, Any]) -> None:
+    report = manifest["report"]
+    language_head, language_rows = language_table(manifest)
+    for name, head, rows in (
+        (TABLES[0], *_table(report["by_source"], _shown(report, _SOURCE_COLUMNS))),
+        (TABLES[1], *_table(report["by_category"], _shown(report, _CATEGORY_COLUMNS))),
+        (TABLES[2], language_head, language_rows),
     ):
-        columns = _shown(report, columns)
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         with atomic.atomic_open(folder / name) as f:
             writer = csv.writer(f)
-            writer.writerow([c for c, _ in columns])
-            writer.writerows(_rows(report[key], columns))
+            writer.writerow(head)
+            writer.writerows(rows)
+
+
+def _table(table: dict[str, dict[str, Any]], columns: Any) -> tuple[list[str], list[list[str]]]:
+    return [c for c, _ in columns], _rows(table, columns)
+
+
+# -- languages ---------------------------------------------------------------------------------------
+def language_shares(by_language: dict[str, int]) -> dict[str, float]:
+    """Each language's share of these tokens, largest first."""
+    total = sum(by_language.values())
+    return {lang: n / total for lang, n in sorted(by_language.items(), key=lambda kv: -kv[1])} if total else {}
+
+
+def language_totals(manifest: dict[str, Any]) -> Counter[str]:
+    """The dataset's tokens by language."""
+    total: Counter[str] = Counter()
+    for counts in manifest["languages"]["by_category"].values():
+        total.update(counts)
+    return total
+
+
+def language_table(manifest: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Languages (rows, most tokens first) by their share of each category's tokens and of the dataset's."""
+    by_category = manifest["languages"]["by_category"]
+    total = language_totals(manifest)
+    head = ["language", *by_category, "all", "tokens"]
+    rows = []
+    for lang, share in language_shares(dict(total)).items():
+        cells = [f"{language_shares(by_category[c]).get(lang, 0.0):.1%}" for c in by_category]
+        rows.append([lang, *cells, f"{share:.1%}", str(total[lang])])
+    return head, rows
+
+
+def languages_section(manifest: dict[str, Any]) -> str:
+    """The card's language table, with the floors of mix.languages and what they reached."""
+    head, rows = language_table(manifest)
+    lines = [
+        "## Languages",
+        "",
+        "Share of each category's tokens by the prompt's language (its user turns, detected by fastText's "
+        "lid.176 model with a script rule for Chinese, Japanese and Korean; `und`: no letters).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+    by_source = manifest["languages"]["by_source"]
+    lines += ["", "| source | languages (share of its tokens) |", "|---|---|"]
+    lines += [
+        f"| {name} | " + ", ".join(f"{lang} {share:.1%}" for lang, share in language_shares(counts).items()) + " |"
+        for name, counts in by_source.items()
+    ]
+    floors = manifest["mix"].get("languages") or {}
+    if floors:
+        lines += ["", "Floors (mix.languages):", ""]
+        lines += [
+            f"- {category}, {lang}: {got['achieved_share']:.1%} of its tokens (floor {got['floor']:.1%})"
+            for category, by_language in floors.items()
+            for lang, got in by_language.items()
+        ]
+    return "\n".join(lines) + "\n"
 
 
 # -- plots -------------------------------------------------------------------------------------------
@@ -312,9 +377,10 @@ def _stacked(plt: Any, sources: list[str], series: dict[str, list[float]], xlabe
         left = [a + b for a, b in zip(left, values, strict=True)]
     ax.set_xlabel(xlabel)
     ax.invert_yaxis()
-    ax.set_title(title)
     if series:
-        ax.legend(ncols=min(5, len(series)), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.06))
+        legend_rows = math.ceil(len(series) / min(5, len(series)))
+        ax.legend(ncols=min(5, len(series)), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.set_title(title, pad=6 + (18 * legend_rows if series else 0))  # above the legend
     return fig
 
 
@@ -360,12 +426,27 @@ def _removals(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
     return _stacked(plt, sources, series, "rows removed", "rows removed before generation and across sources")
 
 
+def _languages(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
+    """Per category, its tokens' languages as stacked shares (the largest languages overall by name)."""
+    by_category = manifest["languages"]["by_category"]
+    total = language_totals(manifest)
+    named = [lang for lang, _ in total.most_common(PLOTTED_LANGUAGES)]
+    categories = list(by_category)
+    series = {lang: [100 * language_shares(by_category[c]).get(lang, 0.0) for c in categories] for lang in named}
+    if len(total) > len(named):
+        series["other"] = [100 - sum(values) for values in zip(*series.values(), strict=True)]
+    fig = _stacked(plt, categories, series, "share of the category's tokens (%)", "languages per category")
+    fig.axes[0].set_xlim(0, 100)
+    return fig
+
+
 _PLOTTERS = {
     "category_mix.png": _category_mix,
     "completion_length_by_category.png": _completion_lengths,
     "finish_reasons_by_source.png": _finish_reasons,
     "prompt_vs_completion_by_source.png": _prompt_vs_completion,
     "prompt_removals_by_source.png": _removals,
+    "languages_by_category.png": _languages,
 }
 assert list(_PLOTTERS) == list(PLOTS), "every plot has its caption, in the card's order"
 
@@ -474,7 +555,12 @@ def _digest(fingerprint: Any) -> str:
 def card_body(manifest: dict[str, Any]) -> str:
     """The card's report: tables, then each plot with its caption."""
     plots = "\n\n".join(f"![{caption}]({path})\n\n*{caption}*" for path, caption in _plot_captions(manifest))
-    sections = [markdown(manifest["report"]), removals(manifest), multi_turn(manifest["report"])]
+    sections = [
+        markdown(manifest["report"]),
+        languages_section(manifest),
+        removals(manifest),
+        multi_turn(manifest["report"]),
+    ]
     return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{plots}\n"
 
 

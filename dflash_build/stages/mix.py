@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from dflash_build.store import records as R
 from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
-_SELECT_COLUMNS = ["prompt_id", "sample_idx", "turn", "source", "category", "n_tokens"]
+_SELECT_COLUMNS = ["prompt_id", "sample_idx", "turn", "source", "category", "language", "n_tokens"]
 SHARE_TOLERANCE = 0.01  # achieved shares further than this from target are stated in the manifest
 
 
@@ -39,11 +39,22 @@ class MixError(RuntimeError):
     """The dataset would miss what the config asks for; the message names the cause and the key to change."""
 
 
-def category_targets(shares: dict[str, float], available: dict[str, int], budget: int | None) -> dict[str, float]:
-    """Token target per category."""
+def category_targets(
+    shares: dict[str, float],
+    available: dict[str, int],
+    budget: int | None,
+    floors: dict[str, dict[str, float]] | None = None,
+    available_by_language: dict[str, Counter[str]] | None = None,
+) -> dict[str, float]:
+    """Token target per category. Without a budget, the largest total at which every category's share,
+    and every language floor within a category (``floors``, met from ``available_by_language``), can be
+    taken from what is available."""
     if budget is not None:
         return {c: share * budget for c, share in shares.items()}
     limits = [available.get(c, 0) / share for c, share in shares.items() if available.get(c, 0) > 0]
+    for category, by_language in (floors or {}).items():
+        supply = (available_by_language or {}).get(category, Counter())
+        limits += [supply[lang] / (floor * shares[category]) for lang, floor in by_language.items() if supply[lang]]
     total = min(limits) if limits else 0.0
     return {c: share * total for c, share in shares.items()}
 
@@ -121,6 +132,8 @@ class _Candidates:
     offsets: np.ndarray  # int64: where each input shard's rows start
     prompt_id: np.ndarray  # uint64
     source: np.ndarray  # int16: index into the sources
+    language: np.ndarray  # int16: index into ``languages``
+    languages: list[str]
 
     def available(self, codes: np.ndarray, names: list[str], eligible: np.ndarray) -> Counter[str]:
         """Tokens of the eligible samples by ``codes`` (category or source) named by ``names``."""
@@ -129,13 +142,21 @@ class _Candidates:
         np.add.at(sums, codes[counted], self.n_tokens[counted].astype(np.int64))
         return Counter({name: int(total) for name, total in zip(names, sums, strict=True) if total})
 
+    def by_language(self, categories: list[str], eligible: np.ndarray) -> dict[str, Counter[str]]:
+        """Tokens of the eligible samples by category, then language."""
+        return {
+            category: self.available(self.language, self.languages, eligible & (self.category == code))
+            for code, category in enumerate(categories)
+        }
+
 
 def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]) -> _Candidates:
     """Read only the columns selection needs (``inputs``: each token shard with its source's index)."""
     import pyarrow.compute as pc
 
     known = pa.array(categories, type=pa.string())
-    ranks, tokens, codes, ids, sources, sizes = [], [], [], [], [], [0]
+    ranks, tokens, codes, ids, sources, languages, sizes = [], [], [], [], [], [], [0]
+    language_names: dict[str, int] = {}
     for source, path in inputs:
         table = pq.read_table(path, columns=_SELECT_COLUMNS)
         turn = pc.fill_null(table.column("turn"), 0).to_numpy()
@@ -146,6 +167,13 @@ def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]
         )
         ids.append(hashing.hex_to_u64(table.column("prompt_id")))
         sources.append(np.full(table.num_rows, source, dtype=np.int16))
+        encoded = table.column("language").dictionary_encode().combine_chunks()
+        index = np.array(
+            [language_names.setdefault(str(code), len(language_names)) for code in encoded.dictionary.to_pylist()]
+            + [-1],
+            dtype=np.int16,
+        )
+        languages.append(index[pc.fill_null(encoded.indices, len(encoded.dictionary)).to_numpy()])
         sizes.append(table.num_rows)
 
     def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -158,6 +186,8 @@ def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]
         np.cumsum(sizes),
         joined(ids, np.uint64),
         joined(sources, np.int16),
+        joined(languages, np.int16),
+        list(language_names),
     )
 
 
@@ -182,6 +212,7 @@ class _Choice:
     targets: dict[str, float]
     available: Counter[str]  # tokens by category the mix may take
     cross: crosssource.CrossSource | None
+    floors: dict[str, dict[str, dict[str, Any]]]  # mix.languages: category -> language -> what it got
 
 
 def choose(plan: Plan) -> _Choice:
@@ -196,17 +227,81 @@ def choose(plan: Plan) -> _Choice:
     cross = crosssource.load(plan)
     eligible = _eligible(cand, names, cross)
     available = cand.available(cand.category, categories, eligible)
-    targets = category_targets(shares, dict(available), cfg.mix_budget_tokens)
+    floors = {c: dict(f) for c, f in cfg.mix_languages.items()}
+    by_language = cand.by_language(categories, eligible)
+    targets = category_targets(shares, dict(available), cfg.mix_budget_tokens, floors, by_language)
     chosen = np.zeros(len(cand.rank), dtype=bool)
     chosen_tokens: Counter[str] = Counter()
     for code, category in enumerate(categories):
         members = np.flatnonzero((cand.category == code) & eligible)
         by_rank = members[np.argsort(cand.rank[members], kind="stable")]
-        take = by_rank[select(cand.n_tokens[by_rank], targets[category])]
+        take = _fill(cand, by_rank, targets[category], floors.get(category))
         chosen[take] = True
         chosen_tokens[category] += int(cand.n_tokens[take].sum(dtype=np.int64))
-    check(plan, shares, targets, chosen_tokens, available, cand.available(cand.source, names, eligible), cross)
-    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, cross)
+    reached = _floors_reached(floors, cand.by_language(categories, chosen), chosen_tokens, by_language)
+    by_source = cand.available(cand.source, names, eligible)
+    check(plan, shares, targets, chosen_tokens, available, by_source, cross, missed_floors(plan, reached, targets))
+    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, cross, reached)
+
+
+def _fill(cand: _Candidates, by_rank: np.ndarray, target: float, floors: dict[str, float] | None) -> np.ndarray:
+    """A category's samples (in rank order) to take for ``target`` tokens: first each floor language's
+    share of the target from that language's samples, then the rest from every language, each part in
+    rank order (:func:`select`)."""
+    taken = np.zeros(len(by_rank), dtype=bool)
+    used = 0
+    for lang, floor in (floors or {}).items():
+        if lang not in cand.languages:
+            continue
+        mine = np.flatnonzero(cand.language[by_rank] == cand.languages.index(lang))
+        part = mine[select(cand.n_tokens[by_rank[mine]], floor * target)]
+        taken[part] = True
+        used += int(cand.n_tokens[by_rank[part]].sum(dtype=np.int64))
+    rest = np.flatnonzero(~taken)
+    taken[rest[select(cand.n_tokens[by_rank[rest]], target - used)]] = True
+    return by_rank[taken]
+
+
+def _floors_reached(
+    floors: dict[str, dict[str, float]],
+    chosen: dict[str, Counter[str]],
+    chosen_tokens: Counter[str],
+    available: dict[str, Counter[str]],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each language floor with the share of its category's tokens the selection gives it."""
+    return {
+        category: {
+            lang: {
+                "floor": floor,
+                "achieved_share": round(chosen[category][lang] / chosen_tokens[category], 6)
+                if chosen_tokens[category]
+                else 0.0,
+                "tokens": chosen[category][lang],
+                "available_tokens": available[category][lang],
+            }
+            for lang, floor in by_language.items()
+        }
+        for category, by_language in floors.items()
+    }
+
+
+def missed_floors(plan: Plan, reached: dict[str, dict[str, dict[str, Any]]], targets: dict[str, float]) -> list[str]:
+    """Each language floor of ``mix.languages`` missed by more than the tolerance, with what to change."""
+    checks = plan.config.checks
+    problems = []
+    for category, by_language in reached.items():
+        for lang, got in by_language.items():
+            if got["floor"] - got["achieved_share"] <= checks.share_tolerance or category in checks.allow_shortfall:
+                continue
+            needed = round(got["floor"] * targets[category])
+            problems.append(
+                f"category '{category}': language '{lang}' reaches {got['achieved_share']:.1%} of its tokens, floor "
+                f"{got['floor']:.1%} (tolerance {checks.share_tolerance:.1%}): its '{lang}' samples hold "
+                f"{got['available_tokens']} tokens, about {needed} are needed; add '{lang}' prompts to "
+                f"'{category}', lower mix.languages.{category}.{lang}, or allow it with "
+                f"checks.allow_shortfall: [{category}]"
+            )
+    return problems
 
 
 @dataclass
@@ -219,6 +314,10 @@ class _Written:
     lengths: list[np.ndarray] = field(default_factory=list)
     loss_tokens: int = 0
     per_turn_samples: Counter[str] = field(default_factory=Counter)  # by source
+    # tokens by language, per source and per category
+    languages: dict[str, dict[str, Counter[str]]] = field(
+        default_factory=lambda: {"source": defaultdict(Counter), "category": defaultdict(Counter)}
+    )
     tally: report.Tally = field(default_factory=report.Tally)
     files: list[dict[str, Any]] = field(default_factory=list)
 
@@ -233,6 +332,10 @@ class _Written:
         self.lengths.append(n_tokens.astype(np.int32))
         self.loss_tokens += int(n_loss.sum(dtype=np.int64))
         self.per_turn_samples[source] += table.num_rows - table.column("turn").null_count
+        sums = table.group_by("language").aggregate([("n_tokens", "sum")])
+        by_language = dict(zip(sums["language"].to_pylist(), sums["n_tokens_sum"].to_pylist(), strict=True))
+        for col, name in (("source", source), ("category", category)):
+            self.languages[col][name].update(by_language)
         self.tally.add_rows(source, category, n_tokens, n_loss, reasons)
 
 
@@ -249,7 +352,7 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
         written = _write(plan, choice, tmp / "data")
         killpoints.die_at("mix")
         manifest = _manifest(plan, choice, written)
-        report.write_tables(tmp, manifest["report"])
+        report.write_tables(tmp, manifest)
         manifest["tables"] = list(report.TABLES)
         manifest["plots"] = report.write_plots(tmp, manifest, written.tally)
         atomic.write_json(tmp / layout.MANIFEST, manifest)
@@ -299,7 +402,17 @@ def _manifest(plan: Plan, choice: _Choice, written: _Written) -> dict[str, Any]:
         "tokens": total,
         "loss_tokens": written.loss_tokens,
         "per_turn_samples": sum(written.per_turn_samples.values()),  # one turn of a conversation each
-        "mix": {"seed": cfg.mix_seed, "budget_tokens": cfg.mix_budget_tokens, "categories": categories},
+        "mix": {
+            "seed": cfg.mix_seed,
+            "budget_tokens": cfg.mix_budget_tokens,
+            "categories": categories,
+            "languages": choice.floors,
+        },
+        # tokens by language (the prompt's, dflash_build.language), per category and per source
+        "languages": {
+            f"by_{col}": {name: dict(counts.most_common()) for name, counts in sorted(written.languages[col].items())}
+            for col in ("category", "source")
+        },
         "cross_source": choice.cross.report() if choice.cross is not None else None,
         "prompts": {name: _prompt_summary(plan, name) for name in sorted(plan.sources)},
         "shortfalls": _shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),
@@ -336,8 +449,10 @@ def check(
     available: Counter[str],
     available_by_source: Counter[str],
     cross: crosssource.CrossSource | None = None,
+    missed: list[str] | None = None,
 ) -> None:
-    """Fail before writing when the dataset is empty, a source yields nothing, or a share is missed.
+    """Fail before writing when the dataset is empty, a source yields nothing, a share is missed, or
+    ``missed`` (the language floors' problems) is not empty.
 
     A category listed in ``checks.allow_shortfall`` may fall short (its sources may be empty too);
     the shortfall is still stated in the manifest.
@@ -372,6 +487,7 @@ def check(
             achieved = chosen[category] / total
             if share - achieved > checks.share_tolerance and category not in checks.allow_shortfall:
                 problems.append(_missed_share(category, share, chosen, available, targets, checks.share_tolerance))
+    problems += missed or []
     if problems:
         raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -508,6 +624,9 @@ def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str
         )
     length = manifest["length"]
     lines.append(f"length: mean {length['mean']}, p50 {length['p50']}, p90 {length['p90']}, max {length['max']}")
+    if "languages" in manifest:
+        shares = report.language_shares(dict(report.language_totals(manifest)))
+        lines.append("languages: " + ", ".join(f"{lang} {share:.1%}" for lang, share in list(shares.items())[:8]))
     lines.extend(f"note: {s}" for s in manifest["shortfalls"])
     if sources and "report" in manifest:
         lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import hashing
+from dflash_build import hashing, language
 from dflash_build.config import FORMAT_FIELDS, SourceSpec
 from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
 from dflash_build.stages import columnar, neardup, readers
@@ -48,10 +48,19 @@ DROP_TOO_LONG = "too_long"
 DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
 DROP_TEMPLATE_KWARG = "template_kwarg"  # a value chat_template_kwargs_from has no mapping for
+DROP_LANGUAGE = "language"  # not in the source's languages
 EXAMPLES_PER_REASON = 5
 # Drops the config asked for: they never count towards a source's loss (checks.max_drop_fraction).
 INTENDED_DROPS = frozenset(
-    {DROP_DUPLICATE, DROP_OVER_MAX_SAMPLES, DROP_TOO_SHORT, DROP_TOO_LONG, DROP_CONTAMINATED, DROP_NEAR_DUPLICATE}
+    {
+        DROP_DUPLICATE,
+        DROP_OVER_MAX_SAMPLES,
+        DROP_TOO_SHORT,
+        DROP_TOO_LONG,
+        DROP_CONTAMINATED,
+        DROP_NEAR_DUPLICATE,
+        DROP_LANGUAGE,
+    }
 )
 # The config key behind each intended drop, for a source those drops empty.
 DROP_SETTINGS = {
@@ -61,6 +70,7 @@ DROP_SETTINGS = {
     DROP_TOO_LONG: "filters.max_chars",
     DROP_CONTAMINATED: "decontaminate.references",
     DROP_NEAR_DUPLICATE: "dedup.near.threshold",
+    DROP_LANGUAGE: "languages",
 }
 
 DEFAULT_ROLES = {
@@ -599,6 +609,14 @@ class _Scanned:
         self.pids = bytearray()  # 8 bytes per converted row, big-endian
         self.rows_in = 0
         self.drops = DropCounter()
+        # with a language list: each converted row's language, as an index into language_names
+        self.language_codes = bytearray()  # uint16 a row
+        self.language_names: dict[str, int] = {}
+
+    def _add_languages(self, found: list[str]) -> None:
+        if self.spec.languages is not None:
+            codes = [self.language_names.setdefault(code, len(self.language_names)) for code in found]
+            self.language_codes += np.array(codes, dtype=np.uint16).tobytes()
 
     def add(self, batch: RowBatch) -> None:
         self.rows_in += len(batch.numbers)
@@ -636,6 +654,8 @@ class _Scanned:
                 }
             )
         self.pids += pids
+        if self.spec.languages is not None:
+            self._add_languages(language.of_messages_json(r["messages"] for r in records))
         self.spill.add(pa.Table.from_pylist(records, schema=_SPILL_SCHEMA), _native_u64(pids))
         if self.filters.active:
             self.filters.add(np.array(text_rows, dtype=np.int64), pa.array(texts, pa.string()), len(records))
@@ -670,9 +690,26 @@ class _Scanned:
             },
             schema=_SPILL_SCHEMA,
         )
+        if self.spec.languages is not None:
+            self._add_languages(language.of_messages_json(converted.messages.cast(pa.string()).to_pylist()))
         self.spill.add(records, _native_u64(bytearray(pids)))
         if self.filters.active:
             self.filters.add(converted.text_rows, converted.texts, count)
+
+    def _in_languages(self, rows: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, list[Example]]:
+        """Of ``rows``, those in the source's languages (all without a list), and examples of the rest."""
+        if self.spec.languages is None:
+            return rows, []
+        names = list(self.language_names)
+        allowed = np.array([name in self.spec.languages for name in names] + [False], dtype=bool)
+        codes = np.frombuffer(self.language_codes, dtype=np.uint16)[rows]
+        keep = allowed[codes] if len(names) else np.zeros(len(rows), dtype=bool)
+        self.drops.counts[DROP_LANGUAGE] += int((~keep).sum())
+        examples = [
+            Example(DROP_LANGUAGE, int(pids[rows[i]]), detail=f"language '{names[codes[i]]}'")
+            for i in np.flatnonzero(~keep)[:EXAMPLES_PER_REASON]
+        ]
+        return rows[keep], examples
 
     def selection(self, shard_names: list[str]) -> Selection:
         """Dedup, then max_samples, on the digests."""
@@ -681,7 +718,9 @@ class _Scanned:
         winner_rows = _group_first_rows(_native_u64(self.dedup_digests).reshape(-1, 2), pid_values)
         winners = pid_values[winner_rows]
         drops.counts[DROP_DUPLICATE] += len(pid_values) - len(winners)  # examples: as the shards are written
-        filtered = self.filters.apply(winner_rows, pid_values, EXAMPLES_PER_REASON)
+        in_language, language_examples = self._in_languages(winner_rows, pid_values)
+        filtered = self.filters.apply(in_language, pid_values, EXAMPLES_PER_REASON)
+        filtered.examples[:0] = language_examples
         drops.counts.update(filtered.counts)
         kept = pid_values[filtered.rows]
         selected = kept
@@ -692,8 +731,9 @@ class _Scanned:
             drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
             drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(kept[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
             selected = np.sort(kept[by_rank[: spec.max_samples]])
-        if not drops.counts[DROP_DUPLICATE]:
-            del drops.counts[DROP_DUPLICATE]
+        for reason in (DROP_DUPLICATE, DROP_LANGUAGE):
+            if not drops.counts[reason]:
+                del drops.counts[reason]
         bands = None
         if self.filters.near is not None:
             bands = self.filters.bands(filtered.rows[np.searchsorted(kept, selected)])

@@ -5,7 +5,8 @@ when it stopped on its own (for ``turns: all`` in one sequence, each turn in ord
 whose turns are samples of their own gives one sample per turn, ``turn`` naming it). loss_mask is 1
 exactly on the generated ids (stop tokens included).
 Truncated answers follow the `truncated` policy; rows the engine could not generate are dropped.
-Every dropped row is counted by reason in the stats sidecar.
+Every dropped row is counted by reason in the stats sidecar. Each sample carries its prompt's language
+(:mod:`dflash_build.language`), read from the shard's prompts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_build import language
 from dflash_build.plan import Plan
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
@@ -83,14 +85,27 @@ def to_samples(row: dict[str, Any], truncated_policy: str) -> list[tuple[int | N
     return out
 
 
+def prompt_languages(prompt_shard: Path) -> dict[str, str]:
+    """Each prompt's language, by prompt id."""
+    table = pq.read_table(prompt_shard, columns=["prompt_id", "messages"])
+    ids = table.column("prompt_id").to_pylist()
+    return dict(zip(ids, language.of_messages_json(table.column("messages").to_pylist()), strict=True))
+
+
 def run(
-    plan: Plan, source: str, shard: str, completions_path: Path | None = None, out_path: Path | None = None
+    plan: Plan,
+    source: str,
+    shard: str,
+    completions_path: Path | None = None,
+    out_path: Path | None = None,
+    prompts_path: Path | None = None,
 ) -> dict[str, Any]:
     """Tokenize one completion shard (paths from Snakemake, else the plan's); returns the stats sidecar."""
     sp = plan.sources[source]
     completions_path = completions_path or layout.shard_file(plan.completion_dir(source), shard)
     out_path = out_path or layout.shard_file(plan.token_dir(source), shard)
     completions = pq.read_table(completions_path).to_pylist()
+    languages = prompt_languages(prompts_path or layout.shard_file(plan.prompt_dir(source), shard))
     drops: Counter[str] = Counter()
     samples = []
     for row in completions:
@@ -105,6 +120,7 @@ def run(
                     "loss_mask": loss_mask,
                     "source": source,
                     "category": sp.spec.category,
+                    "language": languages[row["prompt_id"]],
                     "prompt_id": row["prompt_id"],
                     "sample_idx": row["sample_idx"],
                     "turn": turn,
@@ -126,6 +142,7 @@ def run(
         R.STAT_TOKENS: sum(s["n_tokens"] for s in samples),
         R.STAT_LOSS_TOKENS: sum(s["n_loss_tokens"] for s in samples),
         R.STAT_PER_TURN_SAMPLES: sum(s["turn"] is not None for s in samples),
+        R.STAT_LANGUAGES: dict(Counter(s["language"] for s in samples).most_common()),
     }
     table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
     stats[R.STAT_DATA] = atomic.write_parquet(out_path, table)

@@ -69,6 +69,7 @@ SAMPLE_SCHEMA = pa.schema(
         ("loss_mask", pa.list_(pa.int8())),
         ("source", pa.string()),
         ("category", pa.string()),
+        ("language", pa.string()),  # the prompt's (dflash_build.language): ISO 639, und without letters
         ("prompt_id", pa.string()),
         ("sample_idx", pa.int32()),
         ("turn", pa.int32()),  # a per-turn sample's turn of its conversation; null for a whole row
@@ -111,6 +112,7 @@ STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}, reused and continue
 STAT_GENERATED = "generated"  # rows the engine produced in the run that generated the shard
 STAT_TURNS = "turns"  # turns: all: what became of the conversations (generate.turn_counts)
 STAT_PER_TURN_SAMPLES = "per_turn_samples"  # samples that are one turn of a conversation
+STAT_LANGUAGES = "languages"  # samples by their prompt's language
 STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's
 
 
