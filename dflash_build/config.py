@@ -129,33 +129,33 @@ def _source(
         raise ConfigError(
             f"{key}.category", f"'{raw['category']}' has no share in mix.categories ({', '.join(sorted(mix))})"
         )
-    for field_name in raw.get("fields", {}):
+    for field_name in raw["fields"]:
         if field_name not in FORMAT_FIELDS[raw["format"]]:
             allowed = ", ".join(FORMAT_FIELDS[raw["format"]])
             raise ConfigError(f"{key}.fields.{field_name}", f"format '{raw['format']}' reads only {allowed}")
-    if raw["format"] == "prompt" and "prompt" not in raw.get("fields", {}):
+    if raw["format"] == "prompt" and "prompt" not in raw["fields"]:
         raise ConfigError(f"{key}.fields.prompt", "format 'prompt' needs the name of the prompt column")
-    hf = _hub(raw["hf"], f"{key}.hf", "train") if has_hf else None
-    filters = raw.get("filters", {})
+    hf = _hub(raw["hf"], f"{key}.hf") if has_hf else None
+    filters = raw["filters"]
     return SourceSpec(
         name=name,
         category=raw["category"],
         format=raw["format"],
         files=tuple(raw.get("files", ())),
         hf=hf,
-        fields=dict(raw.get("fields", {})),
-        roles=dict(raw.get("roles", {})),
-        max_samples=raw.get("max_samples"),
-        seed=raw.get("seed", 0),
-        min_chars=filters.get("min_chars", 0),
-        max_chars=filters.get("max_chars"),
-        sampling=_sampling(base_sampling, raw.get("sampling", {}), f"{key}.sampling"),
-        chat_template_kwargs=dict(raw.get("chat_template_kwargs", {})),
-        turns=raw.get("turns", "first"),
+        fields=dict(raw["fields"]),
+        roles=dict(raw["roles"]),
+        max_samples=raw["max_samples"],
+        seed=raw["seed"],
+        min_chars=filters["min_chars"],
+        max_chars=filters["max_chars"],
+        sampling=_sampling(base_sampling, raw["sampling"], f"{key}.sampling"),
+        chat_template_kwargs=dict(raw["chat_template_kwargs"]),
+        turns=raw["turns"],
         max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
         turn_samples=_turn_samples(raw, key),
-        chat_template_kwargs_from=_kwargs_from(raw.get("chat_template_kwargs_from", {}), key),
-        languages=_languages(raw.get("languages"), f"{key}.languages"),
+        chat_template_kwargs_from=_kwargs_from(raw["chat_template_kwargs_from"], key),
+        languages=_languages(raw["languages"], f"{key}.languages"),
     )
 
 
@@ -188,7 +188,7 @@ def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> d
 
 
 def _turn_samples(raw: Mapping[str, Any], key: str) -> str:
-    if "turn_samples" in raw and raw.get("turns", "first") != "all":
+    if "turn_samples" in raw and raw["turns"] != "all":
         raise ConfigError(f"{key}.turn_samples", "applies to turns: all only (turns: first makes one sample a row)")
     return str(raw.get("turn_samples", "auto"))
 
@@ -208,8 +208,8 @@ def _kwargs_from(raw: Mapping[str, Any], key: str) -> dict[str, TemplateKwargFro
     return out
 
 
-def _hub(h: Mapping[str, Any], key: str, split: str) -> HubSpec:
-    hf = HubSpec(h["path"], h.get("name"), h.get("split", split), h.get("revision"), h.get("data_files"))
+def _hub(h: Mapping[str, Any], key: str) -> HubSpec:
+    hf = HubSpec(h["path"], h["name"], h["split"], h["revision"], h["data_files"])
     if not hf.is_local and not _COMMIT.fullmatch(hf.revision or ""):
         raise ConfigError(
             f"{key}.revision",
@@ -220,16 +220,16 @@ def _hub(h: Mapping[str, Any], key: str, split: str) -> HubSpec:
 
 
 def _dedup(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> DedupSpec:
-    for i, name in enumerate(raw.get("prefer", [])):
+    for i, name in enumerate(raw["prefer"]):
         if name not in sources:
             near = difflib.get_close_matches(name, list(sources), n=1)
             hint = f"; did you mean '{near[0]}'?" if near else f" (sources: {', '.join(sorted(sources))})"
             raise ConfigError(f"dedup.prefer.{i}", f"'{name}' is not a source{hint}")
-    near = raw.get("near")
+    near = raw["near"]
     return DedupSpec(
         near=None if near is None else NearSpec(**near),
-        across_sources=bool(raw.get("across_sources", True)),
-        prefer=tuple(raw.get("prefer", [])),
+        across_sources=bool(raw["across_sources"]),
+        prefer=tuple(raw["prefer"]),
     )
 
 
@@ -243,13 +243,13 @@ def _decontaminate(raw: Mapping[str, Any] | None) -> DecontaminationSpec | None:
             raise ConfigError(
                 key, "give exactly one of 'files' (local json/jsonl/parquet) or 'hf' (datasets.load_dataset)"
             )
-        hf = _hub(ref["hf"], f"{key}.hf", "test") if "hf" in ref else None
+        hf = _hub(ref["hf"], f"{key}.hf") if "hf" in ref else None
         references[name] = ReferenceSpec(name, tuple(ref.get("files", ())), hf, ref["field"])
-    return DecontaminationSpec(int(raw.get("ngram", 13)), references)
+    return DecontaminationSpec(int(raw["ngram"]), references)
 
 
 def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
-    allow = raw.get("allow_shortfall", [])
+    allow = raw["allow_shortfall"]
     if allow is True:
         allowed = frozenset(categories)
     else:
@@ -260,11 +260,11 @@ def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
                 "checks.allow_shortfall", f"{unknown} are not in mix.categories ({', '.join(sorted(categories))})"
             )
     return Checks(
-        max_drop_fraction=float(raw.get("max_drop_fraction", 0.2)),
-        max_failed_fraction=float(raw.get("max_failed_fraction", 0.5)),
-        share_tolerance=float(raw.get("share_tolerance", 0.02)),
+        max_drop_fraction=float(raw["max_drop_fraction"]),
+        max_failed_fraction=float(raw["max_failed_fraction"]),
+        share_tolerance=float(raw["share_tolerance"]),
         allow_shortfall=allowed,
-        min_free_gb=float(raw.get("min_free_gb", 2.0)),
+        min_free_gb=float(raw["min_free_gb"]),
     )
 
 
@@ -331,7 +331,8 @@ def _check_dataset_dir(config: Config) -> None:
 
 
 def from_dict(raw: Mapping[str, Any]) -> Config:
-    """Build the typed config from a schema-validated dict (defaults already filled)."""
+    """Build the typed config from a schema-validated dict with its defaults filled (:func:`validate`):
+    every default is the schema's, written nowhere else."""
     _finite(raw, "")
     _check_rule_names(raw["sources"])
     mix = raw["mix"]
@@ -339,10 +340,10 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     weights = {str(k): float(v) for k, v in mix["categories"].items()}
     total = sum(weights.values())
     categories = {k: v / total for k, v in weights.items()}
-    checks = _checks(raw.get("checks", {}), categories)
+    checks = _checks(raw["checks"], categories)
     sources = {name: _source(name, s, raw["sampling"], categories, checks) for name, s in raw["sources"].items()}
     _check_supplied(categories, sources, checks)
-    trainer = TrainerSpec(**(raw.get("trainer") or {}))
+    trainer = TrainerSpec(**raw["trainer"])
     if trainer.max_length is not None and trainer.min_new_tokens >= trainer.max_length:
         raise ConfigError("trainer.min_new_tokens", f"must be below trainer.max_length ({trainer.max_length})")
     dataset = raw["dataset"]
@@ -357,16 +358,16 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         shard_size=raw["shard_size"],
         truncated=raw["truncated"],
         mix_categories=categories,
-        mix_budget_tokens=mix.get("budget_tokens"),
-        mix_seed=mix.get("seed", 0),
-        mix_languages=_mix_languages(mix.get("languages") or {}, categories),
+        mix_budget_tokens=mix["budget_tokens"],
+        mix_seed=mix["seed"],
+        mix_languages=_mix_languages(mix["languages"], categories),
         sources=sources,
         checks=checks,
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
         exports=_exports(raw.get("export") or {}, trainer.max_length),
         trainer=trainer,
-        dedup=_dedup(raw.get("dedup") or {}, sources),
-        decontaminate=_decontaminate(raw.get("decontaminate")),
+        dedup=_dedup(raw["dedup"], sources),
+        decontaminate=_decontaminate(raw["decontaminate"]),
     )
     _check_dataset_dir(config)
     return config
@@ -397,38 +398,38 @@ def _check_supplied(categories: Mapping[str, float], sources: Mapping[str, Sourc
 
 
 def _model(model: Mapping[str, Any]) -> ModelSpec:
-    if model.get("revision") is None and not os.path.exists(model["path"]):
+    if model["revision"] is None and not os.path.exists(model["path"]):
         raise ConfigError("model.path", f"'{model['path']}' does not exist (a hub id needs model.revision)")
     for opt in ("tokenizer", "chat_template"):
-        if model.get(opt) is not None and not os.path.exists(model[opt]):
+        if model[opt] is not None and not os.path.exists(model[opt]):
             raise ConfigError(f"model.{opt}", f"'{model[opt]}' does not exist")
     return ModelSpec(
         path=model["path"],
-        revision=model.get("revision"),
-        tokenizer=model.get("tokenizer"),
-        chat_template=model.get("chat_template"),
-        chat_template_kwargs=dict(model.get("chat_template_kwargs", {})),
-        context_length=model.get("context_length"),
+        revision=model["revision"],
+        tokenizer=model["tokenizer"],
+        chat_template=model["chat_template"],
+        chat_template_kwargs=dict(model["chat_template_kwargs"]),
+        context_length=model["context_length"],
     )
 
 
 def _engine(engine: Mapping[str, Any]) -> EngineSpec:
-    if engine.get("gpus") is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
+    if engine["gpus"] is not None and len(set(map(str, engine["gpus"]))) != len(engine["gpus"]):
         raise ConfigError("engine.gpus", f"lists a GPU twice: {engine['gpus']}")
     spec = EngineSpec(
         backend=engine["backend"],
-        options=dict(engine.get("options", {})),
-        gpus=None if engine.get("gpus") is None else tuple(str(g) for g in engine["gpus"]),
-        lock_dir=Path(engine.get("lock_dir", "/tmp/dflash-build-gpu-locks")),
-        gpu_wait_seconds=float(engine.get("gpu_wait_seconds", 600)),
-        base_port=int(engine.get("base_port", 31000)),
-        journal_flush_rows=int(engine.get("journal_flush_rows", 64)),
-        journal_flush_seconds=float(engine.get("journal_flush_seconds", 30)),
-        shared=bool(engine.get("shared", False)),
-        jobs_per_engine=int(engine.get("jobs_per_engine", 2)),
-        idle_timeout=float(engine.get("idle_timeout", 600)),
-        start_timeout=float(engine.get("start_timeout", 1800)),
-        stall_timeout=float(engine.get("stall_timeout", 300)),
+        options=dict(engine["options"]),
+        gpus=None if engine["gpus"] is None else tuple(str(g) for g in engine["gpus"]),
+        lock_dir=Path(engine["lock_dir"]),
+        gpu_wait_seconds=float(engine["gpu_wait_seconds"]),
+        base_port=int(engine["base_port"]),
+        journal_flush_rows=int(engine["journal_flush_rows"]),
+        journal_flush_seconds=float(engine["journal_flush_seconds"]),
+        shared=bool(engine["shared"]),
+        jobs_per_engine=int(engine["jobs_per_engine"]),
+        idle_timeout=float(engine["idle_timeout"]),
+        start_timeout=float(engine["start_timeout"]),
+        stall_timeout=float(engine["stall_timeout"]),
     )
     engines.check_options(spec.backend, spec.options)
     if spec.shared and registry.get(spec.backend).serve is None:

@@ -191,22 +191,78 @@ def test_production_config_is_schema_valid_and_refuses_unpinned_revisions() -> N
         cfg.from_dict(dict(raw, model={**raw["model"], "revision": "r"}))
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "demo.yaml"])
-def test_the_defaults_we_fill_are_snakemakes(name: str, raw: dict[str, Any]) -> None:
-    """config.validate fills the schema's defaults as snakemake.utils.validate(set_default=True) does."""
+def test_the_defaults_we_fill_are_snakemakes(raw: dict[str, Any]) -> None:
+    """config.validate fills the schema's defaults as snakemake.utils.validate(set_default=True) does,
+    on configs Snakemake's can fill: it calls setdefault on a null object (decontaminate: null), which
+    ours leaves null."""
     from snakemake.utils import validate
 
-    for config in (yaml.safe_load((REPO / "config" / name).read_text()), raw):
+    decontaminated = dict(raw, decontaminate={"references": {"b": {"files": ["b.jsonl"], "field": "prompt"}}})
+    for config in (yaml.safe_load((REPO / "config" / "config.yaml").read_text()), decontaminated):
         theirs, ours = copy.deepcopy(config), copy.deepcopy(config)
         validate(theirs, str(cfg.SCHEMA_PATH))
         cfg.validate(ours)
         assert ours == theirs
     filled: dict[str, Any] = copy.deepcopy(raw)
     cfg.validate(filled)
+    assert filled["decontaminate"] is None and filled["dedup"]["near"] is None
     filled["dedup"]["prefer"].append("x")  # a default is the caller's own copy, not the schema's
     again = copy.deepcopy(raw)
     cfg.validate(again)
     assert again["dedup"]["prefer"] == []
+
+
+def _schema_defaults(schema: dict[str, Any], node: Any, path: str = "") -> list[str]:
+    """The dotted path of every key of ``node`` (a filled config) that holds the schema's default."""
+    found = []
+    if not isinstance(node, dict):
+        return found
+    for name, value in node.items():
+        sub = (schema.get("properties") or {}).get(name)
+        if sub is None and isinstance(schema.get("additionalProperties"), dict):
+            sub = schema["additionalProperties"]
+        if sub is None:
+            continue
+        here = f"{path}.{name}" if path else name
+        if "default" in sub and value == sub["default"]:
+            found.append(here)
+        found += _schema_defaults(sub, value, here)
+    return found
+
+
+def test_every_schema_default_is_the_one_the_config_uses(raw: dict[str, Any], tmp_path: Path) -> None:
+    """Each key the schema fills with a default, removed from a filled config: from_dict refuses (it reads
+    the key: the schema's default is the only one) or builds the same config (a settings type's own
+    default, e.g. PackSpec's, agrees with the schema's). Walked on a config that sets every optional part
+    (a hub source, dedup.near, decontaminate, pack, exports, a trainer window)."""
+    full = copy.deepcopy(raw)
+    full["sources"]["h"] = {"category": "math", "format": "prompt", "fields": {"prompt": "p"}, "max_samples": 4,
+                            "hf": {"path": str(tmp_path)}}  # fmt: skip
+    full["dedup"] = {"near": {}}
+    full["decontaminate"] = {"references": {"r": {"hf": {"path": str(tmp_path)}, "field": "q"}}}
+    full["pack"] = {"seq_len": 64}
+    full["export"] = {"specforge": {}, "speculators": {}, "conversations": {}}
+    full["trainer"] = {"max_length": 256}
+    cfg.validate(full)
+    expected = cfg.from_dict(full)
+    paths = _schema_defaults(cfg._schema(), full)
+    assert {"engine.stall_timeout", "sources.h.hf.split", "decontaminate.references.r.hf.split"} <= set(paths)
+    assert {"decontaminate.ngram", "checks.min_free_gb", "pack.window", "export.specforge.long"} <= set(paths)
+    disagree = []
+    for path in paths:
+        config = copy.deepcopy(full)
+        *parents, last = path.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        del node[last]
+        try:
+            built = cfg.from_dict(config)
+        except (KeyError, cfg.ConfigError):  # refused: the key is read, not defaulted again
+            continue
+        if built != expected:
+            disagree.append(path)
+    assert disagree == []
 
 
 @pytest.mark.workflow  # runs snakemake
