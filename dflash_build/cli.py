@@ -31,9 +31,9 @@ from typing import Any
 
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
-from dflash_build.dist import release
 from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, explain, gc, registrations, status, verify
+from dflash_build.publish import release
 from dflash_build.stages import mix
 from dflash_build.store import filesystem, layout, rowindex
 

@@ -22,7 +22,7 @@ from typing import Any
 from dflash_build import config as config_mod
 from dflash_build import engines, keys
 from dflash_build import plan as plan_mod
-from dflash_build.dist import release
+from dflash_build.publish import release
 from dflash_build.store import filesystem, layout
 from dflash_build.store.rowindex import RowIndex
 

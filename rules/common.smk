@@ -6,7 +6,7 @@ import dflash_build.engines
 import dflash_build.engines.registry
 import dflash_build.plan
 import dflash_build.stages.prepare
-import dflash_build.dist.release
+import dflash_build.publish.release
 import dflash_build.versions
 import dflash_build.workflow
 from dflash_build.store import layout
@@ -31,15 +31,15 @@ LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
 PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
 # What the mix and pack rules output: the build record beside the dataset's versions; dist/NAME itself
-# is a link the stage swaps only when a build passed (dflash_build.dist.release).
-DATASET_RECORD = str(dflash_build.dist.release.record_dir(CONFIG.dataset_dir))
+# is a link the stage swaps only when a build passed (dflash_build.publish.release).
+DATASET_RECORD = str(dflash_build.publish.release.record_dir(CONFIG.dataset_dir))
 PACKED_RECORD = (
-    str(dflash_build.dist.release.record_dir(CONFIG.packed_dir))
+    str(dflash_build.publish.release.record_dir(CONFIG.packed_dir))
     if CONFIG.packed_dir
     else None
 )
 # Each export's record, by format (rules/export.smk); dist/NAME-FORMAT links to its version.
-EXPORT_RECORD = str(dflash_build.dist.release.record_dir(CONFIG.export_dir("{fmt}")))
+EXPORT_RECORD = str(dflash_build.publish.release.record_dir(CONFIG.export_dir("{fmt}")))
 dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
 # dflash_build.workflow.is_dry_run).

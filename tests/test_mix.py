@@ -14,7 +14,7 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import hashing
 from dflash_build import plan as plan_mod
-from dflash_build.dist import report
+from dflash_build.publish import report
 from dflash_build.stages import mix
 
 
@@ -46,11 +46,11 @@ def test_budget_targets() -> None:
 
 def test_select_stays_within_half_a_sample_and_takes_everything_when_asked() -> None:
     lengths = [40, 10, 30, 20, 50]
-    chosen = np.flatnonzero(mix.select(np.array(lengths), 60)).tolist()
+    chosen = np.flatnonzero(mix.take_to_target(np.array(lengths), 60)).tolist()
     assert abs(sum(lengths[i] for i in chosen) - 60) <= max(lengths) / 2
     assert chosen == [0, 1, 3]  # 30 would overshoot by more than it closes; 20 does not
-    assert mix.select(np.array(lengths), 150).all()
-    assert not mix.select(np.array(lengths), 0).any()
+    assert mix.take_to_target(np.array(lengths), 150).all()
+    assert not mix.take_to_target(np.array(lengths), 0).any()
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -61,20 +61,22 @@ def test_vectorised_select_equals_the_one_at_a_time_rule(seed: int) -> None:
     target = float(rng.uniform(0, 1.2) * lengths.sum())
     if seed % 5 == 0:  # lengths that cluster around the gap left near the target: many skips
         lengths = rng.choice([99, 100, 101, 199, 200], size=size)
-    assert np.flatnonzero(mix.select(lengths, target)).tolist() == _one_at_a_time(lengths.tolist(), target)
+    assert np.flatnonzero(mix.take_to_target(lengths, target)).tolist() == _one_at_a_time(lengths.tolist(), target)
 
 
 def test_a_category_whose_target_is_under_half_its_shortest_sample_gets_that_one_sample() -> None:
     """The demo at max_new_tokens 12: a target of 104 tokens, samples of 324 and more."""
-    assert np.flatnonzero(mix.select(np.array([400, 324, 500, 324]), 104)).tolist() == [1]
-    assert not mix.select(np.array([400, 324]), 0).any(), "no target, no sample"
+    assert np.flatnonzero(mix.take_to_target(np.array([400, 324, 500, 324]), 104)).tolist() == [1]
+    assert not mix.take_to_target(np.array([400, 324]), 0).any(), "no target, no sample"
 
 
 def _mixed(lengths: dict[str, list[int]], shares: dict[str, float], tolerance: float) -> tuple[Counter[str], str]:
     """The real selection and check on categories of samples: tokens chosen, and the check's message."""
     available = Counter({c: sum(v) for c, v in lengths.items()})
     targets = mix.category_targets(shares, dict(available), None)
-    chosen = Counter({c: int(np.array(v)[mix.select(np.array(v), targets[c])].sum()) for c, v in lengths.items()})
+    chosen = Counter(
+        {c: int(np.array(v)[mix.take_to_target(np.array(v), targets[c])].sum()) for c, v in lengths.items()}
+    )
     checks = cfg.Checks(share_tolerance=tolerance)
     plan = SimpleNamespace(sources={}, config=SimpleNamespace(checks=checks, logs=Path("logs")))
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_build.dist import release
+from dflash_build.publish import release
 from dflash_build.store import atomic
 
 

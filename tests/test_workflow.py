@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_build.dist import report
+from dflash_build.publish import report
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, loaded_rows, write_jsonl
 
 pytestmark = pytest.mark.workflow
@@ -148,7 +148,7 @@ def test_manifests_account_for_every_row(built: tuple[Workflow, dict[str, Any]])
 
 def test_the_report_numbers_are_the_datas_and_the_sidecars(built: tuple[Workflow, dict[str, Any]]) -> None:
     """Every number of the card's tables, recomputed from the dataset's rows and the generate sidecars."""
-    from dflash_build.dist.report import length_stats
+    from dflash_build.publish.report import length_stats
 
     wf, _ = built
     dist = wf.workdir / "dist" / "test-mix"

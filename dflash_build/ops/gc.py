@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_build.dist import release
 from dflash_build.ops.registrations import referenced, registrations
 from dflash_build.plan import Plan
+from dflash_build.publish import release
 from dflash_build.store import atomic, layout
 from dflash_build.store.journal import ROWS_FILE
 from dflash_build.store.rowindex import RowIndex

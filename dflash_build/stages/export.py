@@ -17,7 +17,7 @@ tokens the trainer will cut, ``cut`` cuts them as the trainer would, ``drop`` le
 writes ``max_length`` pieces (``id`` gets ``#k``). The trainer's own filters are applied to what the
 trainer will see, so the rows its loader yields are exactly the rows written (cut at its window), and
 every sample left out is counted with its reason. Each export is a folder version like the dataset's
-(:mod:`dflash_build.dist.release`): ``data/*.jsonl``, ``manifest.json`` and a card, swapped in whole.
+(:mod:`dflash_build.publish.release`): ``data/*.jsonl``, ``manifest.json`` and a card, swapped in whole.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import hashing
 from dflash_build.config import ExportSpec
-from dflash_build.dist import release
+from dflash_build.publish import release
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
 

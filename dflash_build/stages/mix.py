@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import hashing, killpoints
-from dflash_build.dist import release, report
-from dflash_build.dist.report import length_stats
 from dflash_build.plan import Plan
+from dflash_build.publish import release, report
+from dflash_build.publish.report import length_stats
 from dflash_build.stages import crosssource
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
@@ -32,7 +32,7 @@ from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
 _SELECT_COLUMNS = ["prompt_id", "sample_idx", "turn", "source", "category", "language", "n_tokens"]
-SHARE_TOLERANCE = 0.01  # achieved shares further than this from target are stated in the manifest
+NOTED_DEVIATION = 0.01  # a share further than this from its target is stated in the manifest (not a check)
 
 
 class MixError(RuntimeError):
@@ -59,7 +59,7 @@ def category_targets(
     return {c: share * total for c, share in shares.items()}
 
 
-def select(n_tokens: np.ndarray, target: float) -> np.ndarray:
+def take_to_target(n_tokens: np.ndarray, target: float) -> np.ndarray:
     """Which samples to take, given their token counts in rank order: a boolean mask.
 
     A sample is taken whenever it brings the category closer to ``target`` tokens: when it overshoots
@@ -247,18 +247,18 @@ def choose(plan: Plan) -> _Choice:
 def _fill(cand: _Candidates, by_rank: np.ndarray, target: float, floors: dict[str, float] | None) -> np.ndarray:
     """A category's samples (in rank order) to take for ``target`` tokens: first each floor language's
     share of the target from that language's samples, then the rest from every language, each part in
-    rank order (:func:`select`)."""
+    rank order (:func:`take_to_target`)."""
     taken = np.zeros(len(by_rank), dtype=bool)
     used = 0
     for lang, floor in (floors or {}).items():
         if lang not in cand.languages:
             continue
         mine = np.flatnonzero(cand.language[by_rank] == cand.languages.index(lang))
-        part = mine[select(cand.n_tokens[by_rank[mine]], floor * target)]
+        part = mine[take_to_target(cand.n_tokens[by_rank[mine]], floor * target)]
         taken[part] = True
         used += int(cand.n_tokens[by_rank[part]].sum(dtype=np.int64))
     rest = np.flatnonzero(~taken)
-    taken[rest[select(cand.n_tokens[by_rank[rest]], target - used)]] = True
+    taken[rest[take_to_target(cand.n_tokens[by_rank[rest]], target - used)]] = True
     return by_rank[taken]
 
 
@@ -344,7 +344,7 @@ def run(plan: Plan, record: str | Path) -> dict[str, Any]:
     number of samples, never with their size.
 
     The dataset is a new version of ``dataset.out/NAME``, swapped in only once it is whole and passed its
-    checks (:mod:`dflash_build.dist.release`); ``record`` is the build record, the rule's output.
+    checks (:mod:`dflash_build.publish.release`); ``record`` is the build record, the rule's output.
     """
     cfg = plan.config
     choice = choose(plan)
@@ -560,7 +560,7 @@ def _shortfalls(
                 f"category '{category}' falls short: {available[category]} tokens available, "
                 f"{round(targets[category])} targeted; all of them are used"
             )
-        elif abs(achieved - share) > SHARE_TOLERANCE:
+        elif abs(achieved - share) > NOTED_DEVIATION:
             target = round(targets[category])
             if achieved < share and got[category] >= available[category]:
                 why = "every one of its samples is used; others overshoot their targets by part of a sample"

@@ -33,8 +33,8 @@ import pyarrow.parquet as pq
 
 from dflash_build import hashing
 from dflash_build.config import PackSpec
-from dflash_build.dist import release
-from dflash_build.dist.report import length_stats
+from dflash_build.publish import release
+from dflash_build.publish.report import length_stats
 from dflash_build.stages.mix import RollingWriter, card_header
 from dflash_build.store import atomic, layout
 from dflash_build.versions import PACK_VERSION
@@ -135,7 +135,7 @@ def run(
     dataset_dir: str | Path, out_dir: str | Path, record: str | Path, spec: PackSpec, rows_per_file: int
 ) -> dict[str, Any]:
     """Pack the dataset in ``dataset_dir`` into a new version of ``out_dir`` (swapped in whole, like the
-    dataset: :mod:`dflash_build.dist.release`); ``record`` is the build record, the rule's output."""
+    dataset: :mod:`dflash_build.publish.release`); ``record`` is the build record, the rule's output."""
     out_dir = Path(out_dir)
     # the version in place now: a dataset swapped in meanwhile does not mix into this one
     dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)

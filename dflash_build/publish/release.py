@@ -21,8 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_build.store import atomic, layout
 from dflash_build import hashing
+from dflash_build.store import atomic, layout
 
 RECORD = "built"
 VERSION_FILE = "version"

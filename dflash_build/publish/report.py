@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from dflash_build.store import atomic, layout
-from dflash_build.store import records as R
 from dflash_build.engines import uses_gpu
 from dflash_build.plan import Plan
+from dflash_build.store import atomic, layout
+from dflash_build.store import records as R
 
 PLOTS = {
     "category_mix.png": "Tokens per category: achieved share against the target share.",
@@ -32,7 +32,9 @@ PLOTS = {
     "prompt_removals_by_source.png": (
         "Rows each source lost before generation (prepare) and in the mix to other sources' copies, by reason."
     ),
-    "languages_by_category.png": "Tokens per category by the prompt's language (the largest languages; the rest as other).",
+    "languages_by_category.png": (
+        "Tokens per category by the prompt's language (the largest languages; the rest as other)."
+    ),
 }
 TABLES = ("tables/by_source.csv", "tables/by_category.csv", "tables/by_language.csv")
 PLOTTED_LANGUAGES = 8
