@@ -107,6 +107,7 @@ def write_rows(root: Path, rows: int, corpus: str = "english") -> None:
 
 
 def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english") -> dict[str, Any]:
+    from dflash_build import lsh
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
 
@@ -122,7 +123,7 @@ def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english")
     start, cpu = time.perf_counter(), time.process_time()
     manifest = prepare.run(plan, "s")
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
-    bands = config.dedup.near.bands_rows[0] if config.dedup.near is not None else 0
+    bands = lsh.bands_rows(config.dedup.near)[0] if config.dedup.near is not None else 0
     return {
         "rows": rows,
         "corpus": corpus,

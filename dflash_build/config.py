@@ -70,6 +70,7 @@ from dflash_build.spec import (
 from dflash_build.spec import (
     ModelSpec as ModelSpec,
 )
+from dflash_build.spec import NearSpec
 from dflash_build.spec import (
     PackSpec as PackSpec,
 )
@@ -88,7 +89,6 @@ from dflash_build.spec import (
 from dflash_build.spec import (
     TrainerSpec as TrainerSpec,
 )
-from dflash_build.stages.neardup import NearSpec
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 _COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, keys
+from dflash_build import hashing, keys, lsh, readers
 from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
-from dflash_build.stages import readers
-from dflash_build.store import atomic, layout
+from dflash_build.store import atomic, fingerprints, layout
 from dflash_build.versions import GEN_VERSION, LANGUAGE_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
 
 TOKENIZER_FILES = frozenset(
@@ -138,7 +137,7 @@ def _model_files(path: Path) -> list[Path]:
     )
 
 
-def fingerprint_model(config: Config, cache: hashing.FingerprintCache) -> tuple[dict[str, Any], dict[str, Any]]:
+def fingerprint_model(config: Config, cache: fingerprints.FingerprintCache) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model fingerprint, tokenizer + chat template fingerprint).
 
     A folder's weights and config are hashed apart from its tokenizer files, so the manifest says which
@@ -166,7 +165,7 @@ def fingerprint_model(config: Config, cache: hashing.FingerprintCache) -> tuple[
     return {"digest": hashing.digest(weights), **weights}, {"digest": hashing.digest(template), **template}
 
 
-def _count_rows(path: Path, cache: hashing.FingerprintCache) -> int | None:
+def _count_rows(path: Path, cache: fingerprints.FingerprintCache) -> int | None:
     """Rows of a local file, cached by content; None for a format we cannot count cheaply."""
     if path.suffix not in LOCAL_SUFFIXES:
         return None
@@ -211,7 +210,7 @@ def hf_local_files(hf: HubSpec, key: str) -> list[Path]:
 
 
 def _source_input(
-    key: str, patterns: tuple[str, ...], hf: HubSpec | None, cache: hashing.FingerprintCache
+    key: str, patterns: tuple[str, ...], hf: HubSpec | None, cache: fingerprints.FingerprintCache
 ) -> tuple[tuple[Path, ...], dict[str, Any], int | None]:
     """(local files, content identity, raw row count or None when unknown) of a source or reference set."""
     if hf is None:
@@ -230,13 +229,15 @@ def _source_input(
     return (), ident, None
 
 
-def _filtering(config: Config, cache: hashing.FingerprintCache) -> tuple[dict[str, Any], dict[str, tuple[Path, ...]]]:
+def _filtering(
+    config: Config, cache: fingerprints.FingerprintCache
+) -> tuple[dict[str, Any], dict[str, tuple[Path, ...]]]:
     """What of dedup.near and decontaminate decides every source's prompts (absent when off, so configs
     without them keep their keys), and the reference sets' local files."""
     components: dict[str, Any] = {}
     files: dict[str, tuple[Path, ...]] = {}
     if config.dedup.near is not None:
-        components["near_dedup"] = config.dedup.near.components()
+        components["near_dedup"] = lsh.components(config.dedup.near)
     if config.dedup.near is not None or config.decontaminate is not None:
         components["words"] = WORDS_VERSION
     decon = config.decontaminate
@@ -278,9 +279,11 @@ def fingerprint_cache_file(config: Config) -> Path:
     return layout.fingerprint_cache_file(config.store)
 
 
-def fingerprint_cache(config: Config) -> hashing.FingerprintCache:
+def fingerprint_cache(config: Config) -> fingerprints.FingerprintCache:
     """The store's file-digest cache: parse time fills it, jobs read it instead of hashing again."""
-    return hashing.FingerprintCache(fingerprint_cache_file(config), layout.user_fingerprint_cache_file(config.store))
+    return fingerprints.FingerprintCache(
+        fingerprint_cache_file(config), layout.user_fingerprint_cache_file(config.store)
+    )
 
 
 def _gen_components(

@@ -1,7 +1,7 @@
 """The config as typed, frozen values, and the error that names a config key: a leaf of the package.
 
 :mod:`dflash_build.config` builds these from a validated config file; every other module reads them.
-Nothing here imports another module of the package but :mod:`dflash_build.stages.neardup` (its settings).
+Nothing here imports another module of the package.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from dflash_build.stages.neardup import NearSpec
 
 FORMATS = ("sharegpt", "messages", "alpaca", "prompt", "hermes")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed", "samples_per_prompt")
@@ -215,6 +213,16 @@ class TrainerSpec:
 
     max_length: int | None = None
     min_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class NearSpec:
+    """Config key ``dedup.near`` (its band split: :mod:`dflash_build.lsh`)."""
+
+    threshold: float = 0.8
+    ngram: int = 5
+    num_perm: int = 128
+    seed: int = 0
 
 
 @dataclass(frozen=True)

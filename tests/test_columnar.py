@@ -217,7 +217,7 @@ def test_the_scan_never_misses_a_string_that_escaping_or_folding_changes(
 
 
 def test_line_chunks_find_lines_and_blank_lines_as_python_does() -> None:
-    from dflash_build.stages import readers
+    from dflash_build import readers
 
     rng = random.Random(5)
     pieces = [b"", b" ", b"\t", b"\r", b"\x0b", b"\x0c", b"\x1c", b"{}", b'{"a": 1}', b"x", b"\xc2\xa0", b"  {} "]

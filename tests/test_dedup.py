@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
+from dflash_build import lsh
 from dflash_build import plan as plan_mod
+from dflash_build.spec import NearSpec
 from dflash_build.stages import crosssource, neardup, prepare
 from dflash_build.stages import words as W
 from dflash_build.stages.decontaminate import ReferenceError
@@ -91,10 +93,10 @@ def test_first_copies_is_the_brute_force_rule_in_any_row_order(seed: int) -> Non
 
 
 def test_the_bands_follow_the_threshold_as_lsh_chooses_them() -> None:
-    assert neardup.NearSpec().bands_rows == (9, 13)  # datasketch's MinHashLSH(threshold=0.8, num_perm=128)
-    bands, rows = neardup.NearSpec(threshold=0.5).bands_rows
+    assert lsh.bands_rows(NearSpec()) == (9, 13)  # datasketch's MinHashLSH(threshold=0.8, num_perm=128)
+    bands, rows = lsh.bands_rows(NearSpec(threshold=0.5))
     assert bands * rows <= 128 and rows < 13
-    assert neardup.catch_probability(0.95, 9, 13) > 0.99 > 0.1 > neardup.catch_probability(0.6, 9, 13)
+    assert lsh.catch_probability(0.95, 9, 13) > 0.99 > 0.1 > lsh.catch_probability(0.6, 9, 13)
 
 
 # -- prepare ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from dflash_build import hashing
+from dflash_build.store import fingerprints
 
 
 def test_canonical_json_writes_each_value_one_way() -> None:
@@ -28,16 +29,16 @@ def test_fingerprint_cache_rereads_only_changed_files(tmp_path: Path, monkeypatc
     real = hashing.sha256_file
     monkeypatch.setattr(hashing, "sha256_file", lambda p: reads.append(str(p)) or real(p))
     cache_file = tmp_path / "cache.json"
-    first = hashing.FingerprintCache(cache_file)
+    first = fingerprints.FingerprintCache(cache_file)
     digest = first.file(data)
     first.save()
-    assert hashing.FingerprintCache(cache_file).file(data) == digest
+    assert fingerprints.FingerprintCache(cache_file).file(data) == digest
     assert len(reads) == 1, "a second run takes the digest from the cache"
     os.utime(data, ns=(1, 1))
-    assert hashing.FingerprintCache(cache_file).file(data) == digest
+    assert fingerprints.FingerprintCache(cache_file).file(data) == digest
     assert len(reads) == 2, "a touched file is hashed again, to the same digest"
     data.write_bytes(b"abd" * 1000)
-    assert hashing.FingerprintCache(cache_file).file(data) != digest
+    assert fingerprints.FingerprintCache(cache_file).file(data) != digest
 
 
 def test_a_corrupt_cache_is_rebuilt(tmp_path: Path) -> None:
@@ -45,4 +46,4 @@ def test_a_corrupt_cache_is_rebuilt(tmp_path: Path) -> None:
     cache_file.write_text("{not json")
     data = tmp_path / "f"
     data.write_bytes(b"x")
-    assert hashing.FingerprintCache(cache_file).file(data) == hashing.sha256_file(data)
+    assert fingerprints.FingerprintCache(cache_file).file(data) == hashing.sha256_file(data)

@@ -68,6 +68,24 @@ def test_the_package_has_no_import_cycle() -> None:
     assert _cycle(graph) is None, " → ".join(_cycle(graph) or [])
 
 
+def _unit(module: str) -> str:
+    """The first-level unit a module belongs to: a subpackage or a top-level module of dflash_build."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_first_level_units_form_layers() -> None:
+    """Subpackages and top-level modules, as units, import one another without a cycle: spec (the
+    settings types) imports nothing of the package; config and plan import no stage; stages import
+    them, never the reverse."""
+    graph = import_graph()
+    units: dict[str, set[str]] = defaultdict(set)
+    for module, imported in graph.items():
+        units[_unit(module)] |= {_unit(m) for m in imported if _unit(m) != _unit(module)}
+    assert _cycle(units) is None, " → ".join(_cycle(units) or [])
+    assert units["spec"] <= set(), units["spec"]
+    assert "stages" not in units["config"] | units["plan"] | units["spec"]
+
+
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None

@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing
-from dflash_build.config import Config, EngineSpec
 from dflash_build.engines import EngineFailed, registry
 from dflash_build.engines.gpus import GpuLease, gpu_lock, scheduler_assigned
 from dflash_build.engines.openai_backend import OpenAIEngine, PoolChange, ServerDown
 from dflash_build.engines.sglang_backend import OWN_OPTIONS
+from dflash_build.spec import Config, EngineSpec
 from dflash_build.store import atomic
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dflash_build import hashing
 from dflash_build.config import Config
 from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.publish import release
-from dflash_build.store import atomic, layout, rowindex
+from dflash_build.store import atomic, fingerprints, layout, rowindex
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, parse
 from dflash_build.store.rowindex import RowIndex
 
@@ -168,7 +168,7 @@ def _derived_problems(plan: Plan) -> Iterator[Problem]:
 def cache_problems(config: Config) -> list[Problem]:
     """The fingerprint cache, checked before a plan is built (building one heals it, with a warning)."""
     cache_file = fingerprint_cache_file(config)
-    if cache_file.exists() and (reason := hashing.cache_problem(cache_file)) is not None:
+    if cache_file.exists() and (reason := fingerprints.cache_problem(cache_file)) is not None:
         return [Problem(cache_file, reason + " (only a cache: rebuilt as this command plans)", (cache_file,))]
     return []
 

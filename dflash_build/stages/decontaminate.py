@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_build import readers
 from dflash_build.config import DecontaminationSpec, ReferenceSpec
-from dflash_build.stages import readers
 from dflash_build.stages import words as W
 
 NO_ITEM = -1

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from dflash_build import lsh
+from dflash_build.spec import NearSpec
 from dflash_build.stages import neardup, words
 from dflash_build.stages.decontaminate import NO_ITEM, ReferenceIndex
-from dflash_build.stages.neardup import NearSpec
 
 DROP_CONTAMINATED = "contaminated"
 DROP_NEAR_DUPLICATE = "near_duplicate"
@@ -89,7 +90,7 @@ class TextFilters:
 
     def _keys(self) -> np.ndarray:
         assert self.near is not None
-        return np.frombuffer(self._bands, dtype=np.uint64).reshape(-1, self.near.bands_rows[0])
+        return np.frombuffer(self._bands, dtype=np.uint64).reshape(-1, lsh.bands_rows(self.near)[0])
 
     def bands(self, rows: np.ndarray) -> np.ndarray:
         """The band keys of these converted rows: (rows, bands) uint64."""

@@ -5,7 +5,7 @@ answers; a prompt shorter than ``ngram`` words is one shingle). Its MinHash sign
 values is cut into ``bands`` bands of ``rows`` values, chosen for ``threshold`` as LSH does (the
 split that minimises false positives plus false negatives around it); two prompts are near-copies
 when a whole band of theirs agrees, so pairs at the threshold are caught about half of the time, at
-0.1 above it nearly always, and at 0.1 below it seldom (:func:`catch_probability`).
+0.1 above it nearly always, and at 0.1 below it seldom (:func:`dflash_build.lsh.catch_probability`).
 
 The rule, the same in any input order: a prompt is dropped when a near-copy of it comes first, by
 prompt id within a source (prepare) or by source priority and then prompt id across sources (mix). So
@@ -16,10 +16,8 @@ it. Memory: the band keys, ``8 × bands`` bytes a prompt, and one sort of them a
 from __future__ import annotations
 
 import array
-import functools
 import gc
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import rensa
 
+from dflash_build import lsh
+from dflash_build.spec import NearSpec
 from dflash_build.stages import words as W
 from dflash_build.store import atomic
 
@@ -36,61 +36,13 @@ _BAND_SALT = np.uint64(0xD1B54A32D192ED03)
 _BAND_MULTIPLIER = np.uint64(0x9FB21C651E98DF25)
 
 
-@dataclass(frozen=True)
-class NearSpec:
-    """Config key ``dedup.near``."""
-
-    threshold: float = 0.8
-    ngram: int = 5
-    num_perm: int = 128
-    seed: int = 0
-
-    @functools.cached_property
-    def bands_rows(self) -> tuple[int, int]:
-        return optimal_bands(self.threshold, self.num_perm)
-
-    def components(self) -> dict[str, object]:
-        """What decides which prompts go: the settings and the band split they give."""
-        bands, rows = self.bands_rows
-        return {
-            "threshold": self.threshold,
-            "ngram": self.ngram,
-            "num_perm": self.num_perm,
-            "seed": self.seed,
-            "bands": bands,
-            "rows": rows,
-        }
-
-
-def catch_probability(similarity: float | np.ndarray, bands: int, rows: int) -> float | np.ndarray:
-    """The chance two prompts of this Jaccard similarity share a band."""
-    return 1 - (1 - np.asarray(similarity, dtype=float) ** rows) ** bands
-
-
-def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows per band) with bands × rows ≤ num_perm that minimise the false-positive area below
-    ``threshold`` plus the false-negative area above it, equally weighted (as datasketch's MinHashLSH
-    chooses them)."""
-    grid = np.linspace(0, 1, 1001)
-    below, above = grid <= threshold, grid >= threshold
-    best: tuple[float, int, int] | None = None
-    for bands in range(1, num_perm + 1):
-        for rows in range(1, num_perm // bands + 1):
-            p = catch_probability(grid, bands, rows)
-            error = np.trapezoid(p[below], grid[below]) + np.trapezoid(1 - p[above], grid[above])
-            if best is None or error < best[0] - 1e-12:
-                best = (float(error), bands, rows)
-    assert best is not None
-    return best[1], best[2]
-
-
 def band_keys(row_of_text: np.ndarray, found: W.Words, n_rows: int, spec: NearSpec) -> tuple[np.ndarray, np.ndarray]:
     """(band keys, shape (n_rows, bands), uint64; whether each row has a word at all).
 
     ``found``: the words of texts, ``row_of_text`` the row (0 ≤ row < n_rows) each text belongs to,
     ascending. A row without words has no set to compare: its keys mean nothing and it is never a copy.
     """
-    bands, rows = spec.bands_rows
+    bands, rows = lsh.bands_rows(spec)
     shingles, text_of = found.ngrams(spec.ngram, whole_if_shorter=True)
     row_of = row_of_text[text_of]
     counts = np.bincount(row_of, minlength=n_rows)
