@@ -34,6 +34,7 @@ from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, explain, gc, registrations, status, verify
 from dflash_build.publish import release
+from dflash_build.spec import ConfigError
 from dflash_build.stages import mix
 from dflash_build.store import filesystem, layout, rowindex
 
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     except filesystem.StoreFault as e:
         print(f"dflash-build {args.command}: {e}", file=sys.stderr)
         return 2
-    except (config_mod.ConfigError, KeyError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
         print(f"dflash-build {args.command}: {e}", file=sys.stderr)
         return 2
 

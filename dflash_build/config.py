@@ -23,71 +23,26 @@ import yaml
 from dflash_build import engines, language
 from dflash_build.engines import registry
 from dflash_build.spec import (
-    EXPORT_DEFAULTS as EXPORT_DEFAULTS,
-)
-from dflash_build.spec import (
-    EXPORT_FORMATS as EXPORT_FORMATS,
-)
-from dflash_build.spec import (
-    FORMAT_FIELDS as FORMAT_FIELDS,
-)
-from dflash_build.spec import (  # the typed values live in spec; importers may read them here too
-    FORMATS as FORMATS,
-)
-from dflash_build.spec import (
-    LOCAL_SUFFIXES as LOCAL_SUFFIXES,
-)
-from dflash_build.spec import (
-    LONG_POLICIES as LONG_POLICIES,
-)
-from dflash_build.spec import (
-    SAMPLING_FIELDS as SAMPLING_FIELDS,
-)
-from dflash_build.spec import (
-    Checks as Checks,
-)
-from dflash_build.spec import (
-    Config as Config,
-)
-from dflash_build.spec import (
-    ConfigError as ConfigError,
-)
-from dflash_build.spec import (
-    DecontaminationSpec as DecontaminationSpec,
-)
-from dflash_build.spec import (
-    DedupSpec as DedupSpec,
-)
-from dflash_build.spec import (
-    EngineSpec as EngineSpec,
-)
-from dflash_build.spec import (
-    ExportSpec as ExportSpec,
-)
-from dflash_build.spec import (
-    HubSpec as HubSpec,
-)
-from dflash_build.spec import (
-    ModelSpec as ModelSpec,
-)
-from dflash_build.spec import NearSpec
-from dflash_build.spec import (
-    PackSpec as PackSpec,
-)
-from dflash_build.spec import (
-    ReferenceSpec as ReferenceSpec,
-)
-from dflash_build.spec import (
-    Sampling as Sampling,
-)
-from dflash_build.spec import (
-    SourceSpec as SourceSpec,
-)
-from dflash_build.spec import (
-    TemplateKwargFrom as TemplateKwargFrom,
-)
-from dflash_build.spec import (
-    TrainerSpec as TrainerSpec,
+    EXPORT_DEFAULTS,
+    FORMAT_FIELDS,
+    LOCAL_SUFFIXES,
+    SAMPLING_FIELDS,
+    Checks,
+    Config,
+    ConfigError,
+    DecontaminationSpec,
+    DedupSpec,
+    EngineSpec,
+    ExportSpec,
+    HubSpec,
+    ModelSpec,
+    NearSpec,
+    PackSpec,
+    ReferenceSpec,
+    Sampling,
+    SourceSpec,
+    TemplateKwargFrom,
+    TrainerSpec,
 )
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing, keys, lsh, readers
-from dflash_build.config import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec, expand_files
+from dflash_build.config import expand_files
+from dflash_build.spec import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
 from dflash_build.versions import GEN_VERSION, LANGUAGE_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
 

@@ -23,6 +23,7 @@ from dflash_build import config as config_mod
 from dflash_build import engines, keys
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
+from dflash_build.spec import Config, EngineSpec
 from dflash_build.store import filesystem, layout
 from dflash_build.store.rowindex import RowIndex
 
@@ -102,7 +103,7 @@ def fix_list_params_changes() -> None:
         ParamsChange.__iter__ = lambda self: iter(self.files if self else ())  # type: ignore[method-assign]
 
 
-def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
+def warn_if_recorded_but_missing(config: Config) -> None:
     """Say so when a dataset folder was deleted by hand: its build record keeps Snakemake from rebuilding it."""
     for folder in config.dist_folders:
         if release.recorded_but_missing(folder):
@@ -114,7 +115,7 @@ def warn_if_recorded_but_missing(config: config_mod.Config) -> None:
             )
 
 
-def check_store(config: config_mod.Config) -> None:
+def check_store(config: Config) -> None:
     """Before any job: the store can be written, and its filesystem has ``checks.min_free_gb`` free.
 
     One line each (a :class:`filesystem.StoreFault`) that names the store and what to do; a GPU job
@@ -138,7 +139,7 @@ def or_exit(step: Callable[..., object], *args: Any) -> None:
         sys.exit(f"dflash-build: {env}")
 
 
-def sync_index(config: config_mod.Config) -> None:
+def sync_index(config: Config) -> None:
     """The row index learns the shards it lacks (once per build, not per job: see rowindex)."""
     with RowIndex.open(config.store):
         pass
@@ -285,7 +286,7 @@ def run_rule(smk: Any, stage: str) -> None:
         job.call(module, plan, smk)
 
 
-def generate_resources(engine: config_mod.EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
+def generate_resources(engine: EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
     """(gpu, gpu_jobs) one generate job asks for, and the gpu_jobs total to register (None: none).
 
     A job with its own engine holds a GPU: gpu=1. With shared engines a job feeds an engine instead, and

@@ -12,6 +12,7 @@ import yaml
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
+from dflash_build.spec import ConfigError
 from tests.conftest import REPO, Workflow, write_jsonl
 
 
@@ -75,7 +76,7 @@ _DELETE = object()
     ],
 )
 def test_config_errors_name_their_key(raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str) -> None:
-    with pytest.raises(cfg.ConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         build(edit(raw, dotted, value), tmp_path)
     assert err.value.key == key
     assert f"'{key}'" in str(err.value)
@@ -85,7 +86,7 @@ def test_config_errors_name_their_key(raw: dict[str, Any], tmp_path: Path, dotte
 def test_hub_sources_need_a_pinned_commit(raw: dict[str, Any], tmp_path: Path, revision: str | None) -> None:
     changed = edit(raw, "sources.a", {"category": "coding", "format": "alpaca", "hf": {"path": "org/data"}})
     changed["sources"]["a"]["hf"]["revision"] = revision
-    with pytest.raises(cfg.ConfigError, match=r"sources\.a\.hf\.revision"):
+    with pytest.raises(ConfigError, match=r"sources\.a\.hf\.revision"):
         build(changed, tmp_path)
 
 
@@ -93,7 +94,7 @@ def test_hub_source_without_max_samples_has_no_known_shard_count(raw: dict[str, 
     changed = edit(
         raw, "sources.a", {"category": "coding", "format": "alpaca", "hf": {"path": "org/data", "revision": "a" * 40}}
     )
-    with pytest.raises(cfg.ConfigError, match=r"sources\.a\.max_samples"):
+    with pytest.raises(ConfigError, match=r"sources\.a\.max_samples"):
         build(changed, tmp_path)
     changed["sources"]["a"]["max_samples"] = 10000
     plan = build(changed, tmp_path)
@@ -115,7 +116,7 @@ def test_hub_source_without_max_samples_has_no_known_shard_count(raw: dict[str, 
 def test_schema_refuses_unknown_keys_and_bad_values(
     raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str, message: str
 ) -> None:
-    with pytest.raises(cfg.ConfigError, match=re.escape(message)) as err:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
         build(edit(raw, dotted, value) if "." in dotted else dict(raw, **{dotted: value}), tmp_path)
     assert err.value.key == key and "\n" not in str(err.value)
 
@@ -125,7 +126,7 @@ def test_a_share_without_a_source_is_an_error_unless_its_shortfall_is_allowed(
     raw: dict[str, Any], tmp_path: Path
 ) -> None:
     shares = {"coding": 46, "math": 11, "agent": 9}
-    with pytest.raises(cfg.ConfigError, match="no source has category 'agent', so the mix would fail"):
+    with pytest.raises(ConfigError, match="no source has category 'agent', so the mix would fail"):
         build(edit(raw, "mix.categories", shares), tmp_path)
     wf = Workflow(tmp_path)
     wf.write_config(edit(raw, "mix.categories", shares))
@@ -187,7 +188,7 @@ def test_production_config_is_schema_valid_and_refuses_unpinned_revisions() -> N
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     validate(raw, str(cfg.SCHEMA_PATH))
     assert sum(raw["mix"]["categories"].values()) == pytest.approx(0.99)
-    with pytest.raises(cfg.ConfigError, match=r"hf.revision"):
+    with pytest.raises(ConfigError, match=r"hf.revision"):
         cfg.from_dict(dict(raw, model={**raw["model"], "revision": "r"}))
 
 
@@ -258,7 +259,7 @@ def test_every_schema_default_is_the_one_the_config_uses(raw: dict[str, Any], tm
         del node[last]
         try:
             built = cfg.from_dict(config)
-        except (KeyError, cfg.ConfigError):  # refused: the key is read, not defaulted again
+        except (KeyError, ConfigError):  # refused: the key is read, not defaulted again
             continue
         if built != expected:
             disagree.append(path)
@@ -296,13 +297,13 @@ def test_an_unknown_key_is_answered_with_the_closest_valid_key_in_one_line(
     for part in parent.split(".") if parent else []:
         node = node.setdefault(part, {})
     node[last] = value
-    with pytest.raises(cfg.ConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         build(edited, tmp_path)
     assert str(err.value) == f"config key '{typo}': is not a config key; did you mean '{closest}'?"
 
 
 def test_a_wrong_value_is_named_by_its_key_without_the_schema(raw: dict[str, Any], tmp_path: Path) -> None:
-    with pytest.raises(cfg.ConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         build(edit(raw, "sources.a.sampling", {"top_p": 3}), tmp_path)
     assert str(err.value) == "config key 'sources.a.sampling.top_p': 3 is greater than the maximum of 1"
 
@@ -327,7 +328,7 @@ def test_a_key_given_twice_is_refused_with_both_lines(raw: dict[str, Any], tmp_p
     path = tmp_path / "config.yaml"
     path.write_text(DUPLICATED.format(model=raw["model"]["path"]))
     message = f"config key 'sources.a': given twice under sources in {path} (lines 4 and 6)"
-    with pytest.raises(cfg.ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         cfg.load(path)
     proc = Workflow(tmp_path).run("-n", check=False)  # the workflow reads its config files the same way
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr
@@ -336,7 +337,7 @@ def test_a_key_given_twice_is_refused_with_both_lines(raw: dict[str, Any], tmp_p
         "  a:\n    category: math", "  c:\n    category: math"
     )
     path.write_text(nested.replace("format: alpaca\n    files", "format: alpaca\n    format: prompt\n    files"))
-    with pytest.raises(cfg.ConfigError, match=re.escape("config key 'sources.c.format': given twice under sources.c")):
+    with pytest.raises(ConfigError, match=re.escape("config key 'sources.c.format': given twice under sources.c")):
         cfg.load(path)
 
 
@@ -368,7 +369,7 @@ def test_per_source_template_kwargs_change_only_that_sources_gen_key(raw: dict[s
     ],
 )
 def test_non_finite_numbers_are_refused(raw: dict[str, Any], tmp_path: Path, dotted: str, value: Any, key: str) -> None:
-    with pytest.raises(cfg.ConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         cfg.from_dict(_defaults(edit(raw, dotted, value)))
     assert err.value.key == key
 
@@ -382,7 +383,7 @@ def _defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
 def test_sources_whose_rule_names_collide_are_refused(raw: dict[str, Any], tmp_path: Path) -> None:
     collide = edit(raw, "sources", {**raw["sources"], "a-b": raw["sources"]["a"], "a_b": raw["sources"]["a"]})
-    with pytest.raises(cfg.ConfigError, match="prepare_a_b is also that of source 'a-b'") as err:
+    with pytest.raises(ConfigError, match="prepare_a_b is also that of source 'a-b'") as err:
         build(collide, tmp_path)
     assert err.value.key == "sources.a_b"
 
@@ -406,7 +407,7 @@ def test_the_dataset_folder_may_not_overlap_inputs_store_logs_or_model(
     raw: dict[str, Any], tmp_path: Path, dataset: dict[str, str]
 ) -> None:
     dataset = {k: v.replace("HERE", tmp_path.name) for k, v in dataset.items()}
-    with pytest.raises(cfg.ConfigError, match="overlaps") as err:
+    with pytest.raises(ConfigError, match="overlaps") as err:
         build(edit(raw, "dataset", dataset), tmp_path)
     assert err.value.key == "dataset.out"
     build(edit(raw, "dataset", {"out": "dist", "name": "mix"}), tmp_path)  # the usual place is fine
@@ -415,7 +416,7 @@ def test_the_dataset_folder_may_not_overlap_inputs_store_logs_or_model(
 def test_a_dataset_folder_over_a_globbed_input_folder_is_refused(raw: dict[str, Any], tmp_path: Path) -> None:
     write_jsonl(tmp_path / "data" / "c.jsonl", [{"instruction": "x"}])
     changed = edit(raw, "sources.a.files", ["data/*.jsonl"])
-    with pytest.raises(cfg.ConfigError, match=r"sources\.a\.files"):
+    with pytest.raises(ConfigError, match=r"sources\.a\.files"):
         build(edit(changed, "dataset", {"out": ".", "name": "data"}), tmp_path)
 
 
@@ -433,5 +434,5 @@ def test_the_trainer_window_keys_generation_only_when_set_and_is_the_exports_def
     exports = build(exported, tmp_path).config.exports
     assert (exports["specforge"].max_length, exports["speculators"].max_length) == (4096, 2048)
     assert exports["conversations"].max_length is None
-    with pytest.raises(cfg.ConfigError, match=r"trainer\.min_new_tokens"):
+    with pytest.raises(ConfigError, match=r"trainer\.min_new_tokens"):
         build(edit(raw, "trainer", {"max_length": 64, "min_new_tokens": 64}), tmp_path)

@@ -17,7 +17,7 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import lsh
 from dflash_build import plan as plan_mod
-from dflash_build.spec import NearSpec
+from dflash_build.spec import ConfigError, NearSpec
 from dflash_build.stages import crosssource, neardup, prepare
 from dflash_build.stages import words as W
 from dflash_build.stages.decontaminate import ReferenceError
@@ -241,7 +241,7 @@ def test_a_preferred_source_that_is_not_one_is_named_with_the_closest(tmp_path: 
     write_jsonl(tmp_path / "in.jsonl", [{"instruction": "hello there"}])
     source = {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")]}
     with pytest.raises(
-        cfg.ConfigError, match=r"dedup\.prefer\.0': 'codealpaca' is not a source; did you mean 'code_alpaca'"
+        ConfigError, match=r"dedup\.prefer\.0': 'codealpaca' is not a source; did you mean 'code_alpaca'"
     ):
         _plan(tmp_path, {"code_alpaca": source}, dedup={"prefer": ["codealpaca"]})
 

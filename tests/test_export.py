@@ -14,7 +14,7 @@ from specforge.data.loss_mask import has_consecutive_supervised_tokens
 from specforge.data.prompt_builder import _prompt_from_record
 from speculators.data_generation.preprocessing import _append_row
 
-from dflash_build.config import EXPORT_DEFAULTS, ExportSpec
+from dflash_build.spec import EXPORT_DEFAULTS, ExportSpec
 from dflash_build.stages import export
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_build.config import EngineSpec
 from dflash_build.engines import gpus
+from dflash_build.spec import EngineSpec
 
 
 def spec(tmp_path: Path, ids: list[str], wait: float = 0.5) -> EngineSpec:

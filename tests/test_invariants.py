@@ -20,6 +20,7 @@ import pytest
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build import workflow as workflow_mod  # not `workflow`: snakemake's validate reads that global
+from dflash_build.spec import ModelSpec
 from dflash_build.stages import chat
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
@@ -63,7 +64,7 @@ def _config(root: Path, model: Path, seed: int) -> dict[str, Any]:
     config["shard_size"] = 5  # two shards of five prompts (ten rows each)
     config["checks"]["max_failed_fraction"] = 1.0  # context skips are part of what is compared here
     # the longest prompt fits with SHORT new tokens but not with LONG: reuse must skip it like a fresh build
-    tok = chat.load_tokenizer(cfg.ModelSpec(str(model), None, None, str(TOOLS_TEMPLATE), {}))
+    tok = chat.load_tokenizer(ModelSpec(str(model), None, None, str(TOOLS_TEMPLATE), {}))
     lengths = [len(chat.render(tok, [{"role": "user", "content": p}], None, {})) for p in prompts]
     config["model"]["context_length"] = max(lengths) + SHORT
     assert min(lengths) + LONG <= max(lengths) + SHORT, "the random prompts must differ in length"

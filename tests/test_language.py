@@ -14,6 +14,7 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import language
 from dflash_build import plan as plan_mod
+from dflash_build.spec import Config, ConfigError
 from dflash_build.stages import generate, mix, prepare, tokenize
 from tests.conftest import base_config, write_jsonl
 from tests.multilingual import GSM8K_QUESTION, MGSM_ITEM_0, PARAGRAPH, SAME_TOPIC
@@ -71,7 +72,7 @@ def _raw(tmp_path: Path, **source: Any) -> dict[str, Any]:
     }
 
 
-def _load(tmp_path: Path, raw: dict[str, Any]) -> cfg.Config:
+def _load(tmp_path: Path, raw: dict[str, Any]) -> Config:
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw, allow_unicode=True))
     return cfg.load(tmp_path / "c.yaml")
 
@@ -118,7 +119,7 @@ def test_language_settings_fail_naming_the_key(tmp_path: Path, where: str, value
         raw["sources"]["s"]["languages"] = value
     else:
         raw["mix"]["languages"] = value
-    with pytest.raises(cfg.ConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         _load(tmp_path, raw)
     assert message in str(err.value)
 

@@ -15,6 +15,7 @@ from dflash_build import config as cfg
 from dflash_build import hashing
 from dflash_build import plan as plan_mod
 from dflash_build.publish import report
+from dflash_build.spec import Checks
 from dflash_build.stages import mix
 
 
@@ -77,7 +78,7 @@ def _mixed(lengths: dict[str, list[int]], shares: dict[str, float], tolerance: f
     chosen = Counter(
         {c: int(np.array(v)[mix.take_to_target(np.array(v), targets[c])].sum()) for c, v in lengths.items()}
     )
-    checks = cfg.Checks(share_tolerance=tolerance)
+    checks = Checks(share_tolerance=tolerance)
     plan = SimpleNamespace(sources={}, config=SimpleNamespace(checks=checks, logs=Path("logs")))
     try:
         mix.check(plan, shares, targets, chosen, available, Counter())  # type: ignore[arg-type]

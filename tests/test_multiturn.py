@@ -25,6 +25,7 @@ from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.killpoints import KILL_AT_ENV
+from dflash_build.spec import ConfigError
 from dflash_build.stages import export, generate, mix, prepare, tokenize
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, write_jsonl
 
@@ -361,7 +362,7 @@ mix: {{categories: {{c: 1}}}}
 """
     )
     write_jsonl(tmp_path / "x.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(cfg.ConfigError, match=r"sources\.s\.chat_template_kwargs_from\.enable_thinking\.map.*quote"):
+    with pytest.raises(ConfigError, match=r"sources\.s\.chat_template_kwargs_from\.enable_thinking\.map.*quote"):
         cfg.load(tmp_path / "c.yaml")
 
 
@@ -381,7 +382,7 @@ def test_turn_samples_needs_turns_all(tmp_path: Path, tiny_model: Path) -> None:
         "mix": {"categories": {"c": 1}},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(cfg.ConfigError, match=r"sources\.s\.turn_samples.*turns: all"):
+    with pytest.raises(ConfigError, match=r"sources\.s\.turn_samples.*turns: all"):
         cfg.load(tmp_path / "c.yaml")
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_build.config import ModelSpec
 from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines.openai_backend import ModelMismatch, OpenAIEngine, ServerDown
+from dflash_build.spec import ModelSpec
 from dflash_build.stages import chat
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 

@@ -302,8 +302,8 @@ def test_configfile_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixt
 def test_the_trainer_windows_effect_on_the_rows_to_generate() -> None:
     """A worked pair, then the limits: a window no answer reaches changes nothing, one no prompt fits
     skips every row; the estimate scales with the rows to generate."""
-    from dflash_build.config import TrainerSpec
     from dflash_build.ops.estimate import WindowEffect, window_effect
+    from dflash_build.spec import TrainerSpec
 
     trainer = TrainerSpec(max_length=40, min_new_tokens=4)
     # 10 + 100 runs out at max_new_tokens 50: dropped without the window, 30 tokens with it; 10 + 5 stops

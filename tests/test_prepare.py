@@ -15,14 +15,15 @@ import yaml
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
+from dflash_build.spec import Sampling, SourceSpec
 from dflash_build.stages import prepare
 from tests.conftest import write_jsonl
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 
 
-def spec(fmt: str, **kw: Any) -> cfg.SourceSpec:
-    sampling = cfg.Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1)
+def spec(fmt: str, **kw: Any) -> SourceSpec:
+    sampling = Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1)
     base: dict[str, Any] = {
         "name": "s",
         "category": "c",
@@ -39,7 +40,7 @@ def spec(fmt: str, **kw: Any) -> cfg.SourceSpec:
         "chat_template_kwargs": {},
     }
     base.update(kw)
-    return cfg.SourceSpec(**base)
+    return SourceSpec(**base)
 
 
 def test_sharegpt_keeps_the_conversation_up_to_the_first_assistant_turn() -> None:

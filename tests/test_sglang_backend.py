@@ -23,10 +23,10 @@ from typing import Any
 import psutil
 import pytest
 
-from dflash_build.config import ConfigError, ModelSpec
 from dflash_build.engines import EngineFailed, Request, SamplingParams, check_options
 from dflash_build.engines import sglang_backend as sb
 from dflash_build.engines.gpus import GpuLease
+from dflash_build.spec import ConfigError, ModelSpec
 from tests.conftest import Workflow, base_config, write_jsonl
 
 MODEL = ModelSpec("/models/qwen", None, None, None, {}, 4096)

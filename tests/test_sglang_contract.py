@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from dflash_build import keys
-from dflash_build.config import ModelSpec
 from dflash_build.engines import Request, SamplingParams, sglang_fields
 from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.sglang_backend import (
@@ -33,6 +32,7 @@ from dflash_build.engines.sglang_backend import (
     server_args,
     server_kwargs,
 )
+from dflash_build.spec import ModelSpec
 from dflash_build.stages.generate import SEED_BITS, fits_context, row_seed
 from tests.conftest import REPO
 

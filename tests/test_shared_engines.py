@@ -24,6 +24,7 @@ from dflash_build import workflow
 from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines import host as engine_host
 from dflash_build.engines.gpus import Gpu, GpuLease, job_locks
+from dflash_build.spec import Config, ConfigError, EngineSpec
 from tests.conftest import Workflow, base_config, completion_rows, write_jsonl
 
 
@@ -184,7 +185,7 @@ def test_a_stopped_shared_engine_is_replaced_and_the_build_writes_what_an_undist
 
 
 # -- the host itself ---------------------------------------------------------------------------------
-def _config(root: Path, raw: dict[str, Any]) -> config_mod.Config:
+def _config(root: Path, raw: dict[str, Any]) -> Config:
     path = root / "config.yaml"
     path.write_text(json.dumps(raw))
     return config_mod.load(path)
@@ -196,7 +197,7 @@ def _spec(root: Path, model: Path, gpu: str = "0", idle_timeout: float = 600, **
     return engine_host.launch_spec(cfg, [2], lease, {"weights": str(model)}, 2048)
 
 
-def _host_config(root: Path, model: Path, idle_timeout: float = 600, **options: Any) -> config_mod.Config:
+def _host_config(root: Path, model: Path, idle_timeout: float = 600, **options: Any) -> Config:
     return _config(
         root,
         {
@@ -314,9 +315,9 @@ def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allo
 @pytest.mark.workflow
 def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tiny_model: Path) -> None:
     """The same requests through the server (as two jobs at once) and through the backend in-process."""
-    from dflash_build.config import ModelSpec
     from dflash_build.engines.openai_backend import OpenAIEngine
     from dflash_build.engines.transformers_backend import TransformersEngine
+    from dflash_build.spec import ModelSpec
     from dflash_build.stages import chat
 
     spec = _spec(tmp_path, tiny_model)
@@ -405,7 +406,7 @@ def test_a_process_is_alive_until_its_last_thread_exits(tmp_path: Path) -> None:
 
 
 def test_generate_resources_turn_gpus_into_job_places() -> None:
-    def engine(**kw: Any) -> config_mod.EngineSpec:
+    def engine(**kw: Any) -> EngineSpec:
         base = dict(
             backend="sglang",
             options={},
@@ -416,7 +417,7 @@ def test_generate_resources_turn_gpus_into_job_places() -> None:
             journal_flush_rows=1,
             journal_flush_seconds=1,
         )
-        return config_mod.EngineSpec(**{**base, **kw})
+        return EngineSpec(**{**base, **kw})
 
     assert workflow.generate_resources(engine(), 8) == (1, 0, None)
     assert workflow.generate_resources(engine(shared=True), 8) == (0, 1, 16)
@@ -437,5 +438,5 @@ def test_generate_resources_turn_gpus_into_job_places() -> None:
 def test_the_openai_backend_cannot_be_shared(tmp_path: Path, tiny_model: Path) -> None:
     config = base_config(tiny_model, _source(tmp_path, 1))
     config["engine"] = {"backend": "openai", "options": {"urls": ["http://x"]}, "shared": True}
-    with pytest.raises(config_mod.ConfigError, match=r"engine\.shared"):
+    with pytest.raises(ConfigError, match=r"engine\.shared"):
         _config(tmp_path, config)

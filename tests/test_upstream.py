@@ -13,6 +13,7 @@ import yaml
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
+from dflash_build.spec import ConfigError, Sampling, SourceSpec
 from dflash_build.stages import prepare
 from tests.conftest import write_jsonl
 
@@ -133,7 +134,7 @@ def test_plan_counts_a_local_hub_folder_by_its_split_files(tmp_path: Path) -> No
     )
     assert (plan.sources["code"].planned_rows, plan.sources["code"].n_shards) == (40, 3)
     assert (plan.sources["glaive"].planned_rows, plan.sources["glaive"].n_shards) == (12, 1)
-    with pytest.raises(cfg.ConfigError, match=r"sources\.x\.hf.*no split 'nope'"):
+    with pytest.raises(ConfigError, match=r"sources\.x\.hf.*no split 'nope'"):
         _plan(
             tmp_path / "bad",
             {"x": {"category": "c", "format": "messages", "hf": _hf("nemotron-post-training-v2", split="nope")}},
@@ -259,9 +260,9 @@ def test_hermes_tool_block_is_found_whatever_the_prose_says(prose: str) -> None:
             f"<tools>\n{block}\n</tools>\nReturn <tool_call> tags."
         )
         row = {"conversations": [{"from": "system", "value": system}, {"from": "human", "value": "find it"}]}
-        spec = cfg.SourceSpec(
+        spec = SourceSpec(
             name="s", category="c", format="hermes", files=(), hf=None, fields={}, roles={}, max_samples=None,
-            seed=0, min_chars=0, max_chars=None, sampling=cfg.Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1),
+            seed=0, min_chars=0, max_chars=None, sampling=Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1),
             chat_template_kwargs={},
         )  # fmt: skip
         messages, found = prepare.to_prompt(row, spec)

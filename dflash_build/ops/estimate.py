@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from dflash_build.config import TrainerSpec
 from dflash_build.plan import Plan
+from dflash_build.spec import TrainerSpec
 from dflash_build.stages import crosssource, prepare
 from dflash_build.store import filesystem, layout
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal

@@ -16,9 +16,9 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build import hashing
-from dflash_build.config import Config
 from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.publish import release
+from dflash_build.spec import Config
 from dflash_build.store import atomic, fingerprints, layout, rowindex
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, parse
 from dflash_build.store.rowindex import RowIndex

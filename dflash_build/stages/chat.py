@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dflash_build import gguf_meta
-from dflash_build.config import ModelSpec
+from dflash_build.spec import ModelSpec
 
 _PROBE_TOOLS = [
     {

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dflash_build.config import FORMAT_FIELDS, SourceSpec
+from dflash_build.spec import FORMAT_FIELDS, SourceSpec
 
 # Python's whitespace (str.isspace, str.split, str.strip) as RE2 classes: all of it (none is above
 # U+3000), the ASCII part, and the ASCII part but the plain space.

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import readers
-from dflash_build.config import DecontaminationSpec, ReferenceSpec
+from dflash_build.spec import DecontaminationSpec, ReferenceSpec
 from dflash_build.stages import words as W
 
 NO_ITEM = -1

@@ -35,8 +35,8 @@ from typing import IO, Any
 import pyarrow.parquet as pq
 
 from dflash_build import hashing
-from dflash_build.config import ExportSpec
 from dflash_build.publish import release
+from dflash_build.spec import ExportSpec
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
 

@@ -32,9 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import hashing
-from dflash_build.config import PackSpec
 from dflash_build.publish import release
 from dflash_build.publish.report import length_stats
+from dflash_build.spec import PackSpec
 from dflash_build.stages.mix import RollingWriter, card_header
 from dflash_build.store import atomic, layout
 from dflash_build.versions import PACK_VERSION

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import hashing, language, readers
-from dflash_build.config import FORMAT_FIELDS, SourceSpec
 from dflash_build.plan import Plan, SourcePlan, fingerprint_cache
+from dflash_build.spec import FORMAT_FIELDS, SourceSpec
 from dflash_build.stages import columnar, neardup
 from dflash_build.stages.decontaminate import ReferenceIndex
 from dflash_build.stages.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE, Example, TextFilters

@@ -44,10 +44,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import engines, hashing, killpoints
-from dflash_build.config import SourceSpec
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
+from dflash_build.spec import SourceSpec
 from dflash_build.stages import chat
 from dflash_build.stages.generate.accounting import ShardFailedError as ShardFailedError
 from dflash_build.stages.generate.accounting import check_failures, shard_stats, turn_counts
