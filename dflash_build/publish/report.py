@@ -37,7 +37,7 @@ PLOTS = {
     ),
 }
 TABLES = ("tables/by_source.csv", "tables/by_category.csv", "tables/by_language.csv")
-PLOTTED_LANGUAGES = 8
+NAMED_LANGUAGES = 8  # the plot and the build's summary name the largest; the rest are "other"
 
 
 def percentile(values: Sequence[int] | np.ndarray, q: float) -> int:
@@ -272,10 +272,11 @@ def language_table(manifest: dict[str, Any]) -> tuple[list[str], list[list[str]]
     """Languages (rows, most tokens first) by their share of each category's tokens and of the dataset's."""
     by_category = manifest["languages"]["by_category"]
     total = language_totals(manifest)
+    shares = {c: language_shares(counts) for c, counts in by_category.items()}
     head = ["language", *by_category, "all", "tokens"]
     rows = []
     for lang, share in language_shares(dict(total)).items():
-        cells = [f"{language_shares(by_category[c]).get(lang, 0.0):.1%}" for c in by_category]
+        cells = [f"{shares[c].get(lang, 0.0):.1%}" for c in by_category]
         rows.append([lang, *cells, f"{share:.1%}", str(total[lang])])
     return head, rows
 
@@ -379,10 +380,12 @@ def _stacked(plt: Any, sources: list[str], series: dict[str, list[float]], xlabe
         left = [a + b for a, b in zip(left, values, strict=True)]
     ax.set_xlabel(xlabel)
     ax.invert_yaxis()
+    pad = 6
     if series:
-        legend_rows = math.ceil(len(series) / min(5, len(series)))
-        ax.legend(ncols=min(5, len(series)), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    ax.set_title(title, pad=6 + (18 * legend_rows if series else 0))  # above the legend
+        columns = min(5, len(series))
+        ax.legend(ncols=columns, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+        pad += 18 * math.ceil(len(series) / columns)  # the title above the legend's rows
+    ax.set_title(title, pad=pad)
     return fig
 
 
@@ -432,9 +435,10 @@ def _languages(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
     """Per category, its tokens' languages as stacked shares (the largest languages overall by name)."""
     by_category = manifest["languages"]["by_category"]
     total = language_totals(manifest)
-    named = [lang for lang, _ in total.most_common(PLOTTED_LANGUAGES)]
+    named = [lang for lang, _ in total.most_common(NAMED_LANGUAGES)]
     categories = list(by_category)
-    series = {lang: [100 * language_shares(by_category[c]).get(lang, 0.0) for c in categories] for lang in named}
+    shares = [language_shares(by_category[c]) for c in categories]
+    series = {lang: [100 * of_category.get(lang, 0.0) for of_category in shares] for lang in named}
     if len(total) > len(named):
         series["other"] = [100 - sum(values) for values in zip(*series.values(), strict=True)]
     fig = _stacked(plt, categories, series, "share of the category's tokens (%)", "languages per category")

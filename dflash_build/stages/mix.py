@@ -124,7 +124,7 @@ def sample_ranks(
 
 @dataclass
 class _Candidates:
-    """Every sample of the token shards, as flat arrays (20 bytes a sample), in input order."""
+    """Every sample of the token shards, as flat arrays (26 bytes a sample), in input order."""
 
     rank: np.ndarray  # uint64
     n_tokens: np.ndarray  # int32
@@ -228,7 +228,7 @@ def choose(plan: Plan) -> _Choice:
     eligible = _eligible(cand, names, cross)
     available = cand.available(cand.category, categories, eligible)
     floors = {c: dict(f) for c, f in cfg.mix_languages.items()}
-    by_language = cand.by_language(categories, eligible)
+    by_language = cand.by_language(categories, eligible) if floors else {}  # only floors need it
     targets = category_targets(shares, dict(available), cfg.mix_budget_tokens, floors, by_language)
     chosen = np.zeros(len(cand.rank), dtype=bool)
     chosen_tokens: Counter[str] = Counter()
@@ -238,7 +238,9 @@ def choose(plan: Plan) -> _Choice:
         take = _fill(cand, by_rank, targets[category], floors.get(category))
         chosen[take] = True
         chosen_tokens[category] += int(cand.n_tokens[take].sum(dtype=np.int64))
-    reached = _floors_reached(floors, cand.by_language(categories, chosen), chosen_tokens, by_language)
+    reached = {}
+    if floors:
+        reached = _floors_reached(floors, cand.by_language(categories, chosen), chosen_tokens, by_language)
     by_source = cand.available(cand.source, names, eligible)
     check(plan, shares, targets, chosen_tokens, available, by_source, cross, missed_floors(plan, reached, targets))
     return _Choice(inputs, chosen, cand.offsets, shares, targets, available, cross, reached)
@@ -626,7 +628,8 @@ def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str
     lines.append(f"length: mean {length['mean']}, p50 {length['p50']}, p90 {length['p90']}, max {length['max']}")
     if "languages" in manifest:
         shares = report.language_shares(dict(report.language_totals(manifest)))
-        lines.append("languages: " + ", ".join(f"{lang} {share:.1%}" for lang, share in list(shares.items())[:8]))
+        named = list(shares.items())[: report.NAMED_LANGUAGES]
+        lines.append("languages: " + ", ".join(f"{lang} {share:.1%}" for lang, share in named))
     lines.extend(f"note: {s}" for s in manifest["shortfalls"])
     if sources and "report" in manifest:
         lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]

@@ -614,9 +614,9 @@ class _Scanned:
         self.language_names: dict[str, int] = {}
 
     def _add_languages(self, found: list[str]) -> None:
-        if self.spec.languages is not None:
-            codes = [self.language_names.setdefault(code, len(self.language_names)) for code in found]
-            self.language_codes += np.array(codes, dtype=np.uint16).tobytes()
+        """The languages of the rows converted next (only with a language list: detecting costs time)."""
+        codes = [self.language_names.setdefault(code, len(self.language_names)) for code in found]
+        self.language_codes += np.array(codes, dtype=np.uint16).tobytes()
 
     def add(self, batch: RowBatch) -> None:
         self.rows_in += len(batch.numbers)
@@ -627,6 +627,7 @@ class _Scanned:
         if converted is not None and plain.any():
             self._add_plain(batch, converted)
         records, pids = [], bytearray()
+        found_languages: list[str] = []
         texts: list[str] = []
         text_rows: list[int] = []
         for raw in batch.raw_rows(np.flatnonzero(~plain).tolist()):
@@ -637,6 +638,8 @@ class _Scanned:
                 self.drops.add(d.reason, raw.location, d.detail)
                 continue
             texts += [m["content"] for m in messages]
+            if self.spec.languages is not None:
+                found_languages.append(language.of_messages(messages))
             text_rows += [len(records)] * len(messages)
             pid = prompt_id(messages, tools, kwargs)
             self.dedup_digests += bytes.fromhex(dedup_key(messages, tools, kwargs)[:32])
@@ -655,7 +658,7 @@ class _Scanned:
             )
         self.pids += pids
         if self.spec.languages is not None:
-            self._add_languages(language.of_messages_json(r["messages"] for r in records))
+            self._add_languages(found_languages)
         self.spill.add(pa.Table.from_pylist(records, schema=_SPILL_SCHEMA), _native_u64(pids))
         if self.filters.active:
             self.filters.add(np.array(text_rows, dtype=np.int64), pa.array(texts, pa.string()), len(records))
@@ -701,9 +704,9 @@ class _Scanned:
         if self.spec.languages is None:
             return rows, []
         names = list(self.language_names)
-        allowed = np.array([name in self.spec.languages for name in names] + [False], dtype=bool)
+        allowed = np.array([name in self.spec.languages for name in names], dtype=bool)
         codes = np.frombuffer(self.language_codes, dtype=np.uint16)[rows]
-        keep = allowed[codes] if len(names) else np.zeros(len(rows), dtype=bool)
+        keep = allowed[codes]
         self.drops.counts[DROP_LANGUAGE] += int((~keep).sum())
         examples = [
             Example(DROP_LANGUAGE, int(pids[rows[i]]), detail=f"language '{names[codes[i]]}'")
