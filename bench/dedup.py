@@ -110,6 +110,7 @@ def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english")
     from dflash_build import lsh
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
+    from dflash_build.stages.job import planned
 
     base = Path(root)
     extra: dict[str, Any] = {"store": str(base / f"store-{filters}")}
@@ -121,7 +122,7 @@ def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english")
     config = scale._config(base, source, shard_size=4096, **extra)
     plan = plan_mod.build(config)
     start, cpu = time.perf_counter(), time.process_time()
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     bands = lsh.bands_rows(config.dedup.near)[0] if config.dedup.near is not None else 0
     return {

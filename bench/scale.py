@@ -28,6 +28,7 @@ process's own ``ru_maxrss``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -130,6 +131,7 @@ def write_sharegpt(path: Path, rows: int) -> None:
 def measure_prepare(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
+    from dflash_build.stages.job import planned
 
     base = Path(root)
     config = _config(
@@ -137,7 +139,7 @@ def measure_prepare(root: str, rows: int) -> dict[str, Any]:
     )
     plan = plan_mod.build(config)
     start, cpu = time.perf_counter(), time.process_time()
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     return {
         "rows": rows,
@@ -219,10 +221,11 @@ def write_token_shards(root: str, rows: int) -> None:
 def measure_mix(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import mix
+    from dflash_build.stages.job import planned
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     start = time.perf_counter()
-    manifest = mix.run(plan, Path(root) / "dist" / "bench")
+    manifest = mix.run(planned(plan, "mix"))
     seconds = time.perf_counter() - start
     return {"rows_in": rows, "rows_out": manifest["rows"], "seconds": round(seconds, 2)}
 
@@ -231,7 +234,7 @@ def measure_mix_copy(root: str, rows: int) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from dflash_build import plan as plan_mod
-    from dflash_build.stages.mix import RollingWriter
+    from dflash_build.publish.files import RollingWriter
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     start = time.perf_counter()
@@ -340,6 +343,7 @@ def build_model(root: str) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
+    from dflash_build.stages.job import planned
 
     sys.path.insert(0, str(REPO))
     from tests.conftest import smollm2_gguf
@@ -359,7 +363,7 @@ def build_model(root: str) -> dict[str, Any]:
         for i in range(GEN_PROMPTS):
             f.write(json.dumps({"p": f"Question {i}: " + "explain the idea in a few words " * (1 + i % 5)}) + "\n")
     plan = plan_mod.build(_gen_config(base))
-    prepare.run(plan, "s")
+    prepare.run(planned(plan, "prepare", "s"))
     return {}
 
 
@@ -423,6 +427,7 @@ def measure_generate_driver(root: str, round_: int) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import generate
+    from dflash_build.stages.job import planned
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -430,7 +435,7 @@ def measure_generate_driver(root: str, round_: int) -> dict[str, Any]:
         shutil.rmtree(plan.config.store / folder, ignore_errors=True)
     spent = _time_model_work()
     t = time.perf_counter()
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     seconds = time.perf_counter() - t
     assert stats["generated"] == GEN_PROMPTS, stats
     own = seconds - spent["model_s"]
@@ -452,9 +457,7 @@ def measure_generate_plain(root: str, round_: int) -> dict[str, Any]:
     t = time.perf_counter()
     tokenizer = chat.load_tokenizer(cfg.model)
     engine = engines.load(cfg.engine, cfg.model, chat.stop_token_ids(tokenizer, cfg.model.path), None, tokenizer)
-    params = engines.SamplingParams(
-        sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.max_new_tokens
-    )
+    params = engines.SamplingParams.of(sampling)
     requests = [
         engines.Request(
             p["prompt_id"],
@@ -487,6 +490,7 @@ def measure_tokenize(root: str) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import chat, tokenize
+    from dflash_build.stages.job import planned
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -494,7 +498,11 @@ def measure_tokenize(root: str) -> dict[str, Any]:
     big = base / "tokenize-in.parquet"
     pq.write_table(pa.concat_tables([completions] * TOKENIZE_COPIES), big)
     t = time.perf_counter()
-    stats = tokenize.run(plan, "s", "00000", big, base / "tokenize-out.parquet")
+    job = planned(plan, "tokenize", "s", "00000")
+    out = base / "tokenize-out.parquet"
+    inputs = {**job.inputs, "completions": (big,)}
+    job = dataclasses.replace(job, inputs=inputs, outputs={"data": (out,), "stats": (out.with_suffix(".json"),)})
+    stats = tokenize.run(job)
     ours = time.perf_counter() - t
     prompts = {p["prompt_id"]: p for p in pq.read_table(plan.prompt_dir("s") / "00000.parquet").to_pylist()}
     tokenizer = chat.load_tokenizer(plan.config.model)

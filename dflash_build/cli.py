@@ -33,9 +33,8 @@ from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, explain, gc, registrations, status, verify
-from dflash_build.publish import release
+from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
-from dflash_build.stages import mix
 from dflash_build.store import filesystem, layout, rowindex
 
 
@@ -198,7 +197,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     folder = Path(args.dataset)
-    print(mix.summary(json.loads((folder / layout.MANIFEST).read_text()), folder))
+    print(card.summary(json.loads((folder / layout.MANIFEST).read_text()), folder))
     return 0
 
 

@@ -19,9 +19,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_build import hashing
+
 PROMPT = "prompt_key"
 GEN = "gen_key"
 TOK = "tok_key"
+
+# What gen_key holds that is not how a row is generated: the prompt set and the budgets (a row generated
+# under another max_new_tokens or window is cut or continued; samples_per_prompt only adds rows).
+NOT_IN_REUSE_KEY = ("prompt_key", "trainer_window")
+SAMPLING_NOT_IN_REUSE_KEY = ("max_new_tokens", "samples_per_prompt")
+
+
+def reuse_key(gen_components: Mapping[str, Any]) -> str:
+    """gen_key without the prompt set and the budgets: rows under one reuse key are interchangeable (the
+    row index reuses them across configs). The one rule, for a plan and for a sidecar's recorded
+    components alike."""
+    parts = {k: v for k, v in gen_components.items() if k not in NOT_IN_REUSE_KEY}
+    parts["sampling"] = {k: v for k, v in parts["sampling"].items() if k not in SAMPLING_NOT_IN_REUSE_KEY}
+    return hashing.content_key(parts)
 
 
 @dataclass(frozen=True)

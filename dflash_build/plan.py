@@ -67,6 +67,10 @@ class SourcePlan:
         return hashing.content_key(self.gen_components)
 
     @functools.cached_property
+    def reuse_key(self) -> str:
+        return keys.reuse_key(self.gen_components)
+
+    @functools.cached_property
     def tok_key(self) -> str:
         return hashing.content_key(self.tok_components)
 

@@ -214,6 +214,17 @@ class TrainerSpec:
     max_length: int | None = None
     min_new_tokens: int = 32
 
+    def budget(self, max_new_tokens: int, prompt_tokens: int) -> int:
+        """New tokens an answer after ``prompt_tokens`` may have: ``max_new_tokens``, or what is left of
+        the window when that is less, so no token is generated past it. The one rule of the window
+        (generate applies it, ``plan`` estimates with it)."""
+        return max_new_tokens if self.max_length is None else min(max_new_tokens, self.max_length - prompt_tokens)
+
+    def leaves_too_little(self, budget: int) -> bool:
+        """Whether a prompt whose budget is ``budget`` is skipped: fewer than ``min_new_tokens`` new
+        tokens in the window (fewer than one without a window)."""
+        return budget < (1 if self.max_length is None else self.min_new_tokens)
+
 
 @dataclass(frozen=True)
 class NearSpec:

@@ -2,8 +2,8 @@
 
 Each rule's ``script:`` calls :func:`run_rule` with the ``snakemake`` object; the plan is rebuilt from
 the job's config for the job's own source only (fingerprints come from the cache), and the stage runs
-with its log file attached, on the paths Snakemake gave the job. :data:`STAGE_JOBS` is the one table
-of how each rule calls its stage.
+with its log file attached, as one :class:`~dflash_build.stages.job.Job` made of the paths Snakemake gave
+the job (every stage's ``run(job)``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ from dflash_build import engines, keys
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.spec import Config, EngineSpec
+from dflash_build.stages import job as job_mod
+from dflash_build.stages.job import Job
 from dflash_build.store import filesystem, layout
 from dflash_build.store.rowindex import RowIndex
 
@@ -162,17 +163,6 @@ def plan_from(config: dict[str, Any], source: str | None = None) -> plan_mod.Pla
     return plan_mod.build(config_mod.from_dict(config), only=source)
 
 
-def prompt_shard(manifest: str | Path, shard: str) -> Path:
-    """A prompt shard: beside its source's manifest, the one output of prepare that jobs depend on."""
-    path = layout.shard_file(Path(manifest).parent, shard)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"prompt shard {path} is missing although its manifest {manifest} exists; "
-            f"delete {manifest} and run again to prepare the source anew"
-        )
-    return path
-
-
 class KeyMismatchError(RuntimeError):
     """The config, model or inputs changed since Snakemake planned this job: its output would go astray."""
 
@@ -200,65 +190,32 @@ _KEYED = {stage.rule: stage for stage in layout.STAGES.values()}  # the stages w
 
 
 # -- one job of each stage, from the paths Snakemake gave it ------------------------------------------
-@dataclass(frozen=True)
-class StageJob:
-    """How a rule's job calls its stage: ``call(stage module, plan, snakemake)``; ``source`` names the
-    job's source (None: the job reads every source), ``asked`` the key Snakemake planned (None: unkeyed)."""
+def _paths(named: Any, names: tuple[str, ...]) -> dict[str, tuple[Path, ...]]:
+    """Snakemake's named inputs or outputs (a name may hold one path or a list), as paths by name."""
+    paths = {}
+    for name in names:
+        value = getattr(named, name, None)
+        items = [] if value is None else [value] if isinstance(value, str | Path) else list(value)
+        paths[name] = tuple(Path(p) for p in items)
+    return paths
 
-    call: Callable[[Any, plan_mod.Plan, Any], Any]
-    source: Callable[[Any], str | None] = lambda smk: getattr(smk.wildcards, "source", None)
-    asked: Callable[[Any], str | None] = lambda smk: None
-    planned: Callable[[Any], str | None] = lambda smk: None  # the components Snakemake planned with
 
-
-def _generate(module: Any, plan: plan_mod.Plan, smk: Any) -> Any:
-    source, shard = smk.wildcards.source, smk.wildcards.shard
-    paths = module.ShardPaths(
-        prompt_shard(smk.input.prompts, shard),
-        Path(smk.output.data),
-        Path(smk.output.stats),
-        plan.journal_dir(source, shard),  # not a Snakemake output: it outlives failed jobs
+def job_of(smk: Any, stage: str) -> Job:
+    """The job Snakemake asked for: its plan (of its one source, for a source's job), its declared inputs
+    and outputs by name, and its key (a wildcard, or prepare's ``key`` param)."""
+    wildcards = smk.wildcards
+    source = getattr(smk.params, "source", None) or getattr(wildcards, "source", None)
+    key = getattr(smk.params, "key", None) or getattr(wildcards, "key", None)
+    return Job(
+        stage,
+        plan_from(smk.config, source),
+        _paths(smk.input, job_mod.INPUTS[stage]),
+        _paths(smk.output, job_mod.OUTPUTS[stage]),
+        source=source,
+        shard=getattr(wildcards, "shard", None),
+        key=key,
+        fmt=getattr(wildcards, "fmt", None),
     )
-    return module.run(plan, source, shard, paths)
-
-
-def _export(module: Any, plan: plan_mod.Plan, smk: Any) -> Any:
-    cfg, fmt = plan.config, smk.wildcards.fmt
-    stores = {s: {"prompts": plan.prompt_shards(s), "completions": plan.completion_shards(s)} for s in plan.sources}
-    return module.run(cfg.dataset_dir, cfg.export_dir(fmt), smk.output[0], cfg.exports[fmt], stores)
-
-
-def _pack(module: Any, plan: plan_mod.Plan, smk: Any) -> Any:
-    cfg = plan.config
-    assert cfg.pack is not None and cfg.packed_dir is not None
-    return module.run(cfg.dataset_dir, cfg.packed_dir, smk.output[0], cfg.pack, cfg.rows_per_file)
-
-
-# Every stage's job, by rule name; each job imports dflash_build.<rule> only, so a CPU tokenize job
-# never loads the GPU driver.
-STAGE_JOBS: dict[str, StageJob] = {
-    "prepare": StageJob(
-        lambda module, plan, smk: module.run(plan, smk.params.source, Path(smk.output.manifest)),
-        source=lambda smk: smk.params.source,
-        asked=lambda smk: Path(smk.output.manifest).parent.name,
-        planned=lambda smk: smk.params.components,
-    ),
-    "generate": StageJob(_generate, asked=lambda smk: smk.wildcards.key),
-    "tokenize": StageJob(
-        lambda module, plan, smk: module.run(
-            plan,
-            smk.wildcards.source,
-            smk.wildcards.shard,
-            Path(smk.input[0]),
-            Path(smk.output.data),
-            prompt_shard(smk.input.prompts, smk.wildcards.shard),
-        ),
-        asked=lambda smk: smk.wildcards.key,
-    ),
-    "mix": StageJob(lambda module, plan, smk: module.run(plan, smk.output[0])),
-    "export": StageJob(_export),
-    "pack": StageJob(_pack),
-}
 
 
 def _first_output(smk: Any) -> str | None:
@@ -273,17 +230,15 @@ def run_rule(smk: Any, stage: str) -> None:
     """Run ``stage`` for a Snakemake job (the ``snakemake`` object a script receives).
 
     Before any work (no tokenizer, no GPU), the job checks that its own plan gives the key Snakemake
-    asked for, and it reads and writes the paths Snakemake gave it.
+    asked for. Each job imports dflash_build.stages.<stage> only, so a CPU tokenize job never loads the
+    GPU driver.
     """
-    job = STAGE_JOBS[stage]
     module = importlib.import_module(f"dflash_build.stages.{stage}")
     with logged(smk.log[0] if smk.log else None, _first_output(smk)):
-        source = job.source(smk)
-        plan = plan_from(smk.config, source)
-        asked = job.asked(smk)
-        if asked is not None and source is not None:
-            check_key(plan, stage, source, asked, job.planned(smk))
-        job.call(module, plan, smk)
+        job = job_of(smk, stage)
+        if job.key is not None and job.source is not None:
+            check_key(job.plan, stage, job.source, job.key, getattr(smk.params, "components", None))
+        module.run(job)
 
 
 def generate_resources(engine: EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:

@@ -5,14 +5,14 @@ import dflash_build.engines.host
 import dflash_build.engines
 import dflash_build.engines.registry
 import dflash_build.plan
-import dflash_build.stages.prepare
+import dflash_build.stages.prepare.checks
 import dflash_build.publish.release
 import dflash_build.versions
 import dflash_build.workflow
 from dflash_build.store import layout
 from dflash_build.hashing import canonical_json
 from dflash_build.store.layout import shard_pattern
-from dflash_build.stages.mix import summary
+from dflash_build.publish.card import summary
 
 # A key given twice in a config file, or one the schema does not know, stops the run in a line that
 # names it and the closest valid key (Snakemake's validate quotes the whole schema); the schema's
@@ -64,7 +64,7 @@ if GPU_JOBS is not None:
 # job takes a GPU; its prepare job would find it only after the other sources' generation started.
 for source_name in PLAN.sources:
     if not PLAN.prompt_manifest(source_name).exists():
-        dflash_build.stages.prepare.check_sample(PLAN, source_name)
+        dflash_build.stages.prepare.checks.check_sample(PLAN, source_name)
 # What each key is made of, kept in the store: a job whose own plan gives another key says what
 # changed (workflow.check_key) without a params function per job.
 if not DRY_RUN:

@@ -3,7 +3,7 @@ rule export:
         dataset=rules.mix.output,
         store=get_export_store,
     output:
-        directory(EXPORT_RECORD),
+        record=directory(EXPORT_RECORD),
     log:
         layout.dist_log(LOGS, f"{CONFIG.dataset_name}-{{fmt}}"),
     conda:

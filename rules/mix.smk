@@ -1,12 +1,12 @@
 rule mix:
     input:
-        get_token_shards(),
+        tokens=get_token_shards(),
         bands=get_all_prompt_bands(),
         # the card's removed-rows table reads each source's prepare accounting
         manifests=[ancient(m) for m in PROMPT_MANIFESTS.values()],
     output:
         # the card's plots and tables go into `snakemake --report report.html` too
-        report(
+        record=report(
             directory(DATASET_RECORD),
             patterns=["plots/{name}.png", "tables/{name}.csv"],
             caption="report/dataset.rst",

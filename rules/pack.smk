@@ -1,8 +1,8 @@
 rule pack:
     input:
-        rules.mix.output,
+        dataset=rules.mix.output,
     output:
-        directory(PACKED_RECORD),
+        record=directory(PACKED_RECORD),
     log:
         layout.dist_log(LOGS, f"{CONFIG.dataset_name}-packed"),
     conda:

@@ -10,7 +10,7 @@ for source_name, source_plan in PLAN.sources.items():
         name:
             dflash_build.config.prepare_rule_name(source_name)
         input:
-            [ancient(str(f)) for f in source_plan.input_files],
+            files=[ancient(str(f)) for f in source_plan.input_files],
             references=[ancient(str(f)) for f in get_reference_files()],
         output:
             manifest=update(str(PLAN.prompt_manifest(source_name))),
@@ -21,6 +21,7 @@ for source_name, source_plan in PLAN.sources.items():
             "../envs/cpu.yaml"
         params:
             source=source_name,
+            key=source_plan.prompt_key,
             components=get_prompt_components(source_name),
         script:
             "scripts/prepare.py"

@@ -1,6 +1,6 @@
 rule tokenize:
     input:
-        get_completion_shard,
+        completions=get_completion_shard,
         # each sample's language is its prompt's (the shard's prompts lie beside the manifest)
         prompts=get_prompt_manifest,
     output:

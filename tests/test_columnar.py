@@ -1,7 +1,7 @@
 """Prepare's batch conversion (dflash_build.stages.columnar) writes exactly what the row path writes.
 
 Every test here runs prepare twice on the same quirky rows, once as it is and once with the batch
-conversion switched off (every row through ``prepare.to_prompt``), and requires the same manifest
+conversion switched off (every row through ``prepare.formats.to_prompt``), and requires the same manifest
 (counts, drops, drop examples, shard hashes) and the same shard rows; and that the batch conversion
 really took most of the rows, so the comparison cannot pass by everything falling back.
 """
@@ -23,7 +23,9 @@ import yaml
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
-from dflash_build.stages import columnar, prepare
+from dflash_build.stages import prepare
+from dflash_build.stages.job import planned
+from dflash_build.stages.prepare import columnar
 from tests.conftest import write_jsonl
 
 TEXTS = [
@@ -94,9 +96,9 @@ def _prepare_both(
 ) -> tuple[dict[str, Any], int, int]:
     """prepare.run with and without the batch conversion; returns the manifest, the rows in, and how
     many rows the batch conversion took."""
-    monkeypatch.setattr(prepare, "JSONL_CHUNK_BYTES", 3000)  # many chunks: some Arrow reads, some not
-    monkeypatch.setattr(prepare, "BATCH_ROWS", 64)
-    monkeypatch.setattr(prepare, "ROWS_PER_BUCKET", 16)
+    monkeypatch.setattr(prepare.read, "JSONL_CHUNK_BYTES", 3000)  # many chunks: some Arrow reads, some not
+    monkeypatch.setattr(prepare.read, "BATCH_ROWS", 64)
+    monkeypatch.setattr(prepare.spill, "ROWS_PER_BUCKET", 16)
     plain_rows = []
     convert = columnar.convert
 
@@ -118,7 +120,7 @@ def _prepare_both(
         (tmp_path / "model.gguf").write_bytes(b"gguf")
         (tmp_path / f"{label}.yaml").write_text(yaml.safe_dump(raw))
         plan = plan_mod.build(cfg.load(tmp_path / f"{label}.yaml"))
-        manifest = prepare.run(plan, "s")
+        manifest = prepare.run(planned(plan, "prepare", "s"))
         shards = [
             pq.read_table(plan.prompt_dir("s") / f"{name}.parquet").to_pylist() for name in plan.sources["s"].shards
         ]

@@ -21,6 +21,7 @@ from dflash_build.spec import ConfigError, NearSpec
 from dflash_build.stages import crosssource, neardup, prepare
 from dflash_build.stages import words as W
 from dflash_build.stages.decontaminate import ReferenceError
+from dflash_build.stages.job import planned
 from tests.conftest import Workflow, base_config, write_jsonl
 from tests.multilingual import ASK, GSM8K_QUESTION, MGSM_ITEM_0, PARAGRAPH, SAME_TOPIC
 
@@ -140,7 +141,7 @@ def test_a_near_copy_is_dropped_counted_and_named_and_the_result_is_order_free(t
             {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / folder / "in.jsonl")]}},
             dedup={"near": {"threshold": 0.7}},
         )
-        manifests.append(prepare.run(plan, "s"))
+        manifests.append(prepare.run(planned(plan, "prepare", "s")))
         shards.append(_shards(plan, "s"))
     first = manifests[0]
     assert first["drops"] == {"near_duplicate": 1}
@@ -150,7 +151,7 @@ def test_a_near_copy_is_dropped_counted_and_named_and_the_result_is_order_free(t
         f"in.jsonl:{n}"
         for n in sorted(
             [5, 31],
-            key=lambda n: prepare.prompt_id([{"role": "user", "content": rows[n - 1]["instruction"]}], None),
+            key=lambda n: prepare.identity.prompt_id([{"role": "user", "content": rows[n - 1]["instruction"]}], None),
             reverse=True,
         )
     )
@@ -190,7 +191,7 @@ def test_a_prompt_holding_a_test_question_is_contaminated_and_one_on_its_topic_i
         {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")]}},
         decontaminate=references,
     )
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     assert manifest["drops"] == {"contaminated": 2}
     assert manifest["rows_out"] == 2
     examples = manifest["drop_examples"]["contaminated"]
@@ -217,7 +218,7 @@ def test_a_reference_without_the_field_names_the_file_row_and_key(tmp_path: Path
         match=r"ref\.jsonl:2: no text in column 'question' \(decontaminate\.references"
         r"\.gsm8k\.field; the row has columns: problem\)",
     ):
-        prepare.run(plan, "s")
+        prepare.run(planned(plan, "prepare", "s"))
 
 
 def test_a_source_the_filters_empty_fails_naming_the_step(tmp_path: Path) -> None:
@@ -229,11 +230,11 @@ def test_a_source_the_filters_empty_fails_naming_the_step(tmp_path: Path) -> Non
         decontaminate=_decontaminate(tmp_path / "ref.jsonl"),
     )
     with pytest.raises(
-        prepare.SourceLossError,
+        prepare.checks.SourceLossError,
         match=r"every one of its 2 rows was removed.*contaminated 2 "
         r"\(decontaminate",
     ):
-        prepare.run(plan, "s")
+        prepare.run(planned(plan, "prepare", "s"))
     assert not plan.prompt_manifest("s").exists()
 
 
@@ -348,7 +349,7 @@ def test_scripts_without_spaces_are_decontaminated_and_deduplicated_by_character
         decontaminate=_decontaminate(tmp_path / "mgsm.jsonl"),
         dedup={"near": {"threshold": 0.7}},
     )
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     assert manifest["drops"] == {"contaminated": 2, "near_duplicate": 1}, manifest["drop_examples"]
     contaminated = sorted(e.split(": ", 1)[0] for e in manifest["drop_examples"]["contaminated"])
     assert contaminated == [f"{tmp_path}/in.jsonl:1", f"{tmp_path}/in.jsonl:5"]

@@ -490,7 +490,8 @@ def test_a_damaged_row_index_heals_and_every_row_is_still_reused(built: Path, tm
 @pytest.mark.parametrize("damage", ["random_bytes", "emptied_file", "rows_deleted", "old_layout"])
 def test_every_kind_of_row_index_damage_is_found_and_healed_on_open(built: Path, tmp_path: Path, damage: str) -> None:
     """What a build's first step (RowIndex.open) does to a damaged index: every published row is found again."""
-    from dflash_build.store.rowindex import RowIndex, reuse_key
+    from dflash_build.keys import reuse_key
+    from dflash_build.store.rowindex import RowIndex
 
     wf = _copy(built, tmp_path)
     store = wf.workdir / "store"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.stages import generate, prepare
+from dflash_build.stages.job import planned
 from tests.conftest import TOOLS_TEMPLATE, write_jsonl
 
 
@@ -50,7 +52,7 @@ def _plan(tmp_path: Path, tiny_model: Path, rows: list[Any], **model: Any) -> pl
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
-    prepare.run(plan, "s")
+    prepare.run(planned(plan, "prepare", "s"))
     return plan
 
 
@@ -79,7 +81,7 @@ def test_driver_accounts_for_every_row_and_records_template_failures(
     plan = _plan(tmp_path, tiny_model, ROWS, chat_template=str(template))
     stand_in = EchoEngine()
     monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stand_in.closed
     assert len(stand_in.requests) == 4  # 2 renderable prompts x 2 samples
     assert len({r.seed for r in stand_in.requests}) == 4
@@ -102,7 +104,7 @@ def test_an_engine_that_loses_rows_fails_the_shard_and_publishes_nothing(
     plan = _plan(tmp_path, tiny_model, ROWS[:1], chat_template=str(TOOLS_TEMPLATE))
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine(drop=1))
     with pytest.raises(RuntimeError, match="no result for 1 requests"):
-        generate.run(plan, "s", "00000")
+        generate.run(planned(plan, "generate", "s", "00000"))
     assert not (plan.completion_dir("s") / "00000.parquet").exists()
     journaled = (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
     assert len(journaled) == 1, "the row that finished is kept for the rerun"
@@ -111,7 +113,7 @@ def test_an_engine_that_loses_rows_fails_the_shard_and_publishes_nothing(
 def test_a_template_that_ignores_tools_is_refused(tmp_path: Path, tiny_model: Path, gguf_path: Path) -> None:
     plan = _plan(tmp_path, tiny_model, ROWS[:2])  # the tiny model carries SmolLM2's template: no tools
     with pytest.raises(Exception, match=r"model\.chat_template"):
-        generate.run(plan, "s", "00000")
+        generate.run(planned(plan, "generate", "s", "00000"))
 
 
 def test_row_seeds_are_stable_and_distinct() -> None:
@@ -143,7 +145,7 @@ def _multi_turn_plan(tmp_path: Path, tiny_model: Path, template: Path, **model: 
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
-    prepare.run(plan, "s")
+    prepare.run(planned(plan, "prepare", "s"))
     return plan
 
 
@@ -157,7 +159,7 @@ def test_turns_all_builds_each_prompt_on_the_generated_history(
     plan = _multi_turn_plan(tmp_path, tiny_model, TOOLS_TEMPLATE)
     stand_in = EchoEngine()
     monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stats["ok"] == 2
     rows = {r["prompt_id"]: r for r in pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist()}
     [multi] = [r for r in rows.values() if r["turns"]]
@@ -193,7 +195,7 @@ def test_a_template_that_rewrites_history_makes_each_turn_a_sample(
     )
     plan = _multi_turn_plan(tmp_path, tiny_model, rewriting)
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stats["error"] == 0 and stats["turns"]["per_turn"] == 1
     [multi] = [r for r in pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist() if r["turns"]]
     assert multi["per_turn"] and "[earlier answer]" in tokenize_text(tiny_model, multi["turns"][1]["context_ids"])
@@ -211,7 +213,7 @@ def test_prompts_that_do_not_fit_the_context_are_skipped_before_the_engine(
     plan = _multi_turn_plan(tmp_path, tiny_model, TOOLS_TEMPLATE, context_length=100)
     stand_in = EchoEngine()
     monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stats["skipped"] == 1 and stats["ok"] == 1
     assert all(len(r.prompt_ids) + 3 <= 100 for r in stand_in.requests)
     rows = pq.read_table(plan.completion_dir("s") / "00000.parquet").to_pylist()
@@ -255,7 +257,7 @@ def test_a_shard_of_mostly_failed_rows_fails_and_keeps_its_journal(
     stand_in = EchoEngine()
     monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
     with pytest.raises(generate.ShardFailedError) as err:
-        generate.run(plan, "s", "00000")
+        generate.run(planned(plan, "generate", "s", "00000"))
     message = str(err.value)
     assert "s/00000: 4 of 6 rows could not be generated" in message
     assert "checks.max_failed_fraction" in message and "model.context_length" in message
@@ -273,7 +275,7 @@ def test_every_row_refused_by_the_template_fails_the_shard(
     plan = _plan(tmp_path, tiny_model, rows, chat_template=str(template))
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
     with pytest.raises(generate.ShardFailedError, match="4 of 4 rows") as err:
-        generate.run(plan, "s", "00000")
+        generate.run(planned(plan, "generate", "s", "00000"))
     assert "this template refuses everything" in str(err.value)
 
 
@@ -291,15 +293,15 @@ def test_max_failed_fraction_one_publishes_whatever_fails(
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
-    prepare.run(plan, "s")
+    prepare.run(planned(plan, "prepare", "s"))
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
-    assert generate.run(plan, "s", "00000")["skipped"] == 1
+    assert generate.run(planned(plan, "generate", "s", "00000"))["skipped"] == 1
 
 
 # -- the driver's steps, one by one ---------------------------------------------------------------------
 def _work(tmp_path: Path, tiny_model: Path, rows: list[Any], **model: Any) -> generate.ShardWork:
     plan = _plan(tmp_path, tiny_model, rows, chat_template=str(TOOLS_TEMPLATE), **model)
-    return generate.open_shard(plan, "s", "00000", generate.ShardPaths.of(plan, "s", "00000"))
+    return generate.open_shard(plan, "s", "00000", generate.ShardPaths.of(planned(plan, "generate", "s", "00000")))
 
 
 def test_open_shard_makes_one_conversation_per_prompt_and_sample(tmp_path: Path, tiny_model: Path) -> None:
@@ -351,10 +353,10 @@ def test_paths_given_by_snakemake_are_the_ones_written(
 ) -> None:
     plan = _plan(tmp_path, tiny_model, ROWS[:1], chat_template=str(TOOLS_TEMPLATE))
     monkeypatch.setattr(engines, "load", lambda *a, **k: EchoEngine())
-    own = generate.ShardPaths.of(plan, "s", "00000")
-    paths = generate.ShardPaths(own.prompts, tmp_path / "out" / "x.parquet", tmp_path / "out" / "x.json", own.journal)
-    generate.run(plan, "s", "00000", paths)
-    assert paths.data.exists() and paths.stats.exists() and not own.data.exists()
+    own = planned(plan, "generate", "s", "00000")
+    data, stats = tmp_path / "out" / "x.parquet", tmp_path / "out" / "x.json"
+    generate.run(dataclasses.replace(own, outputs={"data": (data,), "stats": (stats,)}))
+    assert data.exists() and stats.exists() and not own.output("data").exists()
 
 
 def test_the_heartbeat_writes_progress_without_rows_and_names_a_silent_engine(caplog: pytest.LogCaptureFixture) -> None:

@@ -375,3 +375,40 @@ def test_a_hub_models_commit_is_its_identity(tmp_path: Path) -> None:
     other["model"]["revision"] = "b" * 40
     before, after = ws.keys(base), ws.keys(other)
     assert all(before[s][0] == after[s][0] and before[s][1] != after[s][1] for s in before)
+
+
+def test_the_reuse_key_is_the_gen_key_without_the_prompt_set_and_the_budgets() -> None:
+    """keys.reuse_key is the one rule, for a plan and for a sidecar's recorded components alike: rows
+    that differ only in their prompt set or budget are interchangeable; any other part of gen_key is not."""
+    sampling = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "seed": 0}
+    base = {
+        "scheme": 1,
+        "prompt_key": "a" * 16,
+        "model": "m",
+        "sampling": {**sampling, "max_new_tokens": 64, "samples_per_prompt": 1},
+    }
+    same = [
+        {**base, "prompt_key": "b" * 16},
+        {**base, "trainer_window": {"max_length": 128, "min_new_tokens": 8}},
+        {**base, "sampling": {**base["sampling"], "max_new_tokens": 8, "samples_per_prompt": 3}},
+    ]
+    assert {keys.reuse_key(c) for c in same} == {keys.reuse_key(base)}
+    other = [{**base, "model": "n"}, {**base, "sampling": {**base["sampling"], "temperature": 0.7}}]
+    assert keys.reuse_key(base) not in {keys.reuse_key(c) for c in other}
+
+
+@pytest.mark.parametrize(
+    ("max_length", "prompt", "budget", "skipped"),
+    [(None, 5000, 64, False), (128, 40, 64, False), (128, 100, 28, True), (128, 90, 38, False), (128, 200, -72, True)],
+)
+def test_the_window_budget_has_one_rule(max_length: int | None, prompt: int, budget: int, skipped: bool) -> None:
+    """TrainerSpec.budget and leaves_too_little are what generate applies and `plan` estimates with."""
+    from dflash_build.ops.estimate import window_effect
+    from dflash_build.spec import TrainerSpec
+
+    trainer = TrainerSpec(max_length=max_length, min_new_tokens=32)
+    assert trainer.budget(64, prompt) == budget and trainer.leaves_too_little(budget) is skipped
+    effect = window_effect([(prompt, 64)], 1, 64, trainer, drop=False)
+    if max_length is not None:
+        assert effect is not None and effect.skipped_rows == float(skipped)
+        assert effect.output_tokens == (0 if skipped else min(64, budget))

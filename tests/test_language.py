@@ -16,6 +16,7 @@ from dflash_build import language
 from dflash_build import plan as plan_mod
 from dflash_build.spec import Config, ConfigError
 from dflash_build.stages import generate, mix, prepare, tokenize
+from dflash_build.stages.job import planned
 from tests.conftest import base_config, write_jsonl
 from tests.multilingual import GSM8K_QUESTION, MGSM_ITEM_0, PARAGRAPH, SAME_TOPIC
 
@@ -84,7 +85,7 @@ ROW_PATH = {"chat_template_kwargs_from": {"enable_thinking": {"field": "reasonin
 def test_a_source_keeps_only_its_languages_counting_the_rest(tmp_path: Path, path: dict[str, Any]) -> None:
     raw = _raw(tmp_path, languages=["zh", "ja"], max_samples=10, **path)
     plan = plan_mod.build(_load(tmp_path, raw))
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     assert manifest["rows_in"] == 24
     assert manifest["drops"]["language"] == 8  # the English questions, before max_samples
     assert manifest["drops"]["over_max_samples"] == 6
@@ -157,17 +158,17 @@ def bilingual(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tup
     raw["shard_size"] = 32
     plan = plan_mod.build(_load(root, raw))
     for name, sp in plan.sources.items():
-        prepare.run(plan, name)
+        prepare.run(planned(plan, "prepare", name))
         for shard in sp.shards:
-            generate.run(plan, name, shard)
-            tokenize.run(plan, name, shard)
+            generate.run(planned(plan, "generate", name, shard))
+            tokenize.run(planned(plan, "tokenize", name, shard))
     return root, raw
 
 
 def _mix(root: Path, raw: dict[str, Any], name: str, **mix_settings: Any) -> dict[str, Any]:
     raw = {**raw, "dataset": {"name": name, "out": str(root / "dist")}, "mix": {**raw["mix"], **mix_settings}}
     plan = plan_mod.build(_load(root, raw))
-    return mix.run(plan, root / "records" / name)
+    return mix.run(planned(plan, "mix"))
 
 
 def _general_share(manifest: dict[str, Any], lang: str) -> float:
@@ -215,7 +216,7 @@ def test_a_language_floor_is_met_and_a_short_language_fails_loudly(bilingual: tu
     assert steered["tokens"] <= plain["tokens"]
     assert "general, zh:" in (root / "dist" / "steered" / "README.md").read_text()
 
-    with pytest.raises(mix.MixError) as err:  # no Japanese prompt in general at all
+    with pytest.raises(mix.checks.MixError) as err:  # no Japanese prompt in general at all
         _mix(root, raw, "short", languages={"general": {"ja": 0.3}})
     message = str(err.value)
     assert "category 'general': language 'ja' reaches 0.0% of its tokens, floor 30.0%" in message
@@ -224,5 +225,5 @@ def test_a_language_floor_is_met_and_a_short_language_fails_loudly(bilingual: tu
 
     # general's target is all it has, of which 90% in Chinese is more than there is
     budget = 2 * plain["mix"]["categories"]["general"]["available_tokens"]
-    with pytest.raises(mix.MixError, match="language 'zh' reaches"):
+    with pytest.raises(mix.checks.MixError, match="language 'zh' reaches"):
         _mix(root, raw, "budget", budget_tokens=budget, languages={"general": {"zh": 0.9}})

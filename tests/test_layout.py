@@ -103,6 +103,53 @@ def test_no_function_reaches_sixty_lines() -> None:
     assert not long, long
 
 
+MAX_STAGE_MODULE_LINES = 600
+STAGES = ("prepare", "generate", "tokenize", "mix", "export", "pack")
+
+
+def test_no_stage_module_reaches_six_hundred_lines() -> None:
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in sorted((PACKAGE / "stages").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_STAGE_MODULE_LINES
+    }
+    assert not long, long
+
+
+def test_every_stage_runs_one_job() -> None:
+    """One contract: every stage's ``run`` takes one Job and returns its record."""
+    import importlib
+    import inspect
+
+    for stage in STAGES:
+        run = importlib.import_module(f"dflash_build.stages.{stage}").run
+        params = list(inspect.signature(run).parameters.values())
+        assert [(p.name, p.annotation) for p in params] == [("job", "Job")], (stage, params)
+        assert inspect.signature(run).return_annotation == "dict[str, Any]", stage
+
+
+def _declared(rule_text: str, section: str) -> set[str]:
+    """The names a rule gives its inputs or outputs (``name=...``); a positional one reads as ''."""
+    body = re.search(rf"^(\s+){section}:\n((?:\1\s+.*\n)+)", rule_text, re.MULTILINE)
+    assert body is not None, section
+    indent = len(body.group(1)) + 4
+    items = [line for line in body.group(2).splitlines() if len(line) - len(line.lstrip()) == indent]
+    items = [line.strip() for line in items if not line.strip().startswith(("#", ")"))]
+    return {m.group(1) if (m := re.match(r"(\w+)=", line)) else "" for line in items}
+
+
+def test_every_rule_declares_the_names_its_stage_reads() -> None:
+    """The rules name each input and output as the stage's Job reads them (stages.job.INPUTS/OUTPUTS)."""
+    from dflash_build.stages import job
+
+    for stage in STAGES:
+        text = (REPO / "rules" / f"{stage}.smk").read_text()
+        assert f'"scripts/{stage}.py"' in text, stage
+        assert _declared(text, "input") <= set(job.INPUTS[stage]), (stage, _declared(text, "input"))
+        assert _declared(text, "output") <= set(job.OUTPUTS[stage]), (stage, _declared(text, "output"))
+    assert _declared("rule r:\n    input:\n        a=1,\n        [b],\n    output:\n        c\n", "input") == {"a", ""}
+
+
 # -- one owner of store paths ------------------------------------------------------------------
 # What building a store path by hand looks like: a store file's name, a stage folder as a path
 # segment, or a shard's file name from its name. dflash_build/store/layout.py alone may write these.
@@ -196,7 +243,7 @@ def test_the_registry_is_the_one_list_of_backends() -> None:
     assert set(enum) == set(registry.BACKENDS) == set(keys.ENGINE_OPTIONS)
     for name, backend in registry.BACKENDS.items():
         assert backend.name == name and (backend.load is not None or backend.serve is not None), name
-        assert not backend.always_served or backend.serve is not None, name
+        assert not backend.always_through_server or backend.serve is not None, name
 
 
 def test_the_package_imports_its_modules_at_the_top() -> None:

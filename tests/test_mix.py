@@ -81,8 +81,8 @@ def _mixed(lengths: dict[str, list[int]], shares: dict[str, float], tolerance: f
     checks = Checks(share_tolerance=tolerance)
     plan = SimpleNamespace(sources={}, config=SimpleNamespace(checks=checks, logs=Path("logs")))
     try:
-        mix.check(plan, shares, targets, chosen, available, Counter())  # type: ignore[arg-type]
-    except mix.MixError as e:
+        mix.checks.check(plan, {}, shares, targets, chosen, available, Counter())  # type: ignore[arg-type]
+    except mix.checks.MixError as e:
         return chosen, str(e)
     return chosen, ""
 
@@ -134,12 +134,14 @@ def test_ranks_follow_seed_prompt_and_sample_not_position() -> None:
 
 def test_shortfalls_are_stated() -> None:
     shares = {"a": 0.5, "b": 0.3, "c": 0.2}
-    notes = mix._shortfalls(shares, {"a": 500, "b": 300, "c": 200}, Counter(a=500, b=50), Counter(a=900, b=50), 1000)
+    notes = mix.checks.shortfalls(
+        shares, {"a": 500, "b": 300, "c": 200}, Counter(a=500, b=50), Counter(a=900, b=50), 1000
+    )
     assert any("'b' falls short" in n for n in notes)
     assert any("'c' has no samples" in n for n in notes)
     # with b and c short, a's share of what was built is far above its target: said too
     assert any("'a' reaches 90.9% instead of 50.0%" in n for n in notes)
-    assert mix._shortfalls(shares, {}, Counter(a=500, b=300, c=200), Counter(a=500, b=300, c=200), None) == []
+    assert mix.checks.shortfalls(shares, {}, Counter(a=500, b=300, c=200), Counter(a=500, b=300, c=200), None) == []
 
 
 def test_a_share_note_never_contradicts_the_token_counts() -> None:
@@ -148,7 +150,7 @@ def test_a_share_note_never_contradicts_the_token_counts() -> None:
     shares = {"coding": 0.465, "general": 0.263, "other": 0.272}
     targets = {"coding": 1201.0, "general": 679.0, "other": 703.0}
     got, available = Counter(coding=1201, general=695, other=600), Counter(coding=1201, general=900, other=900)
-    notes = {n.split("'")[1]: n for n in mix._shortfalls(shares, targets, got, available, None)}
+    notes = {n.split("'")[1]: n for n in mix.checks.shortfalls(shares, targets, got, available, None)}
     assert "it meets its target of 1201 tokens; the other categories' misses move its share" in notes["coding"]
     assert "too long to hit a target of 703 tokens closely (it has 600)" in notes["other"]
 
@@ -182,7 +184,10 @@ def _plan(tmp_path: Path, **extra: Any) -> plan_mod.Plan:
 def _check(plan: plan_mod.Plan, chosen: dict[str, int], by_source: dict[str, int]) -> None:
     shares = dict(plan.config.mix_categories)
     available = Counter(chosen)
-    mix.check(plan, shares, {c: shares[c] * 100 for c in shares}, Counter(chosen), available, Counter(by_source))
+    targets = {c: shares[c] * 100 for c in shares}
+    mix.checks.check(
+        plan, {s: [] for s in plan.sources}, shares, targets, Counter(chosen), available, Counter(by_source)
+    )
 
 
 def test_checks_pass_a_dataset_that_meets_its_mix(tmp_path: Path) -> None:
@@ -201,7 +206,7 @@ def test_checks_fail_naming_the_cause_and_the_key(
     tmp_path: Path, chosen: dict[str, int], by_source: dict[str, int], message: str
 ) -> None:
     plan = _plan(tmp_path)
-    with pytest.raises(mix.MixError) as err:
+    with pytest.raises(mix.checks.MixError) as err:
         _check(plan, chosen, by_source)
     assert message in str(err.value)
     assert "checks.allow_shortfall" in str(err.value) or "empty" in str(err.value)
@@ -210,5 +215,5 @@ def test_checks_fail_naming_the_cause_and_the_key(
 def test_an_allowed_shortfall_passes(tmp_path: Path) -> None:
     plan = _plan(tmp_path, checks={"allow_shortfall": ["b"]})
     _check(plan, {"a": 70, "b": 30}, {"a1": 30, "a2": 40, "b1": 30})
-    with pytest.raises(mix.MixError, match="source 'a2'"):
+    with pytest.raises(mix.checks.MixError, match="source 'a2'"):
         _check(plan, {"a": 70, "b": 30}, {"a1": 70, "b1": 30})

@@ -27,6 +27,7 @@ from dflash_build.engines import Request, Result
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.spec import ConfigError
 from dflash_build.stages import export, generate, mix, prepare, tokenize
+from dflash_build.stages.job import planned
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, write_jsonl
 
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"
@@ -114,7 +115,7 @@ def _plan(tmp_path: Path, model: Path, source: dict[str, Any], template: Path = 
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
-    prepare.run(plan, "s")
+    prepare.run(planned(plan, "prepare", "s"))
     return plan
 
 
@@ -187,7 +188,7 @@ def test_each_turn_is_a_sample_on_a_template_that_drops_earlier_reasoning(
     tok = _tokenizer(tiny_model)
     stand_in = ThinkingEngine(tok)
     monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stats["error"] == 0 and stats["ok"] == 2 and stats["errors"] == {}
     assert stats["turns"] == {
         "conversations": 2,
@@ -218,7 +219,7 @@ def test_each_turn_is_a_sample_on_a_template_that_drops_earlier_reasoning(
     sent = {tuple(r.prompt_ids) for r in stand_in.requests}
     assert {tuple(t["context_ids"]) for r in _completions(plan) for t in r["turns"]} == sent
 
-    shard = tokenize.run(plan, "s", "00000")
+    shard = tokenize.run(planned(plan, "tokenize", "s", "00000"))
     assert shard["rows_out"] == 5 and shard["per_turn_samples"] == 5 and shard["dropped"] == {}
     tokens = pq.read_table(plan.token_dir("s") / "00000.parquet").to_pylist()
     assert sorted((t["prompt_id"], t["turn"]) for t in tokens) == sorted(
@@ -236,7 +237,7 @@ def test_a_prefix_stable_template_keeps_one_sequence_and_per_turn_can_be_forced(
     tok = _tokenizer(tiny_model, TOOLS_TEMPLATE)
     monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok))
     auto = _plan(tmp_path / "auto", tiny_model, source, TOOLS_TEMPLATE)
-    generate.run(auto, "s", "00000")
+    generate.run(planned(auto, "generate", "s", "00000"))
     rows = _completions(auto)
     assert all(r["per_turn"] is False and len(r["turns"]) >= 2 for r in rows)
     assert all(tokenize.to_samples(r, "drop")[0][0] is None and len(tokenize.to_samples(r, "drop")) == 1 for r in rows)
@@ -247,7 +248,7 @@ def test_a_prefix_stable_template_keeps_one_sequence_and_per_turn_can_be_forced(
         TOOLS_TEMPLATE,
     )
     assert forced.sources["s"].gen_key != auto.sources["s"].gen_key, "turn_samples is keyed"
-    generate.run(forced, "s", "00000")
+    generate.run(planned(forced, "generate", "s", "00000"))
     samples = check_against_independent_renders(forced, tok)
     assert len(samples) == sum(len(r["turns"]) for r in rows)
     # the same conversation, the same answers: each per-turn sample is a prefix of the sequence
@@ -265,7 +266,7 @@ def test_sequence_on_a_rewriting_template_is_an_error_row_that_names_the_fix(
     with pytest.raises(
         generate.ShardFailedError, match=r"2 x .*not prefix-stable\); set turn_samples: auto or per_turn"
     ):
-        generate.run(plan, "s", "00000")
+        generate.run(planned(plan, "generate", "s", "00000"))
 
 
 def test_a_truncated_turn_ends_its_conversation_and_is_counted(
@@ -273,7 +274,7 @@ def test_a_truncated_turn_ends_its_conversation_and_is_counted(
 ) -> None:
     plan = _messages_plan(tmp_path, tiny_model)
     monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(_tokenizer(tiny_model), length_at_turn=1))
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stats["truncated"] == 2 and stats["turns"]["ended_early"] == 1  # the 2-turn one ended on its last
     assert stats["turns"]["by_count"] == {"2": 2}, "no turn is generated after a truncated one"
     rows = {len(json.loads(p["messages"])): p["prompt_id"] for p in _prompts(plan).values()}
@@ -281,7 +282,7 @@ def test_a_truncated_turn_ends_its_conversation_and_is_counted(
     # the tool conversation is still one sequence at turn 1 (see the first test): truncated, it is one
     # dropped sample; the plain one is per-turn from turn 1, so its turn 0 stays a sample
     assert per_turn == {rows[7]: False, rows[4]: True}
-    shard = tokenize.run(plan, "s", "00000")
+    shard = tokenize.run(planned(plan, "tokenize", "s", "00000"))
     assert shard["rows_out"] == 1 and shard["dropped"] == {"truncated": 2} and shard["per_turn_samples"] == 1
 
 
@@ -291,16 +292,16 @@ def test_a_killed_job_resumes_at_the_next_unfinished_turn(
     whole = _messages_plan(tmp_path / "whole", tiny_model)
     tok = _tokenizer(tiny_model)
     monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok))
-    generate.run(whole, "s", "00000")
+    generate.run(planned(whole, "generate", "s", "00000"))
     plan = _messages_plan(tmp_path / "resumed", tiny_model)
     monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok, fail_after=3))
     with pytest.raises(RuntimeError, match="the engine died"):
-        generate.run(plan, "s", "00000")
+        generate.run(planned(plan, "generate", "s", "00000"))
     journaled = (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
     assert [json.loads(r)["turn"] for r in journaled] == [0, 0, 1], "two conversations, one of them mid-way"
     rerun = ThinkingEngine(tok)
     monkeypatch.setattr(engines, "load", lambda *a, **k: rerun)
-    stats = generate.run(plan, "s", "00000")
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
     assert stats["resumed_turns"] == 3 and len(rerun.requests) == 2, "only the unfinished turns are generated"
     assert _completions(plan) == _completions(whole)
 
@@ -339,7 +340,7 @@ def test_a_column_sets_thinking_per_row(tmp_path: Path, tiny_model: Path, monkey
     tok = _tokenizer(tiny_model)
     stand_in = ThinkingEngine(tok)
     monkeypatch.setattr(engines, "load", lambda *a, **k: stand_in)
-    generate.run(plan, "s", "00000")
+    generate.run(planned(plan, "generate", "s", "00000"))
     check_against_independent_renders(plan, tok)
     firsts = {r["prompt_id"]: tok.decode(r["prompt_ids"]) for r in _completions(plan)}
     for pid, text in firsts.items():
@@ -445,15 +446,15 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
     root.mkdir()
     (root / "c.yaml").write_text(yaml.safe_dump(config(root)))
     resumed = plan_mod.build(cfg.load(root / "c.yaml"))
-    prepare.run(resumed, "s")
+    prepare.run(planned(resumed, "prepare", "s"))
     os.environ[KILL_AT_ENV] = "sigterm:1"  # SIGTERM after the first journaled turn: a clean stop mid-way
     try:
         with pytest.raises(generate.Interrupted):
-            generate.run(resumed, "s", "00000")
+            generate.run(planned(resumed, "generate", "s", "00000"))
     finally:
         del os.environ[KILL_AT_ENV]
     journaled = (resumed.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()
     assert [json.loads(r)["turn"] for r in journaled] == [0]
-    stats = generate.run(resumed, "s", "00000")
+    stats = generate.run(planned(resumed, "generate", "s", "00000"))
     assert stats["resumed_turns"] == 1 and stats["generated"] == 2
     assert _completions(resumed) == [row], "fresh = resumed, row for row"

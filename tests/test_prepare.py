@@ -17,6 +17,8 @@ from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build.spec import Sampling, SourceSpec
 from dflash_build.stages import prepare
+from dflash_build.stages.job import planned
+from dflash_build.stages.prepare import drops as D
 from tests.conftest import write_jsonl
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
@@ -52,7 +54,7 @@ def test_sharegpt_keeps_the_conversation_up_to_the_first_assistant_turn() -> Non
             {"from": "human", "value": "q2"},
         ]
     }
-    messages, tools = prepare.to_prompt(row, spec("sharegpt"))
+    messages, tools = prepare.formats.to_prompt(row, spec("sharegpt"))
     assert messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"}]
     assert tools is None
 
@@ -60,15 +62,15 @@ def test_sharegpt_keeps_the_conversation_up_to_the_first_assistant_turn() -> Non
 def test_messages_with_tools_and_field_mapping() -> None:
     row = {"chat": [{"speaker": "user", "text": "find x"}], "functions": json.dumps([TOOL["function"]])}
     s = spec("messages", fields={"messages": "chat", "role": "speaker", "content": "text", "tools": "functions"})
-    messages, tools = prepare.to_prompt(row, s)
+    messages, tools = prepare.formats.to_prompt(row, s)
     assert messages == [{"role": "user", "content": "find x"}]
     assert tools == [TOOL]
 
 
 def test_alpaca_and_prompt_formats() -> None:
-    messages, _ = prepare.to_prompt({"instruction": "Do", "input": "this"}, spec("alpaca"))
+    messages, _ = prepare.formats.to_prompt({"instruction": "Do", "input": "this"}, spec("alpaca"))
     assert messages == [{"role": "user", "content": "Do\n\nthis"}]
-    messages, _ = prepare.to_prompt({"q": "2+2?", "system": "math"}, spec("prompt", fields={"prompt": "q"}))
+    messages, _ = prepare.formats.to_prompt({"q": "2+2?", "system": "math"}, spec("prompt", fields={"prompt": "q"}))
     assert messages == [{"role": "system", "content": "math"}, {"role": "user", "content": "2+2?"}]
 
 
@@ -84,56 +86,56 @@ def test_hermes_takes_tools_from_the_system_prompt(tools_block: str) -> None:
             {"from": "gpt", "value": "<tool_call>{}</tool_call>"},
         ]
     }
-    messages, tools = prepare.to_prompt(row, spec("hermes"))
+    messages, tools = prepare.formats.to_prompt(row, spec("hermes"))
     assert messages == [{"role": "user", "content": "look it up"}]
     assert tools is not None and tools[0] == TOOL
 
 
 def test_hermes_takes_tools_from_a_column() -> None:
     row = {"conversations": [{"from": "human", "value": "go"}], "tools": json.dumps([TOOL])}
-    assert prepare.to_prompt(row, spec("hermes"))[1] == [TOOL]
+    assert prepare.formats.to_prompt(row, spec("hermes"))[1] == [TOOL]
 
 
 @pytest.mark.parametrize(
     ("row", "fmt", "reason"),
     [
-        (prepare.Drop(prepare.DROP_MALFORMED), "sharegpt", prepare.DROP_MALFORMED),
-        ([1, 2], "sharegpt", prepare.DROP_MALFORMED),
-        ({"conversations": "text"}, "sharegpt", prepare.DROP_MALFORMED),
-        ({"conversations": [{"from": "gpt", "value": "a"}]}, "sharegpt", prepare.DROP_NO_USER_TURN),
-        ({"conversations": [{"from": "alien", "value": "a"}]}, "sharegpt", prepare.DROP_UNKNOWN_ROLE),
-        ({"conversations": [{"from": "human", "value": "  "}]}, "sharegpt", prepare.DROP_EMPTY_CONTENT),
-        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages", prepare.DROP_NON_STRING_CONTENT),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": "{bad"}, "messages", prepare.DROP_INVALID_TOOLS),
+        (prepare.drops.Drop(D.DROP_MALFORMED), "sharegpt", D.DROP_MALFORMED),
+        ([1, 2], "sharegpt", D.DROP_MALFORMED),
+        ({"conversations": "text"}, "sharegpt", D.DROP_MALFORMED),
+        ({"conversations": [{"from": "gpt", "value": "a"}]}, "sharegpt", D.DROP_NO_USER_TURN),
+        ({"conversations": [{"from": "alien", "value": "a"}]}, "sharegpt", D.DROP_UNKNOWN_ROLE),
+        ({"conversations": [{"from": "human", "value": "  "}]}, "sharegpt", D.DROP_EMPTY_CONTENT),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages", D.DROP_NON_STRING_CONTENT),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": "{bad"}, "messages", D.DROP_INVALID_TOOLS),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
             "messages",
             "invalid_tools",
         ),
-        ({"text": "x"}, "alpaca", prepare.DROP_MISSING_FIELD),
+        ({"text": "x"}, "alpaca", D.DROP_MISSING_FIELD),
         (
             {"conversations": [{"from": "system", "value": "<tools> {nope </tools>"}, {"from": "human", "value": "q"}]},
             "hermes",
-            prepare.DROP_INVALID_TOOLS,
+            D.DROP_INVALID_TOOLS,
         ),
     ],
 )
 def test_bad_rows_are_dropped_with_a_reason(row: Any, fmt: str, reason: str) -> None:
-    with pytest.raises(prepare.Drop) as drop:
-        prepare.to_prompt(row, spec(fmt))
+    with pytest.raises(prepare.drops.Drop) as drop:
+        prepare.formats.to_prompt(row, spec(fmt))
     assert drop.value.reason == reason
 
 
 def test_length_filters() -> None:
-    with pytest.raises(prepare.Drop, match=prepare.DROP_TOO_SHORT):
-        prepare.to_prompt({"instruction": "hi"}, spec("alpaca", min_chars=5))
-    with pytest.raises(prepare.Drop, match=prepare.DROP_TOO_LONG):
-        prepare.to_prompt({"instruction": "hello world"}, spec("alpaca", max_chars=5))
+    with pytest.raises(prepare.drops.Drop, match=D.DROP_TOO_SHORT):
+        prepare.formats.to_prompt({"instruction": "hi"}, spec("alpaca", min_chars=5))
+    with pytest.raises(prepare.drops.Drop, match=D.DROP_TOO_LONG):
+        prepare.formats.to_prompt({"instruction": "hello world"}, spec("alpaca", max_chars=5))
 
 
 def test_extra_role_names_from_config() -> None:
     row = {"conversations": [{"from": "narrator", "value": "q"}]}
-    assert prepare.to_prompt(row, spec("sharegpt", roles={"narrator": "user"}))[0][0]["role"] == "user"
+    assert prepare.formats.to_prompt(row, spec("sharegpt", roles={"narrator": "user"}))[0][0]["role"] == "user"
 
 
 def _build_source(tmp_path: Path, files: list[str], **source: Any) -> tuple[plan_mod.Plan, dict[str, Any]]:
@@ -150,7 +152,7 @@ def _build_source(tmp_path: Path, files: list[str], **source: Any) -> tuple[plan
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(path))
-    return plan, prepare.run(plan, "s")
+    return plan, prepare.run(planned(plan, "prepare", "s"))
 
 
 def _shard_rows(plan: plan_mod.Plan) -> list[list[dict[str, Any]]]:
@@ -221,7 +223,7 @@ def test_hf_source_from_a_local_dataset_folder(tmp_path: Path) -> None:
     }
     (tmp_path / "hf.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "hf.yaml"))
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     assert manifest["rows_in"] == 6 and manifest["rows_out"] == 5
     assert manifest["drops"] == {"over_max_samples": 1}
 
@@ -236,18 +238,18 @@ def test_turns_all_keeps_every_turn_with_answers_emptied() -> None:
             {"role": "user", "content": "thanks"},
         ]
     }
-    messages, _ = prepare.to_prompt(row, spec("messages", turns="all"))
+    messages, _ = prepare.formats.to_prompt(row, spec("messages", turns="all"))
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user"]
     assert messages[1]["content"] == messages[3]["content"] == ""
     assert messages[2]["content"] == "sunny", "tool results are kept as they were"
-    first, _ = prepare.to_prompt(row, spec("messages"))
+    first, _ = prepare.formats.to_prompt(row, spec("messages"))
     assert first == [{"role": "user", "content": "weather?"}]
 
 
 def test_turns_all_needs_a_user_turn_before_the_first_answer() -> None:
     row = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]}
-    with pytest.raises(prepare.Drop, match=prepare.DROP_NO_USER_TURN):
-        prepare.to_prompt(row, spec("sharegpt", turns="all"))
+    with pytest.raises(prepare.drops.Drop, match=D.DROP_NO_USER_TURN):
+        prepare.formats.to_prompt(row, spec("sharegpt", turns="all"))
 
 
 def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[dict[str, Any]]], dict[str, int]]:
@@ -257,14 +259,14 @@ def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[di
     sp = plan.sources[source]
     kept: dict[str, dict[str, Any]] = {}
     drops: dict[str, int] = {}
-    for raw in prepare._raw_rows(plan, source):
+    for raw in prepare.read.raw_rows(plan, source):
         try:
-            messages, tools = prepare.to_prompt(raw.value, sp.spec)
-        except prepare.Drop as d:
+            messages, tools = prepare.formats.to_prompt(raw.value, sp.spec)
+        except prepare.drops.Drop as d:
             drops[d.reason] = drops.get(d.reason, 0) + 1
             continue
         record = {
-            "prompt_id": prepare.prompt_id(messages, tools),
+            "prompt_id": prepare.identity.prompt_id(messages, tools),
             "source": source,
             "category": sp.spec.category,
             "messages": json.dumps(messages, ensure_ascii=False),
@@ -272,18 +274,18 @@ def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[di
             "meta": json.dumps(raw.origin, sort_keys=True),
             "template_kwargs": None,  # the source reads none (chat_template_kwargs_from)
         }
-        key = prepare.dedup_key(messages, tools)
+        key = prepare.identity.dedup_key(messages, tools)
         if key in kept:
             drops["duplicate"] = drops.get("duplicate", 0) + 1
         if key not in kept or (record["prompt_id"], record["meta"]) < (kept[key]["prompt_id"], kept[key]["meta"]):
             kept[key] = record
     records = list(kept.values())
     if sp.spec.max_samples is not None and len(records) > sp.spec.max_samples:
-        records.sort(key=lambda r: prepare.selection_rank(sp.spec.seed, r["prompt_id"]))
+        records.sort(key=lambda r: prepare.identity.selection_rank(sp.spec.seed, r["prompt_id"]))
         drops["over_max_samples"] = len(records) - sp.spec.max_samples
         records = records[: sp.spec.max_samples]
     records.sort(key=lambda r: r["prompt_id"])
-    return [records[lo:hi] for lo, hi in prepare.shard_bounds(len(records), sp.n_shards)], drops
+    return [records[lo:hi] for lo, hi in prepare.identity.shard_bounds(len(records), sp.n_shards)], drops
 
 
 @pytest.mark.parametrize(
@@ -296,8 +298,8 @@ def test_streaming_prepare_equals_the_in_memory_selection(
     """Row for row, across many spill buckets and flushes: whitespace variants (one dedup group, several
     prompt ids), exact copies in two files (one prompt id, several metas), bad rows, and more shards
     than rows once the duplicates go."""
-    monkeypatch.setattr(prepare, "ROWS_PER_BUCKET", 8)
-    monkeypatch.setattr(prepare, "SPILL_FLUSH_ROWS", 3)
+    monkeypatch.setattr(prepare.spill, "ROWS_PER_BUCKET", 8)
+    monkeypatch.setattr(prepare.spill, "SPILL_FLUSH_ROWS", 3)
     rng = random.Random(rows)
     base = [{"instruction": f"task {rng.randrange(rows // 2)}", "input": rng.choice(["", "ctx"])} for _ in range(rows)]
     variants = [{**r, "instruction": r["instruction"].replace(" ", rng.choice([" ", "  ", " \t"]))} for r in base]
@@ -314,15 +316,15 @@ def test_streaming_prepare_equals_the_in_memory_selection(
     (tmp_path / "model.gguf").write_bytes(b"gguf")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "config.yaml"))
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     expected, expected_drops = _in_memory_reference(plan, "s")
     assert _shard_rows(plan) == expected
     assert manifest["drops"] == expected_drops
     assert manifest["rows_out"] == sum(len(s) for s in expected)
-    assert len(manifest["drop_examples"]["duplicate"]) == prepare.EXAMPLES_PER_REASON
-    assert prepare._bucket_count(plan.sources["s"].raw_rows or 0) > 1
+    assert len(manifest["drop_examples"]["duplicate"]) == prepare.drops.EXAMPLES_PER_REASON
+    assert prepare.spill.bucket_count(plan.sources["s"].raw_rows or 0) > 1
     assert not list(plan.prompt_dir("s").glob(".spill-*")), "the spill is removed"
-    assert prepare.select(plan, "s").shard_prompt_ids() == {
+    assert prepare.selection.select(plan, "s").shard_prompt_ids() == {
         name: [r["prompt_id"] for r in shard] for name, shard in zip(plan.sources["s"].shards, expected, strict=True)
     }
 
@@ -344,14 +346,14 @@ def test_group_firsts_are_each_groups_smallest_prompt_id() -> None:
         smallest: dict[tuple[int, int], int] = {}
         for key, pid in zip(map(tuple, keys.tolist()), pids.tolist(), strict=True):
             smallest[key] = min(pid, smallest.get(key, pid))
-        assert prepare._group_firsts(keys, pids).tolist() == sorted(smallest.values())
+        assert prepare.selection.group_firsts(keys, pids).tolist() == sorted(smallest.values())
 
 
 def test_selection_ranks_are_the_documented_digests() -> None:
     pids = np.random.default_rng(2).integers(0, 2**64 - 1, 50, dtype=np.uint64)
     for seed in (0, 3, 12345678901, 7.0):
-        expected = b"".join(bytes.fromhex(prepare.selection_rank(seed, f"{int(p):016x}")[:32]) for p in pids)
-        assert prepare.selection_ranks(seed, pids) == expected
+        expected = b"".join(bytes.fromhex(prepare.identity.selection_rank(seed, f"{int(p):016x}")[:32]) for p in pids)
+        assert prepare.identity.selection_ranks(seed, pids) == expected
 
 
 def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodies() -> None:
@@ -361,7 +363,7 @@ def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodi
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"x": 1.0, "t": (1, 2.5), "n": None}}}]
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "e\u0301  tab\tq "}]
     for t in (None, tools):
-        assert prepare.prompt_id(messages, t) == hashing.content_key({"messages": messages, "tools": t})
+        assert prepare.identity.prompt_id(messages, t) == hashing.content_key({"messages": messages, "tools": t})
         folded = [{"role": "system", "content": "s"}, {"role": "user", "content": "\u00e9 tab q"}]
-        assert prepare.dedup_key(messages, t) == hashing.digest({"messages": folded, "tools": t})
-        assert prepare.dedup_key(folded, t)[: hashing.KEY_LENGTH] == prepare.prompt_id(folded, t)
+        assert prepare.identity.dedup_key(messages, t) == hashing.digest({"messages": folded, "tools": t})
+        assert prepare.identity.dedup_key(folded, t)[: hashing.KEY_LENGTH] == prepare.identity.prompt_id(folded, t)

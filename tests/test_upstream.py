@@ -15,6 +15,7 @@ from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build.spec import ConfigError, Sampling, SourceSpec
 from dflash_build.stages import prepare
+from dflash_build.stages.job import planned
 from tests.conftest import write_jsonl
 
 UPSTREAM = Path(__file__).resolve().parent / "data" / "upstream"
@@ -38,7 +39,7 @@ def _plan(tmp_path: Path, sources: dict[str, Any], **extra: Any) -> plan_mod.Pla
 
 def _prepared(tmp_path: Path, source: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     plan = _plan(tmp_path, {"s": {"category": "c", **source}})
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     rows = [r for p in plan.prompt_shards("s") for r in pq.read_table(p).to_pylist()]
     for r in rows:
         r["messages"] = json.loads(r["messages"])
@@ -168,10 +169,10 @@ def test_invalid_utf8_is_one_counted_drop_with_its_location(tmp_path: Path) -> N
     (tmp_path / "bad.json").write_bytes(raw)
     plan = _plan(tmp_path, {"s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "bad.*")]}})
     assert plan.sources["s"].planned_rows == 16  # the plan counts rows without decoding them whole
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     assert manifest["rows_out"] == 13
-    assert manifest["drops"] == {prepare.DROP_INVALID_UTF8: 3}
-    examples = manifest["drop_examples"][prepare.DROP_INVALID_UTF8]
+    assert manifest["drops"] == {prepare.drops.DROP_INVALID_UTF8: 3}
+    examples = manifest["drop_examples"][prepare.drops.DROP_INVALID_UTF8]
     assert any(e.startswith(f"{tmp_path / 'bad.jsonl'}:4: ") for e in examples)
     assert any(e.startswith(f"{tmp_path / 'bad.jsonl'}:6: ") and "surrogate" in e for e in examples)
     assert any(e.startswith(f"{tmp_path / 'bad.json'}:item 2") for e in examples)
@@ -192,8 +193,8 @@ def test_a_source_that_loses_too_many_rows_fails_naming_the_cause_and_the_key(tm
     rows += [{"conversations": [{"from": "Wizard", "value": f"w{i}"}]} for i in range(4)]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     plan = _plan(tmp_path, {"s": {"category": "c", "format": "sharegpt", "files": [str(path)]}})
-    with pytest.raises(prepare.SourceLossError) as err:
-        prepare.run(plan, "s")
+    with pytest.raises(prepare.checks.SourceLossError) as err:
+        prepare.run(planned(plan, "prepare", "s"))
     message = str(err.value)
     assert "sources.s" in message and "4 of 10 rows (40.0%)" in message
     assert "unknown_role: 4 rows, e.g." in message and f"{path}:7" in message
@@ -203,7 +204,7 @@ def test_a_source_that_loses_too_many_rows_fails_naming_the_cause_and_the_key(tm
     plan = _plan(
         tmp_path / "ok", {"s": {"category": "c", "format": "sharegpt", "files": [str(path)], "max_drop_fraction": 0.5}}
     )
-    assert prepare.run(plan, "s")["rows_out"] == 6
+    assert prepare.run(planned(plan, "prepare", "s"))["rows_out"] == 6
 
 
 def test_a_source_whose_first_rows_are_all_defects_fails_at_planning(tmp_path: Path) -> None:
@@ -211,17 +212,17 @@ def test_a_source_whose_first_rows_are_all_defects_fails_at_planning(tmp_path: P
     path = write_jsonl(tmp_path / "in.jsonl", [{"question": f"q{i}"} for i in range(30)])
     source = {"category": "c", "format": "alpaca", "files": [str(path)]}
     plan = _plan(tmp_path, {"s": source})
-    with pytest.raises(prepare.SourceLossError) as err:
-        prepare.check_sample(plan, "s", rows=20)
+    with pytest.raises(prepare.checks.SourceLossError) as err:
+        prepare.checks.check_sample(plan, "s", rows=20)
     found = f"the first 20 rows are all dropped for defects (missing_field: 20, e.g. {path}:1"
     assert f"sources.s ({path}): {found}" in str(err.value)
     assert "sources.s.fields" in str(err.value)
     mapped = _plan(tmp_path / "mapped", {"s": {**source, "format": "prompt", "fields": {"prompt": "question"}}})
-    prepare.check_sample(mapped, "s", rows=20)  # one good row is enough
+    prepare.checks.check_sample(mapped, "s", rows=20)  # one good row is enough
     good_later = write_jsonl(tmp_path / "later.jsonl", [{"question": "q"}] * 5 + [{"instruction": "a task"}])
-    prepare.check_sample(_plan(tmp_path / "later", {"s": {**source, "files": [str(good_later)]}}), "s", rows=20)
+    prepare.checks.check_sample(_plan(tmp_path / "later", {"s": {**source, "files": [str(good_later)]}}), "s", rows=20)
     allowed = _plan(tmp_path / "allowed", {"s": {**source, "max_drop_fraction": 1.0}})
-    prepare.check_sample(allowed, "s", rows=20)
+    prepare.checks.check_sample(allowed, "s", rows=20)
 
 
 def test_a_source_with_no_usable_row_fails_even_when_drops_are_allowed(tmp_path: Path) -> None:
@@ -231,15 +232,15 @@ def test_a_source_with_no_usable_row_fails_even_when_drops_are_allowed(tmp_path:
         {"s": {"category": "c", "format": "alpaca", "files": [str(path)]}},
         checks={"max_drop_fraction": 1.0},
     )
-    with pytest.raises(prepare.SourceLossError, match="yields no prompt at all"):
-        prepare.run(plan, "s")
+    with pytest.raises(prepare.checks.SourceLossError, match="yields no prompt at all"):
+        prepare.run(planned(plan, "prepare", "s"))
 
 
 def test_intended_drops_never_count_as_loss(tmp_path: Path) -> None:
     rows = [{"instruction": f"task {i % 3}"} for i in range(12)]  # 9 duplicates
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     plan = _plan(tmp_path, {"s": {"category": "c", "format": "alpaca", "files": [str(path)], "max_samples": 2}})
-    manifest = prepare.run(plan, "s")
+    manifest = prepare.run(planned(plan, "prepare", "s"))
     assert manifest["rows_out"] == 2 and manifest["drops"] == {"duplicate": 9, "over_max_samples": 1}
 
 
@@ -265,7 +266,7 @@ def test_hermes_tool_block_is_found_whatever_the_prose_says(prose: str) -> None:
             seed=0, min_chars=0, max_chars=None, sampling=Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1),
             chat_template_kwargs={},
         )  # fmt: skip
-        messages, found = prepare.to_prompt(row, spec)
+        messages, found = prepare.formats.to_prompt(row, spec)
         assert found == tools and messages == [{"role": "user", "content": "find it"}]
 
 

@@ -5,17 +5,26 @@ from __future__ import annotations
 import difflib
 import hashlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
+
+from dflash_build.spec import Sampling
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """What one request asks an engine for. A source's settings are :class:`~dflash_build.spec.Sampling`
+    (with the seed each row's seed derives from, and samples per prompt); :meth:`of` is the one mapping."""
+
     temperature: float
     top_p: float
     top_k: int
     min_p: float
     max_new_tokens: int
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> SamplingParams:
+        return cls(**{f.name: getattr(sampling, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)

@@ -469,7 +469,7 @@ def stop_idle(lock_dir: Path | str, slots: list[str] | None = None) -> list[str]
 def stop_workflow_engines(cfg: Config) -> list[str]:
     """At the end of a workflow: stop the unused engines this config's builds started (their logs are
     under its logs folder); prints what it stopped."""
-    if not served(cfg.engine):
+    if not through_server(cfg.engine):
         return []
     mine = (cfg.logs / "engines").resolve()
     slots = [s["slot"] for s in running(cfg.engine.lock_dir) if Path(s["log"]).parent == mine]
@@ -814,9 +814,9 @@ def describe(states: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def served(engine: EngineSpec) -> bool:
+def through_server(engine: EngineSpec) -> bool:
     """Whether jobs talk to a host's server instead of an engine of their own."""
-    return engine.shared or registry.get(engine.backend).always_served
+    return engine.shared or registry.get(engine.backend).always_through_server
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class Backend:
     load: Callable[[EngineSpec, ModelSpec, list[int], GpuLease | None, Any], Engine] | None
     serve: Serve | None  # how a host runs it as a server (engine.shared); None: it cannot be served
     uses_gpu: Callable[[EngineSpec], bool]  # whether its jobs take a GPU (rule resource gpu=1)
-    always_served: bool = False  # no in-process engine: every job talks to a host's server
+    always_through_server: bool = False  # no in-process engine: every job talks to a host's server
     remote: bool = False  # a client of servers over HTTP: their health check, not a step count, tells a stall
     conda_env: str = "generate"  # envs/NAME.yaml of its generate jobs
     check_options: Callable[[Mapping[str, Any]], None] | None = None  # beyond keys.ENGINE_OPTIONS' names
@@ -158,6 +158,6 @@ BACKENDS: dict[str, Backend] = {
         # llama-cpp-python's server has no /health, and answers one request at a time: one waits while one runs
         serve=Serve(_llamacpp_argv, health_path="/v1/models", api="completions"),
         uses_gpu=lambda engine: False,  # on the CPU here
-        always_served=True,
+        always_through_server=True,
     ),
 }

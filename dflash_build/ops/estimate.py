@@ -13,10 +13,14 @@ import pyarrow.parquet as pq
 
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
-from dflash_build.stages import crosssource, prepare
+from dflash_build.stages import crosssource
+from dflash_build.stages.prepare import checks as prepare_checks
+from dflash_build.stages.prepare.identity import shard_bounds
+from dflash_build.stages.prepare.selection import select
 from dflash_build.store import filesystem, layout
+from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
-from dflash_build.store.rowindex import RowIndex, reuse_key
+from dflash_build.store.rowindex import RowIndex
 
 log = logging.getLogger(__name__)
 DEFAULT_TOKENS_PER_SECOND = 2000.0  # per GPU, when the store has no measured shard yet
@@ -67,21 +71,20 @@ def window_effect(
     ``drop``: `truncated: drop`."""
     if trainer.max_length is None or not lengths:
         return None
-    window = trainer.max_length
     scale = rows / len(lengths)
     with_window = without = past = dropped = skipped = 0.0
     for prompt, answer in lengths:
         generated = min(answer, max_new_tokens)
         without += generated
-        room = window - prompt
+        budget = trainer.budget(max_new_tokens, prompt)
         if answer >= max_new_tokens and drop:
             dropped += 1
         else:
-            past += max(0, generated - max(room, 0))
-        if room < trainer.min_new_tokens:
+            past += max(0, generated - max(budget, 0))
+        if trainer.leaves_too_little(budget):
             skipped += 1
         else:
-            with_window += min(generated, room)
+            with_window += min(generated, budget)
     return WindowEffect(
         len(lengths), with_window * scale, without * scale, past * scale, dropped * scale, skipped * scale
     )
@@ -106,7 +109,9 @@ def _answer_lengths(sidecars: list[tuple[Path, dict[str, Any]]]) -> list[tuple[i
             continue
         table = pq.read_table(data, columns=["n_prompt_tokens", "n_output_tokens", "finish_reason"]).to_pylist()
         lengths += [
-            (r["n_prompt_tokens"], r["n_output_tokens"]) for r in table if r["finish_reason"] in ("stop", "length")
+            (r["n_prompt_tokens"], r["n_output_tokens"])
+            for r in table
+            if r["finish_reason"] in (R.FINISH_STOP, R.FINISH_LENGTH)
         ]
     return lengths
 
@@ -116,12 +121,12 @@ def _measured(sidecars: list[tuple[Path, dict[str, Any]]]) -> tuple[float | None
     rows = tokens = 0
     rates: list[float] = []
     for _, stats in sidecars:
-        generated = stats.get("generated", stats.get("input_rows", 0))
+        generated = stats.get(R.STAT_GENERATED, stats.get(R.STAT_INPUT_ROWS, 0))
         if generated:
-            rows += stats["input_rows"]
-            tokens += stats["output_tokens"]
-            if stats.get("output_tokens_per_second"):
-                rates.append(stats["output_tokens_per_second"])
+            rows += stats[R.STAT_INPUT_ROWS]
+            tokens += stats[R.STAT_OUTPUT_TOKENS]
+            if stats.get(R.STAT_OUTPUT_TOK_PER_S):
+                rates.append(stats[R.STAT_OUTPUT_TOK_PER_S])
     return (tokens / rows if rows else None), (sum(rates) / len(rates) if rates else None)
 
 
@@ -175,7 +180,7 @@ def _bytes_per_output_token(plan: Plan, sidecars: list[tuple[Path, dict[str, Any
         parts = [data, layout.journal_dir(store, stats_file.parent.name, shard) / ROWS_FILE]
         parts += layout.shard_files(store, layout.TOKENS, source, shard)
         size += sum(p.stat().st_size for p in parts if p.exists())
-        tokens += stats.get("output_tokens", 0)
+        tokens += stats.get(R.STAT_OUTPUT_TOKENS, 0)
     return size / tokens if tokens else None
 
 
@@ -243,7 +248,7 @@ def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[st
             elif name in selected:
                 prompts[name] = selected[name]
             elif sp.spec.hf is None or sp.spec.hf.is_local:
-                prompts[name] = prepare.select(plan, name).selected
+                prompts[name] = select(plan, name).selected
         cross = crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, None)
     assert cross is not None
     rows = sum(e.rows_to_generate for e in estimates)
@@ -271,7 +276,7 @@ def _estimate(
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
         est = SourceEstimate(
             source=name,
-            prompt_rows=manifest["rows_out"] if manifest else sp.planned_rows,
+            prompt_rows=manifest[R.PROMPTS_ROWS_OUT] if manifest else sp.planned_rows,
             prompt_rows_known=manifest is not None,
             shards=sp.n_shards,
             completions_built=sum(p.exists() for p in plan.completion_shards(name)),
@@ -309,13 +314,13 @@ class _ShardIds:
         if sp.spec.hf is not None and not sp.spec.hf.is_local:
             return None
         if self.by_shard is None:
-            selection = prepare.select(plan, self.source)
+            selection = select(plan, self.source)
             self.selected[self.source] = selection.selected
             self.by_shard = selection.shard_prompt_ids()
             self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
             try:  # the check its prepare job will make: a lost source is found before generation
-                prepare.check_losses(sp.spec, selection)
-            except prepare.SourceLossError as e:
+                prepare_checks.check_losses(sp.spec, selection)
+            except prepare_checks.SourceLossError as e:
                 self.est.errors.append(str(e))
         return self.by_shard[shard]
 
@@ -327,7 +332,7 @@ def _count_rows(
     sp = plan.sources[source]
     sampling = sp.spec.sampling
     if ids is None:  # a hub source: the upper bound, every row generated, none reused
-        lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+        lo, hi = shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
         est.rows_in_jobs += (hi - lo) * sampling.samples_per_prompt
         est.rows_to_generate += (hi - lo) * sampling.samples_per_prompt
         return
@@ -343,7 +348,7 @@ def _count_rows(
         est.rows_journaled += len(wanted & done)
         wanted -= done
     if sp.spec.turns == "first":
-        found = index.lookup(reuse_key(sp.gen_components), wanted, sampling.max_new_tokens)
+        found = index.lookup(sp.reuse_key, wanted, sampling.max_new_tokens)
         taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
         est.rows_reused += len(taken)
         est.rows_continued += len(found) - len(taken)

@@ -20,6 +20,7 @@ from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.publish import release
 from dflash_build.spec import Config
 from dflash_build.store import atomic, fingerprints, layout, rowindex
+from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, parse
 from dflash_build.store.rowindex import RowIndex
 
@@ -91,8 +92,8 @@ def _store_files(plan: Plan) -> Iterator[tuple[Path, dict[str, Any] | None, tupl
         # without its manifest (prepare's one output) a source's prompt shards are not published yet
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {"shards": {}}
         for shard, path in zip(sp.shards, plan.prompt_shards(name), strict=True):
-            if shard in manifest["shards"]:
-                yield path, manifest["shards"][shard], (path, manifest_file)
+            if shard in manifest[R.PROMPTS_SHARDS]:
+                yield path, manifest[R.PROMPTS_SHARDS][shard], (path, manifest_file)
         built = zip(sp.shards, plan.completion_shards(name), plan.token_shards(name), strict=True)
         for shard, completion, tokens in built:
             published = plan.journal_dir(name, shard)

@@ -15,11 +15,14 @@ one. gc removes versions that are no longer linked.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash_build import hashing
 from dflash_build.store import atomic, layout
@@ -39,12 +42,37 @@ def record_dir(folder: Path) -> Path:
     return versions_dir(folder) / RECORD
 
 
+def folder_of(record: Path) -> Path:
+    """The folder whose build record is ``record`` (the inverse of :func:`record_dir`)."""
+    versions = Path(record).parent
+    return versions.parent / versions.name.removeprefix(".").removesuffix(".versions")
+
+
 def current(folder: Path) -> Path | None:
     """The version ``folder`` links to now; None when there is none (or a folder of the layout before)."""
     if not folder.is_symlink():
         return None
     target = folder.parent / os.readlink(folder)
     return target if target.is_dir() else None
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """The version of a published folder in place when a stage began, and its manifest: a version
+    swapped in meanwhile does not mix into what the stage writes."""
+
+    version: Path
+    manifest: dict[str, Any]
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.version / f["path"] for f in self.manifest["files"]]
+
+
+def in_place(folder: Path) -> InPlace:
+    """What ``folder`` holds now (a folder of the layout before versions: itself)."""
+    version = current(folder) or folder
+    return InPlace(version, json.loads((version / layout.MANIFEST).read_text()))
 
 
 def superseded(folder: Path) -> list[Path]:

@@ -459,7 +459,7 @@ assert list(_PLOTTERS) == list(PLOTS), "every plot has its caption, in the card'
 
 def removed(manifest: dict[str, Any], source: str) -> dict[str, int]:
     """Rows of ``source`` removed by each reason: prepare's drops and the mix's cross-source ones."""
-    counts = dict((manifest.get("prompts") or {}).get(source, {}).get("drops", {}))
+    counts = dict((manifest.get("prompts") or {}).get(source, {}).get(R.PROMPTS_DROPS, {}))
     for reason, n in ((manifest.get("cross_source") or {}).get(source) or {}).items():
         if reason != "examples" and n:
             counts[reason] = n
@@ -484,7 +484,7 @@ def removals(manifest: dict[str, Any]) -> str:
         summary = ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
         info = prompts.get(name, {})
         lines.append(f"| {name} | {info.get('rows_in', '')} | {info.get('rows_out', '')} | {summary} |")
-        for reason, found in sorted((info.get("drop_examples") or {}).items()):
+        for reason, found in sorted((info.get(R.PROMPTS_DROP_EXAMPLES) or {}).items()):
             examples += [f"- {name}, {reason}: `{e}`" for e in found[:2]]
         cross = (manifest.get("cross_source") or {}).get(name) or {}
         examples += [f"- {name}: `{e}`" for e in cross.get("examples", [])[:2]]

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from dflash_build import hashing
 from dflash_build.publish import release
 from dflash_build.spec import ExportSpec
+from dflash_build.stages.job import Job
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
 
@@ -142,24 +143,21 @@ class JsonlShards:
         return files
 
 
-def run(
-    dataset_dir: str | Path,
-    out_dir: str | Path,
-    record: str | Path,
-    spec: ExportSpec,
-    stores: Mapping[str, Mapping[str, list[str]]] | None = None,
-) -> dict[str, Any]:
-    """Write ``spec.format``'s export of the dataset in ``dataset_dir`` as a new version of ``out_dir``;
-    ``record`` is the build record (the rule's output). ``stores`` (conversations): each source's prompt
-    and completion shards, ``{"prompts": [...], "completions": [...]}``, in shard order."""
-    out_dir = Path(out_dir)
-    dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
-    mix_manifest = json.loads((dataset_dir / layout.MANIFEST).read_text())
-    files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
-    with release.publish(out_dir, Path(record)) as tmp:
+def run(job: Job) -> dict[str, Any]:
+    """Write the job's format's export of the dataset (its declared input) as a new version of the export
+    folder, whose build record is the job's output. Conversations read each source's completion shards
+    (declared) and the prompt shards beside its manifest (declared)."""
+    assert job.fmt is not None
+    spec = job.plan.config.exports[job.fmt]
+    record = job.output("record")
+    out_dir = release.folder_of(record)
+    dataset = release.in_place(job.published("dataset"))
+    mix_manifest, files = dataset.manifest, dataset.files
+    stores = _prompts_and_completions(job.by_source("store"))
+    with release.publish(out_dir, record) as tmp:
         shards = JsonlShards(tmp / DATA_DIR, spec.shard_rows)
         if spec.format == "conversations":
-            counts = _conversations(files, stores or {}, spec, shards)
+            counts = _conversations(files, stores, spec, shards)
         else:
             counts = _token_rows(files, spec, shards)
         if counts["samples_in"] and not counts["rows"]:
@@ -270,8 +268,19 @@ def conversation(messages: list[dict[str, Any]], answers: list[str], think: tupl
     return out
 
 
+def _prompts_and_completions(store: Mapping[str, list[Path]]) -> dict[str, list[tuple[Path, Path]]]:
+    """Each source's (prompt shard, completion shard) pairs, in shard order, from its declared manifest
+    and completion shards: a prompt shard lies beside its manifest, named as its completion shard."""
+    pairs = {}
+    for source, paths in store.items():
+        manifests = [p for p in paths if p.name == layout.MANIFEST]
+        if manifests:
+            pairs[source] = [(manifests[0].parent / p.name, p) for p in paths if p.name != layout.MANIFEST]
+    return pairs
+
+
 def _conversations(
-    files: list[Path], stores: Mapping[str, Mapping[str, list[str]]], spec: ExportSpec, out: JsonlShards
+    files: list[Path], stores: Mapping[str, list[tuple[Path, Path]]], spec: ExportSpec, out: JsonlShards
 ) -> dict[str, Any]:
     """Shard by shard of each source's prompts and completions (memory holds one shard), the rows of the
     dataset they hold."""
@@ -284,7 +293,7 @@ def _conversations(
         if paths is None:
             raise ValueError(f"the dataset has rows of source '{source}', which the config no longer has")
         todo = wanted[source]
-        for prompts_path, completions_path in zip(paths["prompts"], paths["completions"], strict=True):
+        for prompts_path, completions_path in paths:
             prompts = {
                 r["prompt_id"]: r
                 for r in pq.read_table(prompts_path, columns=["prompt_id", "messages", "tools"]).to_pylist()

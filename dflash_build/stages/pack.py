@@ -17,7 +17,6 @@ memory holds one window, never the dataset.
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import random
 import shutil
@@ -33,9 +32,11 @@ import pyarrow.parquet as pq
 
 from dflash_build import hashing
 from dflash_build.publish import release
+from dflash_build.publish.card import card_header
+from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
 from dflash_build.spec import PackSpec
-from dflash_build.stages.mix import RollingWriter, card_header
+from dflash_build.stages.job import Job
 from dflash_build.store import atomic, layout
 from dflash_build.versions import PACK_VERSION
 
@@ -131,20 +132,20 @@ def pack_key(mix_manifest: dict[str, Any], spec: PackSpec) -> str:
     return hashing.digest({"mix": content, "pack": asdict(spec), "version": PACK_VERSION})[:16]
 
 
-def run(
-    dataset_dir: str | Path, out_dir: str | Path, record: str | Path, spec: PackSpec, rows_per_file: int
-) -> dict[str, Any]:
-    """Pack the dataset in ``dataset_dir`` into a new version of ``out_dir`` (swapped in whole, like the
-    dataset: :mod:`dflash_build.publish.release`); ``record`` is the build record, the rule's output."""
-    out_dir = Path(out_dir)
-    # the version in place now: a dataset swapped in meanwhile does not mix into this one
-    dataset_dir = release.current(Path(dataset_dir)) or Path(dataset_dir)
-    mix_manifest = json.loads((dataset_dir / layout.MANIFEST).read_text())
-    files = [dataset_dir / f["path"] for f in mix_manifest["files"]]
+def run(job: Job) -> dict[str, Any]:
+    """Pack the dataset (the job's declared input) into a new version of the packed folder, swapped in
+    whole like the dataset (:mod:`dflash_build.publish.release`); the job's output is its build record."""
+    cfg = job.plan.config
+    assert cfg.pack is not None
+    spec, rows_per_file = cfg.pack, cfg.rows_per_file
+    record = job.output("record")
+    out_dir = release.folder_of(record)
+    dataset = release.in_place(job.published("dataset"))
+    mix_manifest, files = dataset.manifest, dataset.files
     lengths, ranks = _lengths_and_ranks(files, spec.seed)
     rows, counts = plan_rows(lengths, ranks, spec)
     window_of = {piece.sample: window for window, row in rows for piece in row}
-    with release.publish(out_dir, Path(record)) as tmp:
+    with release.publish(out_dir, record) as tmp:
         spill = tmp / "spill"
         _spill(files, window_of, spill)
         writer = RollingWriter(tmp / "data", rows_per_file, PACKED_SCHEMA)

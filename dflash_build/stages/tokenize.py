@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import language
-from dflash_build.plan import Plan
-from dflash_build.store import atomic, layout
+from dflash_build.stages.job import Job
+from dflash_build.store import atomic
 from dflash_build.store import records as R
 
 log = logging.getLogger(__name__)
@@ -92,20 +92,14 @@ def prompt_languages(prompt_shard: Path) -> dict[str, str]:
     return dict(zip(ids, language.of_messages_json(table.column("messages").to_pylist()), strict=True))
 
 
-def run(
-    plan: Plan,
-    source: str,
-    shard: str,
-    completions_path: Path | None = None,
-    out_path: Path | None = None,
-    prompts_path: Path | None = None,
-) -> dict[str, Any]:
-    """Tokenize one completion shard (paths from Snakemake, else the plan's); returns the stats sidecar."""
+def run(job: Job) -> dict[str, Any]:
+    """Tokenize the job's completion shard (each sample's language is its prompt's, from the prompt shard
+    beside the declared manifest); returns the stats sidecar."""
+    plan, source, shard = job.plan, job.source, job.shard
+    assert source is not None and shard is not None
     sp = plan.sources[source]
-    completions_path = completions_path or layout.shard_file(plan.completion_dir(source), shard)
-    out_path = out_path or layout.shard_file(plan.token_dir(source), shard)
-    completions = pq.read_table(completions_path).to_pylist()
-    languages = prompt_languages(prompts_path or layout.shard_file(plan.prompt_dir(source), shard))
+    completions = pq.read_table(job.input("completions")).to_pylist()
+    languages = prompt_languages(job.prompt_shard())
     drops: Counter[str] = Counter()
     samples = []
     for row in completions:
@@ -145,7 +139,7 @@ def run(
         R.STAT_LANGUAGES: dict(Counter(s["language"] for s in samples).most_common()),
     }
     table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
-    stats[R.STAT_DATA] = atomic.write_parquet(out_path, table)
-    atomic.write_json(layout.sidecar(out_path), stats)
+    stats[R.STAT_DATA] = atomic.write_parquet(job.output("data"), table)
+    atomic.write_json(job.output("stats"), stats)
     log.info("%s/%s: %d samples, dropped %s", source, shard, len(samples), dict(drops))
     return stats

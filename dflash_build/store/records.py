@@ -131,3 +131,12 @@ def iter_turn_tokens(row: dict[str, Any]) -> Iterator[tuple[list[int], list[int]
     stopped = row["finish_reason"] == FINISH_STOP and row["stop_token_id"] is not None
     stop = [row["stop_token_id"]] if stopped else []
     yield row["prompt_ids"], row["output_ids"] + stop
+
+
+# A prompt folder's manifest (prepare's record), read by the mix, the card, plan, verify and gc.
+PROMPTS_ROWS_IN = "rows_in"
+PROMPTS_ROWS_OUT = "rows_out"
+PROMPTS_DROPS = "drops"  # {reason: rows}
+PROMPTS_DROP_EXAMPLES = "drop_examples"  # {reason: [location: detail]}
+PROMPTS_SHARDS = "shards"  # {shard: {"rows", "sha256"}}
+PROMPTS_REFERENCES = "references"  # with decontaminate: each reference set's items

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing
+from dflash_build.keys import reuse_key
 from dflash_build.store import filesystem, layout
 
 log = logging.getLogger(__name__)
@@ -78,16 +78,6 @@ def _indexed(rows: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]
 
 def _outcome(row: dict[str, Any], max_new_tokens: int) -> tuple[str, int, int]:
     return row["finish_reason"], row["n_output_tokens"], max_new_tokens
-
-
-def reuse_key(gen_components: dict[str, Any]) -> str:
-    """gen_key without the prompt set, max_new_tokens and the trainer's window (a budget, like
-    max_new_tokens): rows under one reuse_key are interchangeable."""
-    parts = {k: v for k, v in gen_components.items() if k not in ("prompt_key", "trainer_window")}
-    parts["sampling"] = {
-        k: v for k, v in parts["sampling"].items() if k not in ("max_new_tokens", "samples_per_prompt")
-    }
-    return hashing.content_key(parts)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,6 @@ from dflash_build import engines, hashing, killpoints
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
-from dflash_build.spec import SourceSpec
 from dflash_build.stages import chat
 from dflash_build.stages.generate.accounting import ShardFailedError as ShardFailedError
 from dflash_build.stages.generate.accounting import check_failures, shard_stats, turn_counts
@@ -57,134 +55,38 @@ from dflash_build.stages.generate.control import SignalStop, StallStop
 from dflash_build.stages.generate.conversation import Conversation as Conversation
 from dflash_build.stages.generate.conversation import HistoryRewritten, Turn, answer_slots
 from dflash_build.stages.generate.conversation import Renderer as Renderer
-from dflash_build.store import atomic, layout
+from dflash_build.stages.generate.work import SEED_BITS as SEED_BITS
+from dflash_build.stages.generate.work import (
+    EngineRun,
+    ShardPaths,
+    ShardWork,
+    apply_result,
+    completion_row,
+    fits_context,
+    journal_row,
+    result_of,
+    row_seed,
+)
+from dflash_build.stages.job import Job
+from dflash_build.store import atomic
 from dflash_build.store import records as R
 from dflash_build.store.journal import Journal
-from dflash_build.store.rowindex import RowIndex, reuse_key
+from dflash_build.store.rowindex import RowIndex
 
 log = logging.getLogger(__name__)
 
 
-# Row seeds are 31-bit, so every engine takes them as they are: SGLang 0.5.5 built its seed tensor as
-# int32 (a larger seed overflowed and killed the engine), llama.cpp's server keeps a uint32 and vLLM,
-# SGLang 0.5.23 and the transformers backend take anything up to int64.
-SEED_BITS = 31
-
-
-def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0) -> int:
-    """The seed of one (prompt, sample, turn): independent of batch, shard and order; in [0, 2**31)."""
-    parts: dict[str, Any] = {"seed": base_seed, "prompt_id": prompt_id, "sample_idx": sample_idx}
-    if turn:
-        parts["turn"] = turn
-    return int(hashing.digest(parts)[:16], 16) >> (64 - SEED_BITS)
-
-
-def fits_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -> bool:
-    """Whether a prompt leaves room for ``max_new_tokens`` in the context: SGLang's own rule (it refuses
-    ``prompt + max_new_tokens > context``), applied before any engine call so no backend sees a refusal."""
-    return context is None or prompt_tokens + max_new_tokens <= context
-
-
-def _journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
-    return {
-        "prompt_id": conv.prompt_id,
-        "sample_idx": conv.sample_idx,
-        "turn": len(conv.turns) - 1,
-        "output_ids": turn.output_ids,
-        "finish_reason": turn.finish_reason,
-        "stop_token_id": turn.stop_token_id,
-        "error": turn.error,
-        "retokenized": turn.retokenized,
-        "drifted": turn.drifted,
-        "reused_from": turn.reused_from,
-        "continued": turn.continued,
-        "at": round(time.time(), 1),  # when it finished: `dflash-build status` reads rates from it
-    }
-
-
-@dataclass(frozen=True)
-class ShardPaths:
-    """Where one generation job reads and writes: Snakemake's input/output, or the plan's own paths."""
-
-    prompts: Path
-    data: Path
-    stats: Path
-    journal: Path  # a folder, never a Snakemake output: it survives failed and killed jobs
-
-    @classmethod
-    def of(cls, plan: Plan, source: str, shard: str) -> ShardPaths:
-        data = layout.shard_file(plan.completion_dir(source), shard)
-        return cls(
-            layout.shard_file(plan.prompt_dir(source), shard),
-            data,
-            layout.sidecar(data),
-            plan.journal_dir(source, shard),
-        )
-
-
-@dataclass
-class ShardWork:
-    """One shard's conversations and everything needed to render and account for them."""
-
-    plan: Plan
-    source: str
-    shard: str
-    paths: ShardPaths
-    tokenizer: Any
-    renderer: Renderer
-    context: int | None
-    params: SamplingParams
-    convs: dict[tuple[str, int], Conversation]
-
-    @property
-    def spec(self) -> SourceSpec:
-        return self.plan.sources[self.source].spec
-
-    @property
-    def label(self) -> str:
-        return f"{self.source}/{self.shard}"
-
-    def pending(self) -> list[Conversation]:
-        return [c for c in self.convs.values() if c.finish_reason is None]
-
-    def budget(self, prompt_tokens: int) -> int:
-        """New tokens an answer after ``prompt_tokens`` may have: max_new_tokens, or what is left of the
-        trainer's window (trainer.max_length) when that is less, so no token is generated past it."""
-        limit = self.spec.sampling.max_new_tokens
-        window = self.plan.config.trainer.max_length
-        return limit if window is None else min(limit, window - prompt_tokens)
-
-    def ran_out(self, budget: int) -> str:
-        """How an answer that used up ``budget`` ended: at the trainer's window when the window made the
-        budget shorter than max_new_tokens, else truncated."""
-        return R.FINISH_WINDOW if budget < self.spec.sampling.max_new_tokens else R.FINISH_LENGTH
-
-    @property
-    def min_new_tokens(self) -> int:
-        """Fewer new tokens than this in the window: the prompt is skipped (1 without a window)."""
-        trainer = self.plan.config.trainer
-        return 1 if trainer.max_length is None else trainer.min_new_tokens
-
-
-@dataclass
-class EngineRun:
-    """What the engine did in this run: rows journaled and tokens it produced."""
-
-    journaled: int = 0
-    engine_tokens: int = 0
-    in_flight: int = 0  # requests sent in this round and not answered yet (the heartbeat reads it)
-    served: Any = None  # what the engine says it serves (openai backend: per server), for the sidecar
-
-
-def run(plan: Plan, source: str, shard: str, paths: ShardPaths | None = None) -> dict[str, Any]:
-    """Generate every (prompt, sample) of one shard; returns the stats written beside it.
+def run(job: Job) -> dict[str, Any]:
+    """Generate every (prompt, sample) of the job's shard; returns the stats written beside it.
 
     The pipeline, under the shard's lock: restore a shard published before (:func:`restore`), else
     rows to do (:func:`open_shard`) → resume from the journal (:func:`replay`) → reuse earlier
     completions (:func:`reuse`) → the engine for the rest (:func:`generate_rest`) → :func:`publish`.
     """
+    plan, source, shard = job.plan, job.source, job.shard
+    assert source is not None and shard is not None
     cfg = plan.config
-    paths = paths or ShardPaths.of(plan, source, shard)
+    paths = ShardPaths.of(job)
     journal = Journal(paths.journal, cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
     with journal.locked(f"{source}/{shard}"):
         restored = restore(plan, source, shard, paths, journal)
@@ -267,9 +169,7 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
     tokenizer = chat.load_tokenizer(plan.config.model)
     if any(p["tools"] for p in prompts):
         chat.check_renders_tools(tokenizer, template_kwargs)
-    params = SamplingParams(
-        sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.max_new_tokens
-    )
+    params = SamplingParams.of(sampling)
     convs: dict[tuple[str, int], Conversation] = {}
     for p in prompts:
         messages = json.loads(p["messages"])
@@ -305,7 +205,7 @@ def replay(work: ShardWork, journal: Journal) -> int:
         if conv.finish_reason is not None:
             skipped += 1
             continue
-        turn = _apply(conv, work.renderer.next_context(conv), _result_of(row))
+        turn = apply_result(conv, work.renderer.next_context(conv), result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
         applied += 1
     if skipped:
@@ -324,7 +224,7 @@ def reuse(work: ShardWork, journal: Journal) -> int:
         return 0
     store = work.plan.config.store
     with RowIndex.open(store, sync=None) as index:  # the build's start synced it with the store
-        found = index.lookup(reuse_key(sp.gen_components), pending, limit)
+        found = index.lookup(sp.reuse_key, pending, limit)
         by_file: dict[str, list[Any]] = {}
         for cand in found.values():
             by_file.setdefault(cand.path, []).append(cand)
@@ -346,7 +246,9 @@ def reuse(work: ShardWork, journal: Journal) -> int:
                 if ids != old["prompt_ids"]:
                     continue  # rendered differently (should not happen under one reuse_key): generate it
                 budget = work.budget(len(ids))
-                if not fits_context(len(ids), budget, work.context) or budget < work.min_new_tokens:
+                if not fits_context(len(ids), budget, work.context) or work.plan.config.trainer.leaves_too_little(
+                    budget
+                ):
                     continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
                 output = list(old["output_ids"])
                 use = cand.use_for(budget)
@@ -357,9 +259,9 @@ def reuse(work: ShardWork, journal: Journal) -> int:
                     result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
                 else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
                     result = Result(conv.prompt_id, conv.sample_idx, output[:budget], work.ran_out(budget))
-                turn = _apply(conv, ids, result)
+                turn = apply_result(conv, ids, result)
                 turn.reused_from = origin
-                journal.append(_journal_row(conv, turn))
+                journal.append(journal_row(conv, turn))
                 count += 1
         journal.sync()
         if count:
@@ -397,7 +299,7 @@ def next_requests(
             reason = (
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {budget} exceeds the context of {work.context}"
             )
-        elif budget < work.min_new_tokens:
+        elif work.plan.config.trainer.leaves_too_little(budget):
             window = work.plan.config.trainer
             reason = (
                 f"prompt of {len(prompt_ids)} tokens leaves {max(budget, 0)} new tokens in the trainer's window of "
@@ -434,7 +336,7 @@ def take_result(work: ShardWork, generated: Result, context: tuple[list[int], in
             output_ids=conv.prefix + list(generated.output_ids),
             engine_output_tokens=None if counted is None else counted + len(conv.prefix),
         )
-    turn = _apply(conv, context_ids, result)
+    turn = apply_result(conv, context_ids, result)
     if conv.prefix_from is not None:
         turn.reused_from, turn.continued = conv.prefix_from, True
         conv.prefix, conv.prefix_from = [], None
@@ -446,7 +348,7 @@ def start_engine(work: ShardWork, lease: gpus.GpuLease | None) -> engines.Engine
     engine servers this config's jobs share (see engine_host)."""
     cfg = work.plan.config
     stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
-    if engine_host.served(cfg.engine):
+    if engine_host.through_server(cfg.engine):
         fingerprint = work.plan.model_fingerprint
         return engine_host.open_engine(cfg, stop_ids, lease, work.tokenizer, fingerprint, work.context)
     return engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
@@ -507,7 +409,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     break
                 if engine is None:
                     engine = stop.engine = start_engine(work, lease)
-                    counts.served = getattr(engine, "identity", None)
+                    counts.engine_identity = getattr(engine, "identity", None)
                     stall = watch_engine(engine, work, lease, journal, progress, counts)
                     if kill_kind == "rows" and kill_rows == 0:
                         killpoints.die()
@@ -519,7 +421,7 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     counts.engine_tokens += len(generated.output_ids)
                     turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
                     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
-                    journal.append(_journal_row(conv, turn))
+                    journal.append(journal_row(conv, turn))
                     counts.journaled += 1
                     progress.update(
                         dataclasses.replace(generated, finish_reason=turn.finish_reason), conv.finish_reason is not None
@@ -555,7 +457,7 @@ def publish(
     """
     sampling = work.plan.sources[work.source].spec.sampling
     convs = work.convs.values()
-    rows = [_completion_row(conv, work.renderer, sampling.seed) for conv in convs]
+    rows = [completion_row(conv, work.renderer, sampling.seed) for conv in convs]
     stats = shard_stats(work.plan, work.source, work.shard, rows, resumed, lease, wall, engine_run.engine_tokens)
     turns = [t for conv in convs for t in conv.turns]
     retokenized = sum(t.retokenized for t in turns)
@@ -571,8 +473,8 @@ def publish(
     stats[R.STAT_CONTINUED] = continued
     stats[R.STAT_REUSED_FROM] = reused_from
     stats[R.STAT_GENERATED] = engine_run.journaled
-    if engine_run.served is not None:
-        stats["engine"]["served"] = engine_run.served
+    if engine_run.engine_identity is not None:
+        stats["engine"]["served"] = engine_run.engine_identity
     if work.spec.turns == "all":
         stats[R.STAT_TURNS] = turn_counts(list(convs))
     check_failures(stats, work.plan.config.checks.max_failed_fraction, journal.path)
@@ -600,75 +502,4 @@ def _link_outputs(journal: Journal, paths: ShardPaths) -> None:
 def _index_shard(plan: Plan, source: str, data: Path, rows: list[dict[str, Any]]) -> None:
     sp = plan.sources[source]
     with RowIndex.open(plan.config.store, sync=False) as index:
-        index.add_shard(reuse_key(sp.gen_components), sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens)
-
-
-def _result_of(row: dict[str, Any]) -> Result:
-    return Result(
-        row["prompt_id"],
-        row["sample_idx"],
-        row["output_ids"],
-        row["finish_reason"],
-        row["stop_token_id"],
-        row["error"],
-        retokenized=row.get("retokenized", False),
-        # a journaled drift is replayed as a count that cannot match
-        engine_output_tokens=-1 if row.get("drifted") else None,
-    )
-
-
-def _apply(conv: Conversation, context_ids: list[int], result: Result) -> Turn:
-    """Record one answer; the conversation ends unless it stopped cleanly and has more slots."""
-    drifted = result.engine_output_tokens is not None and result.engine_output_tokens != len(result.output_ids)
-    turn = Turn(
-        context_ids,
-        list(result.output_ids),
-        result.finish_reason,
-        result.stop_token_id,
-        result.error,
-        result.retokenized,
-        result.retokenized and drifted,
-    )
-    turn.history_retokenized = conv.per_turn and bool(conv.turns)
-    conv.turns.append(turn)
-    if result.finish_reason != R.FINISH_STOP:
-        conv.finish(result.finish_reason, result.error)
-    elif len(conv.turns) == len(conv.slots):
-        conv.finish(R.FINISH_STOP)
-    return turn
-
-
-def _completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> dict[str, Any]:
-    turns = conv.turns
-    first = turns[0] if turns else None
-    last = turns[-1] if turns else None
-    multi = len(conv.slots) > 1
-    return {
-        "prompt_id": conv.prompt_id,
-        "sample_idx": conv.sample_idx,
-        "seed": row_seed(base_seed, conv.prompt_id, conv.sample_idx),
-        "prompt_ids": first.context_ids if first else [],
-        "output_ids": last.output_ids if last else [],
-        "stop_token_id": last.stop_token_id if last and conv.finish_reason == R.FINISH_STOP else None,
-        "text": renderer.decode(last.output_ids) if last else "",
-        "finish_reason": conv.finish_reason,
-        "error": conv.error,
-        "n_prompt_tokens": len(first.context_ids) if first else 0,
-        "n_output_tokens": sum(len(t.output_ids) for t in turns),
-        "reused_from": first.reused_from if first else None,
-        "continued": bool(first and first.continued),
-        "per_turn": conv.per_turn if multi else None,
-        "turns": [
-            {
-                "context_ids": t.context_ids,
-                "output_ids": t.output_ids,
-                "stop_token_id": t.stop_token_id,
-                "finish_reason": t.finish_reason,
-                "text": renderer.decode(t.output_ids),
-                "history_retokenized": t.history_retokenized,
-            }
-            for t in turns
-        ]
-        if multi
-        else None,
-    }
+        index.add_shard(sp.reuse_key, sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens)

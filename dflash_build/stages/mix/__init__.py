@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,19 +24,18 @@ import pyarrow.parquet as pq
 from dflash_build import hashing, killpoints
 from dflash_build.plan import Plan
 from dflash_build.publish import release, report
+from dflash_build.publish.card import dataset_card, summary
+from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
 from dflash_build.stages import crosssource
+from dflash_build.stages.job import Job
+from dflash_build.stages.mix.checks import check, missed_floors, shortfalls
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
 _SELECT_COLUMNS = ["prompt_id", "sample_idx", "turn", "source", "category", "language", "n_tokens"]
-NOTED_DEVIATION = 0.01  # a share further than this from its target is stated in the manifest (not a check)
-
-
-class MixError(RuntimeError):
-    """The dataset would miss what the config asks for; the message names the cause and the key to change."""
 
 
 def category_targets(
@@ -215,12 +214,13 @@ class _Choice:
     floors: dict[str, dict[str, dict[str, Any]]]  # mix.languages: category -> language -> what it got
 
 
-def choose(plan: Plan) -> _Choice:
-    """Select the samples (about 30 bytes each in memory) and check the result, before anything is written."""
+def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
+    """Select the samples (about 30 bytes each in memory) of the token ``shards`` (by source) and check
+    the result, before anything is written."""
     cfg = plan.config
     # by source name and shard: the dataset's row order does not depend on the config's source order
     names = sorted(plan.sources)
-    inputs = [(source, path) for source in names for path in plan.token_shards(source)]
+    inputs = [(source, path) for source in names for path in shards[source]]
     shares = dict(cfg.mix_categories)
     categories = list(shares)
     cand = _candidates(cfg.mix_seed, [(names.index(s), p) for s, p in inputs], categories)
@@ -242,7 +242,8 @@ def choose(plan: Plan) -> _Choice:
     if floors:
         reached = _floors_reached(floors, cand.by_language(categories, chosen), chosen_tokens, by_language)
     by_source = cand.available(cand.source, names, eligible)
-    check(plan, shares, targets, chosen_tokens, available, by_source, cross, missed_floors(plan, reached, targets))
+    missed = missed_floors(plan, reached, targets)
+    check(plan, shards, shares, targets, chosen_tokens, available, by_source, cross, missed)
     return _Choice(inputs, chosen, cand.offsets, shares, targets, available, cross, reached)
 
 
@@ -287,25 +288,6 @@ def _floors_reached(
     }
 
 
-def missed_floors(plan: Plan, reached: dict[str, dict[str, dict[str, Any]]], targets: dict[str, float]) -> list[str]:
-    """Each language floor of ``mix.languages`` missed by more than the tolerance, with what to change."""
-    checks = plan.config.checks
-    problems = []
-    for category, by_language in reached.items():
-        for lang, got in by_language.items():
-            if got["floor"] - got["achieved_share"] <= checks.share_tolerance or category in checks.allow_shortfall:
-                continue
-            needed = round(got["floor"] * targets[category])
-            problems.append(
-                f"category '{category}': language '{lang}' reaches {got['achieved_share']:.1%} of its tokens, floor "
-                f"{got['floor']:.1%} (tolerance {checks.share_tolerance:.1%}): its '{lang}' samples hold "
-                f"{got['available_tokens']} tokens, about {needed} are needed; add '{lang}' prompts to "
-                f"'{category}', lower mix.languages.{category}.{lang}, or allow it with "
-                f"checks.allow_shortfall: [{category}]"
-            )
-    return problems
-
-
 @dataclass
 class _Written:
     """What the dataset's files hold, summed as they are written."""
@@ -341,19 +323,21 @@ class _Written:
         self.tally.add_rows(source, category, n_tokens, n_loss, reasons)
 
 
-def run(plan: Plan, record: str | Path) -> dict[str, Any]:
-    """Select the samples of every token shard and write the dataset, in memory that grows only with the
-    number of samples, never with their size.
+def run(job: Job) -> dict[str, Any]:
+    """Select the samples of the job's token shards and write the dataset, in memory that grows only with
+    the number of samples, never with their size.
 
     The dataset is a new version of ``dataset.out/NAME``, swapped in only once it is whole and passed its
-    checks (:mod:`dflash_build.publish.release`); ``record`` is the build record, the rule's output.
+    checks (:mod:`dflash_build.publish.release`); the job's output is the build record.
     """
+    plan = job.plan
     cfg = plan.config
-    choice = choose(plan)
-    with release.publish(cfg.dataset_dir, Path(record)) as tmp:
+    shards = job.by_source("tokens")
+    choice = choose(plan, shards)
+    with release.publish(job.published("record"), job.output("record")) as tmp:
         written = _write(plan, choice, tmp / "data")
         killpoints.die_at("mix")
-        manifest = _manifest(plan, choice, written)
+        manifest = _manifest(plan, choice, written, shards, job.inputs["manifests"])
         report.write_tables(tmp, manifest)
         manifest["tables"] = list(report.TABLES)
         manifest["plots"] = report.write_plots(tmp, manifest, written.tally)
@@ -379,7 +363,9 @@ def _write(plan: Plan, choice: _Choice, folder: Path) -> _Written:
     return written
 
 
-def _manifest(plan: Plan, choice: _Choice, written: _Written) -> dict[str, Any]:
+def _manifest(
+    plan: Plan, choice: _Choice, written: _Written, shards: Mapping[str, list[Path]], manifests: Sequence[Path]
+) -> dict[str, Any]:
     cfg = plan.config
     tokens = written.tokens_by["category"]
     total = sum(tokens.values())
@@ -416,9 +402,9 @@ def _manifest(plan: Plan, choice: _Choice, written: _Written) -> dict[str, Any]:
             for col in ("category", "source")
         },
         "cross_source": choice.cross.report() if choice.cross is not None else None,
-        "prompts": {name: _prompt_summary(plan, name) for name in sorted(plan.sources)},
-        "shortfalls": _shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),
-        "sources": {name: _source_entry(plan, name, written) for name in plan.sources},
+        "prompts": _prompt_summaries(manifests),
+        "shortfalls": shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),
+        "sources": {name: _source_entry(plan, name, written, shards[name]) for name in plan.sources},
         "model": {"path": cfg.model.path, "revision": cfg.model.revision},
         "model_fingerprint": plan.model_fingerprint,
         "template_fingerprint": plan.template_fingerprint,
@@ -428,7 +414,7 @@ def _manifest(plan: Plan, choice: _Choice, written: _Written) -> dict[str, Any]:
     }
 
 
-def _source_entry(plan: Plan, name: str, written: _Written) -> dict[str, Any]:
+def _source_entry(plan: Plan, name: str, written: _Written, shards: list[Path]) -> dict[str, Any]:
     sp = plan.sources[name]
     return {
         "category": sp.spec.category,
@@ -439,245 +425,12 @@ def _source_entry(plan: Plan, name: str, written: _Written) -> dict[str, Any]:
         "gen_key": sp.gen_key,
         "tok_key": sp.tok_key,
         "components": {"prompt": sp.prompt_components, "gen": sp.gen_components, "tok": sp.tok_components},
-        "shards": [str(p) for p in plan.token_shards(name)],
+        "shards": [str(p) for p in shards],
     }
 
 
-def check(
-    plan: Plan,
-    shares: dict[str, float],
-    targets: dict[str, float],
-    chosen: Counter[str],
-    available: Counter[str],
-    available_by_source: Counter[str],
-    cross: crosssource.CrossSource | None = None,
-    missed: list[str] | None = None,
-) -> None:
-    """Fail before writing when the dataset is empty, a source yields nothing, a share is missed, or
-    ``missed`` (the language floors' problems) is not empty.
-
-    A category listed in ``checks.allow_shortfall`` may fall short (its sources may be empty too);
-    the shortfall is still stated in the manifest.
-    """
-    checks = plan.config.checks
-    problems: list[str] = []
-    for name, sp in plan.sources.items():
-        taken_by_others = cross.counts.get(name, {}) if cross is not None else {}
-        if (
-            available_by_source[name] == 0
-            and sp.spec.category not in checks.allow_shortfall
-            and any(taken_by_others.values())
-        ):
-            steps = ", ".join(f"{reason} {n}" for reason, n in taken_by_others.items() if n)
-            problems.append(
-                f"source '{name}' reaches the mix with no samples: other sources hold all of its prompts "
-                f"({steps}; dedup.across_sources gives each prompt to the first of dedup.prefer, then by "
-                f"name); list '{name}' first in dedup.prefer, remove the source, or set "
-                "dedup.across_sources: false"
-            )
-        elif available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
-            problems.append(
-                f"source '{name}' reaches the mix with no samples ({_token_drops(plan, name)}); "
-                f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
-                f"answers that hit max_new_tokens; or allow it with checks.allow_shortfall: [{sp.spec.category}]"
-            )
-    total = sum(chosen.values())
-    if total == 0:
-        problems.insert(0, "the dataset would be empty: no token shard has a usable sample")
-    else:
-        for category, share in shares.items():
-            achieved = chosen[category] / total
-            if share - achieved > checks.share_tolerance and category not in checks.allow_shortfall:
-                problems.append(_missed_share(category, share, chosen, available, targets, checks.share_tolerance))
-    problems += missed or []
-    if problems:
-        raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def _missed_share(
-    category: str,
-    share: float,
-    chosen: Counter[str],
-    available: Counter[str],
-    targets: dict[str, float],
-    tolerance: float,
-) -> str:
-    """Why ``category`` ends below its share, in terms that agree with each other, and by how much."""
-    total = sum(chosen.values())
-    achieved = chosen[category] / total
-    head = f"category '{category}' reaches {achieved:.1%} of tokens, target {share:.1%} (tolerance {tolerance:.1%})"
-    tolerance_needed = math.ceil((share - achieved) * 1000) / 1000
-    allow = f"or allow it with checks.share_tolerance: {tolerance_needed:g} or checks.allow_shortfall: [{category}]"
-    if chosen[category] >= available[category]:
-        # every sample is used: the others overshoot their targets by part of a sample each, which only
-        # more samples of this category can balance
-        others = total - chosen[category]
-        floor = share - tolerance
-        needed = math.ceil(floor / (1 - floor) * others) - available[category]
-        return (
-            f"{head}: all {available[category]} of its tokens are used and the other categories' samples "
-            f"overshoot their targets; the dataset is too small for this mix: it needs {needed} more tokens "
-            f"of '{category}' for the share at this size; add sources to it, lower mix.budget_tokens, {allow}"
-        )
-    return (
-        f"{head}: {chosen[category]} of its {available[category]} tokens are taken for a target of "
-        f"{round(targets[category])}, since its next samples would overshoot by more than they close; "
-        f"add shorter samples to it, {allow}"
-    )
-
-
-def _prompt_summary(plan: Plan, source: str) -> dict[str, Any]:
-    """Prepare's accounting of a source, from its prompt manifest: rows in and out, drops, examples."""
-    manifest = json.loads(plan.prompt_manifest(source).read_text())
-    keys = ("rows_in", "rows_out", "drops", "drop_examples", "references")
-    return {k: manifest[k] for k in keys if k in manifest}
-
-
-def _token_drops(plan: Plan, source: str) -> str:
-    """Why a source's rows did not become samples, summed over its tokenize stats sidecars."""
-    dropped: Counter[str] = Counter()
-    rows = 0
-    for path in plan.token_shards(source):
-        stats_file = layout.sidecar(path)
-        if stats_file.exists():
-            stats = json.loads(stats_file.read_text())
-            rows += stats.get(R.STAT_INPUT_ROWS, 0)
-            dropped.update(stats.get(R.STAT_DROPPED, {}))
-    reasons = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "none"
-    return f"{rows} completions, tokenize dropped {reasons}"
-
-
-def _shortfalls(
-    shares: dict[str, float], targets: dict[str, float], got: Counter[str], available: Counter[str], budget: int | None
-) -> list[str]:
-    """Plain statements of every way the dataset misses its configured mix."""
-    notes = []
-    total = sum(got.values())
-    for category, share in shares.items():
-        achieved = got[category] / total if total else 0.0
-        if available[category] == 0:
-            notes.append(f"category '{category}' has no samples: its target share {share:.1%} is not met")
-        elif budget is not None and available[category] < targets[category]:
-            notes.append(
-                f"category '{category}' falls short: {available[category]} tokens available, "
-                f"{round(targets[category])} targeted; all of them are used"
-            )
-        elif abs(achieved - share) > NOTED_DEVIATION:
-            target = round(targets[category])
-            if achieved < share and got[category] >= available[category]:
-                why = "every one of its samples is used; others overshoot their targets by part of a sample"
-            elif (achieved > share) == (got[category] <= target):
-                # its own target is met; the total it is a share of is not the planned one
-                why = f"it meets its target of {target} tokens; the other categories' misses move its share"
-            else:
-                why = f"its samples are too long to hit a target of {target} tokens closely (it has {got[category]})"
-            notes.append(f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: {why}")
-    return notes
-
-
-class RollingWriter:
-    """Writes tables into data/train-XXXXX.parquet files of at most ``rows_per_file`` rows."""
-
-    def __init__(self, folder: Path, rows_per_file: int, schema: pa.Schema = R.SAMPLE_SCHEMA) -> None:
-        self.folder, self.rows_per_file, self.schema = folder, rows_per_file, schema
-        self.pending: list[pa.Table] = []
-        self.pending_rows = 0
-        self.files: list[tuple[Path, dict[str, Any]]] = []
-
-    def write(self, table: pa.Table) -> None:
-        while table.num_rows:
-            take = min(table.num_rows, self.rows_per_file - self.pending_rows)
-            self.pending.append(table.slice(0, take))
-            self.pending_rows += take
-            table = table.slice(take)
-            if self.pending_rows == self.rows_per_file:
-                self._flush()
-
-    def _flush(self) -> None:
-        path = self.folder / f"part-{len(self.files):05d}.parquet"
-        data = pa.concat_tables(self.pending) if self.pending else self.schema.empty_table()
-        self.files.append((path, atomic.write_parquet(path, data)))
-        self.pending, self.pending_rows = [], 0
-
-    def close(self) -> list[dict[str, Any]]:
-        if self.pending_rows or not self.files:
-            self._flush()
-        # Hugging Face's naming lets `datasets` see one train split. The content digest in the name
-        # makes a rebuilt dataset new files: `datasets` caches a local folder by its file names.
-        n = len(self.files)
-        content = hashing.digest([info["sha256"] for _, info in self.files])[:12]
-        files = []
-        for i, (path, info) in enumerate(self.files):
-            final = path.with_name(f"train-{i:05d}-of-{n:05d}-{content}.parquet")
-            path.rename(final)
-            files.append({"path": str(Path("data") / final.name), **info})
-        atomic.fsync_dir(self.folder)
-        return files
-
-
-def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str:
-    """The mix achieved against its targets; with ``sources``, the report's per-source table too."""
-    counts = f"{manifest['rows']} rows, {manifest['tokens']} tokens, {manifest['loss_tokens']} loss tokens"
-    lines = [f"dataset: {where} ({counts})"]
-    lines.append(f"{'category':<16}{'target':>8}{'achieved':>10}{'tokens':>12}{'rows':>8}")
-    for category, c in manifest["mix"]["categories"].items():
-        lines.append(
-            f"{category:<16}{c['target_share']:>8.1%}{c['achieved_share']:>10.1%}{c['tokens']:>12}{c['rows']:>8}"
-        )
-    length = manifest["length"]
-    lines.append(f"length: mean {length['mean']}, p50 {length['p50']}, p90 {length['p90']}, max {length['max']}")
-    if "languages" in manifest:
-        shares = report.language_shares(dict(report.language_totals(manifest)))
-        named = list(shares.items())[: report.NAMED_LANGUAGES]
-        lines.append("languages: " + ", ".join(f"{lang} {share:.1%}" for lang, share in named))
-    lines.extend(f"note: {s}" for s in manifest["shortfalls"])
-    if sources and "report" in manifest:
-        lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]
-    return "\n".join(lines)
-
-
-def card_header(manifest: dict[str, Any]) -> str:
-    """A dataset card's YAML header (so the folder loads with `datasets`) and its title.
-
-    The exact file names, not a glob: `datasets` keys its cache of a local folder by the card's
-    data_files, so a glob would serve the previous build's rows after a rebuild.
-    """
-    data_files = "\n".join(f"    - {f['path']}" for f in manifest["files"])
-    return f"""---
-configs:
-- config_name: default
-  data_files:
-  - split: train
-    path:
-{data_files}
----
-# {manifest["dataset"]}
-"""
-
-
-def dataset_card(manifest: dict[str, Any]) -> str:
-    sources = "\n".join(
-        f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
-        for name, s in manifest["sources"].items()
-    )
-    shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
-    return f"""{card_header(manifest)}
-Built by dflash-build. Each row is one training sample: `input_ids` are the prompt as the target model's
-chat template rendered it, followed by the model's own answer; `loss_mask` is 1 on the generated tokens
-only. Content keys of every input shard are in `{layout.MANIFEST}`.
-
-```
-{summary(manifest, Path("."))}
-```
-
-| source | category | rows | tokens | gen_key |
-|---|---|---|---|---|
-{sources}
-
-Shortfalls:
-{shortfalls}
-
-Finish reasons: {json.dumps(manifest["finish_reasons"])}
-
-{report.recipe(manifest)}
-{report.card_body(manifest)}"""
+def _prompt_summaries(manifests: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """Prepare's accounting of each source, from its prompt manifest: rows in and out, drops, examples."""
+    keys = (R.PROMPTS_ROWS_IN, R.PROMPTS_ROWS_OUT, R.PROMPTS_DROPS, R.PROMPTS_DROP_EXAMPLES, R.PROMPTS_REFERENCES)
+    read = [json.loads(path.read_text()) for path in manifests]
+    return {m["source"]: {k: m[k] for k in keys if k in m} for m in sorted(read, key=lambda m: m["source"])}

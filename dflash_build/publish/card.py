@@ -1,0 +1,78 @@
+"""The dataset's card (README.md, with the YAML header `datasets` reads) and the build's summary lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_build.publish import report
+from dflash_build.store import layout
+
+
+def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str:
+    """The mix achieved against its targets; with ``sources``, the report's per-source table too."""
+    counts = f"{manifest['rows']} rows, {manifest['tokens']} tokens, {manifest['loss_tokens']} loss tokens"
+    lines = [f"dataset: {where} ({counts})"]
+    lines.append(f"{'category':<16}{'target':>8}{'achieved':>10}{'tokens':>12}{'rows':>8}")
+    for category, c in manifest["mix"]["categories"].items():
+        lines.append(
+            f"{category:<16}{c['target_share']:>8.1%}{c['achieved_share']:>10.1%}{c['tokens']:>12}{c['rows']:>8}"
+        )
+    length = manifest["length"]
+    lines.append(f"length: mean {length['mean']}, p50 {length['p50']}, p90 {length['p90']}, max {length['max']}")
+    if "languages" in manifest:
+        shares = report.language_shares(dict(report.language_totals(manifest)))
+        named = list(shares.items())[: report.NAMED_LANGUAGES]
+        lines.append("languages: " + ", ".join(f"{lang} {share:.1%}" for lang, share in named))
+    lines.extend(f"note: {s}" for s in manifest["shortfalls"])
+    if sources and "report" in manifest:
+        lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]
+    return "\n".join(lines)
+
+
+def card_header(manifest: dict[str, Any]) -> str:
+    """A dataset card's YAML header (so the folder loads with `datasets`) and its title.
+
+    The exact file names, not a glob: `datasets` keys its cache of a local folder by the card's
+    data_files, so a glob would serve the previous build's rows after a rebuild.
+    """
+    data_files = "\n".join(f"    - {f['path']}" for f in manifest["files"])
+    return f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path:
+{data_files}
+---
+# {manifest["dataset"]}
+"""
+
+
+def dataset_card(manifest: dict[str, Any]) -> str:
+    sources = "\n".join(
+        f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
+        for name, s in manifest["sources"].items()
+    )
+    shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
+    return f"""{card_header(manifest)}
+Built by dflash-build. Each row is one training sample: `input_ids` are the prompt as the target model's
+chat template rendered it, followed by the model's own answer; `loss_mask` is 1 on the generated tokens
+only. Content keys of every input shard are in `{layout.MANIFEST}`.
+
+```
+{summary(manifest, Path("."))}
+```
+
+| source | category | rows | tokens | gen_key |
+|---|---|---|---|---|
+{sources}
+
+Shortfalls:
+{shortfalls}
+
+Finish reasons: {json.dumps(manifest["finish_reasons"])}
+
+{report.recipe(manifest)}
+{report.card_body(manifest)}"""

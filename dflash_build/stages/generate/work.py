@@ -1,0 +1,185 @@
+"""One generation job's shard and its rows: where it reads and writes, the conversations it holds, and
+how a turn's result becomes a journal row and a completion row."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_build import hashing
+from dflash_build.engines import Result, SamplingParams
+from dflash_build.plan import Plan
+from dflash_build.spec import SourceSpec
+from dflash_build.stages.generate.conversation import Conversation, Renderer, Turn
+from dflash_build.stages.job import Job
+from dflash_build.store import records as R
+
+# Row seeds are 31-bit, so every engine takes them as they are: SGLang 0.5.5 built its seed tensor as
+# int32 (a larger seed overflowed and killed the engine), llama.cpp's server keeps a uint32 and vLLM,
+# SGLang 0.5.23 and the transformers backend take anything up to int64.
+SEED_BITS = 31
+
+
+def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0) -> int:
+    """The seed of one (prompt, sample, turn): independent of batch, shard and order; in [0, 2**31)."""
+    parts: dict[str, Any] = {"seed": base_seed, "prompt_id": prompt_id, "sample_idx": sample_idx}
+    if turn:
+        parts["turn"] = turn
+    return int(hashing.digest(parts)[:16], 16) >> (64 - SEED_BITS)
+
+
+def fits_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -> bool:
+    """Whether a prompt leaves room for ``max_new_tokens`` in the context: SGLang's own rule (it refuses
+    ``prompt + max_new_tokens > context``), applied before any engine call so no backend sees a refusal."""
+    return context is None or prompt_tokens + max_new_tokens <= context
+
+
+def journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
+    return {
+        "prompt_id": conv.prompt_id,
+        "sample_idx": conv.sample_idx,
+        "turn": len(conv.turns) - 1,
+        "output_ids": turn.output_ids,
+        "finish_reason": turn.finish_reason,
+        "stop_token_id": turn.stop_token_id,
+        "error": turn.error,
+        "retokenized": turn.retokenized,
+        "drifted": turn.drifted,
+        "reused_from": turn.reused_from,
+        "continued": turn.continued,
+        "at": round(time.time(), 1),  # when it finished: `dflash-build status` reads rates from it
+    }
+
+
+@dataclass(frozen=True)
+class ShardPaths:
+    """Where one generation job reads and writes: its prompt shard and outputs, and its journal."""
+
+    prompts: Path
+    data: Path
+    stats: Path
+    journal: Path  # a folder, never a Snakemake output: it survives failed and killed jobs
+
+    @classmethod
+    def of(cls, job: Job) -> ShardPaths:
+        assert job.source is not None and job.shard is not None
+        journal = job.plan.journal_dir(job.source, job.shard)
+        return cls(job.prompt_shard(), job.output("data"), job.output("stats"), journal)
+
+
+@dataclass
+class ShardWork:
+    """One shard's conversations and everything needed to render and account for them."""
+
+    plan: Plan
+    source: str
+    shard: str
+    paths: ShardPaths
+    tokenizer: Any
+    renderer: Renderer
+    context: int | None
+    params: SamplingParams
+    convs: dict[tuple[str, int], Conversation]
+
+    @property
+    def spec(self) -> SourceSpec:
+        return self.plan.sources[self.source].spec
+
+    @property
+    def label(self) -> str:
+        return f"{self.source}/{self.shard}"
+
+    def pending(self) -> list[Conversation]:
+        return [c for c in self.convs.values() if c.finish_reason is None]
+
+    def budget(self, prompt_tokens: int) -> int:
+        """New tokens an answer after ``prompt_tokens`` may have (the window's rule: TrainerSpec.budget)."""
+        return self.plan.config.trainer.budget(self.spec.sampling.max_new_tokens, prompt_tokens)
+
+    def ran_out(self, budget: int) -> str:
+        """How an answer that used up ``budget`` ended: at the trainer's window when the window made the
+        budget shorter than max_new_tokens, else truncated."""
+        return R.FINISH_WINDOW if budget < self.spec.sampling.max_new_tokens else R.FINISH_LENGTH
+
+
+@dataclass
+class EngineRun:
+    """What the engine did in this run: rows journaled and tokens it produced."""
+
+    journaled: int = 0
+    engine_tokens: int = 0
+    in_flight: int = 0  # requests sent in this round and not answered yet (the heartbeat reads it)
+    engine_identity: Any = None  # what the engine says it serves (openai backend: per server), for the sidecar
+
+
+def result_of(row: dict[str, Any]) -> Result:
+    return Result(
+        row["prompt_id"],
+        row["sample_idx"],
+        row["output_ids"],
+        row["finish_reason"],
+        row["stop_token_id"],
+        row["error"],
+        retokenized=row.get("retokenized", False),
+        # a journaled drift is replayed as a count that cannot match
+        engine_output_tokens=-1 if row.get("drifted") else None,
+    )
+
+
+def apply_result(conv: Conversation, context_ids: list[int], result: Result) -> Turn:
+    """Record one answer; the conversation ends unless it stopped cleanly and has more slots."""
+    drifted = result.engine_output_tokens is not None and result.engine_output_tokens != len(result.output_ids)
+    turn = Turn(
+        context_ids,
+        list(result.output_ids),
+        result.finish_reason,
+        result.stop_token_id,
+        result.error,
+        result.retokenized,
+        result.retokenized and drifted,
+    )
+    turn.history_retokenized = conv.per_turn and bool(conv.turns)
+    conv.turns.append(turn)
+    if result.finish_reason != R.FINISH_STOP:
+        conv.finish(result.finish_reason, result.error)
+    elif len(conv.turns) == len(conv.slots):
+        conv.finish(R.FINISH_STOP)
+    return turn
+
+
+def completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> dict[str, Any]:
+    turns = conv.turns
+    first = turns[0] if turns else None
+    last = turns[-1] if turns else None
+    multi = len(conv.slots) > 1
+    return {
+        "prompt_id": conv.prompt_id,
+        "sample_idx": conv.sample_idx,
+        "seed": row_seed(base_seed, conv.prompt_id, conv.sample_idx),
+        "prompt_ids": first.context_ids if first else [],
+        "output_ids": last.output_ids if last else [],
+        "stop_token_id": last.stop_token_id if last and conv.finish_reason == R.FINISH_STOP else None,
+        "text": renderer.decode(last.output_ids) if last else "",
+        "finish_reason": conv.finish_reason,
+        "error": conv.error,
+        "n_prompt_tokens": len(first.context_ids) if first else 0,
+        "n_output_tokens": sum(len(t.output_ids) for t in turns),
+        "reused_from": first.reused_from if first else None,
+        "continued": bool(first and first.continued),
+        "per_turn": conv.per_turn if multi else None,
+        "turns": [
+            {
+                "context_ids": t.context_ids,
+                "output_ids": t.output_ids,
+                "stop_token_id": t.stop_token_id,
+                "finish_reason": t.finish_reason,
+                "text": renderer.decode(t.output_ids),
+                "history_retokenized": t.history_retokenized,
+            }
+            for t in turns
+        ]
+        if multi
+        else None,
+    }

@@ -1,0 +1,151 @@
+"""The one contract of every stage: ``run(job) -> record``.
+
+A :class:`Job` carries the plan, the paths its rule declares (inputs and outputs by name, as Snakemake
+passed them) and, for a keyed stage, the key Snakemake asked for. A stage reads no input its rule does
+not declare: what it reads beside a declared file (a prompt shard beside its source's manifest, a
+dataset version behind its build record) is found from that file. :func:`planned` makes the job a rule
+would make from the plan alone, for tests, benchmarks and ``dflash-build`` commands that run a stage
+without Snakemake; :data:`INPUTS` and :data:`OUTPUTS` name what each stage's rule declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_build.plan import Plan
+from dflash_build.publish import release
+from dflash_build.store import layout
+
+# What each rule declares, by name (rules/*.smk use the same names).
+INPUTS: dict[str, tuple[str, ...]] = {
+    "prepare": ("files", "references"),
+    "generate": ("prompts",),
+    "tokenize": ("completions", "prompts"),
+    "mix": ("tokens", "bands", "manifests"),
+    "export": ("dataset", "store"),
+    "pack": ("dataset",),
+}
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "prepare": ("manifest", "bands"),
+    "generate": ("data", "stats"),
+    "tokenize": ("data", "stats"),
+    "mix": ("record",),
+    "export": ("record",),
+    "pack": ("record",),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of ``stage``: for a source (and shard), for an export format, or for the whole config."""
+
+    stage: str
+    plan: Plan
+    inputs: Mapping[str, tuple[Path, ...]] = field(default_factory=dict)
+    outputs: Mapping[str, tuple[Path, ...]] = field(default_factory=dict)
+    source: str | None = None
+    shard: str | None = None
+    key: str | None = None  # the key Snakemake asked for (keyed stages: prepare, generate, tokenize)
+    fmt: str | None = None  # export: the format
+
+    def input(self, name: str) -> Path:
+        """The one path of the declared input ``name``."""
+        return _one(self.inputs, name, self.stage)
+
+    def output(self, name: str) -> Path:
+        """The one path of the declared output ``name``."""
+        return _one(self.outputs, name, self.stage)
+
+    def prompt_shard(self) -> Path:
+        """The job's prompt shard: beside its source's manifest, the one prepare output jobs declare."""
+        manifest = self.input("prompts")
+        assert self.shard is not None, f"{self.stage}: a prompt shard needs a shard job"
+        path = layout.shard_file(manifest.parent, self.shard)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"prompt shard {path} is missing although its manifest {manifest} exists; "
+                f"delete {manifest} and run again to prepare the source anew"
+            )
+        return path
+
+    def by_source(self, name: str) -> dict[str, list[Path]]:
+        """The declared input ``name``'s paths grouped by the source whose store folder holds them, in
+        the plan's source order; each source's paths sorted (shard order)."""
+        dirs = {}
+        for source in self.plan.sources:
+            dirs.update(
+                {
+                    self.plan.prompt_dir(source): source,
+                    self.plan.completion_dir(source): source,
+                    self.plan.token_dir(source): source,
+                }
+            )
+        grouped: dict[str, list[Path]] = {s: [] for s in self.plan.sources}
+        for path in self.inputs.get(name, ()):
+            source = dirs.get(path.parent)
+            if source is None:
+                raise ValueError(f"{self.stage}: input {path} lies in no source's store folder of this config")
+            grouped[source].append(path)
+        return {s: sorted(paths) for s, paths in grouped.items()}
+
+    def published(self, name: str = "dataset") -> Path:
+        """The folder (``dist/NAME``) whose build record is the declared input ``name`` (or output)."""
+        record = self.input(name) if name in self.inputs else self.output(name)
+        return release.folder_of(record)
+
+
+def _one(paths: Mapping[str, tuple[Path, ...]], name: str, stage: str) -> Path:
+    found = paths.get(name, ())
+    if len(found) != 1:
+        raise KeyError(f"{stage}: expected one path named {name!r}, got {len(found)}")
+    return found[0]
+
+
+def planned(plan: Plan, stage: str, source: str | None = None, shard: str | None = None, fmt: str | None = None) -> Job:
+    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile would declare)."""
+    cfg = plan.config
+    inputs: dict[str, tuple[Path, ...]] = {}
+    outputs: dict[str, tuple[Path, ...]] = {}
+    key = None
+    if source is not None:
+        sp = plan.sources[source]
+        manifest = (plan.prompt_manifest(source),)
+    if stage == "prepare":
+        assert source is not None
+        inputs = {
+            "files": tuple(sp.input_files),
+            "references": tuple(sorted({f for fs in plan.reference_files.values() for f in fs})),
+        }
+        outputs = {"manifest": manifest, "bands": (plan.prompt_bands(source),) if cfg.dedup.near else ()}
+        key = sp.prompt_key
+    elif stage in ("generate", "tokenize"):
+        assert source is not None and shard is not None
+        completions = layout.shard_file(plan.completion_dir(source), shard)
+        data = completions if stage == "generate" else layout.shard_file(plan.token_dir(source), shard)
+        inputs = {"prompts": manifest} | ({"completions": (completions,)} if stage == "tokenize" else {})
+        outputs = {"data": (data,), "stats": (layout.sidecar(data),)}
+        key = sp.gen_key if stage == "generate" else sp.tok_key
+    elif stage == "mix":
+        inputs = {
+            "tokens": tuple(sorted(plan.all_token_shards())),
+            "bands": tuple(plan.prompt_bands(s) for s in sorted(plan.sources))
+            if cfg.dedup.near and cfg.dedup.across_sources
+            else (),
+            "manifests": tuple(plan.prompt_manifest(s) for s in plan.sources),
+        }
+        outputs = {"record": (release.record_dir(cfg.dataset_dir),)}
+    elif stage in ("export", "pack"):
+        inputs = {"dataset": (release.record_dir(cfg.dataset_dir),)}
+        if stage == "export":
+            assert fmt is not None
+            store = [p for s in plan.sources for p in (plan.prompt_manifest(s), *plan.completion_shards(s))]
+            inputs["store"] = tuple(store) if fmt == "conversations" else ()
+            outputs = {"record": (release.record_dir(cfg.export_dir(fmt)),)}
+        else:
+            assert cfg.packed_dir is not None
+            outputs = {"record": (release.record_dir(cfg.packed_dir),)}
+    else:
+        raise ValueError(f"no stage named {stage!r}")
+    return Job(stage, plan, inputs, outputs, source=source, shard=shard, key=key, fmt=fmt)

@@ -1,0 +1,167 @@
+"""The mix's checks, before anything is written: a share missed by more than ``checks.share_tolerance``,
+a source with no samples, a language floor missed; and the plain statements of every smaller miss."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash_build.plan import Plan
+from dflash_build.stages import crosssource
+from dflash_build.store import layout
+from dflash_build.store import records as R
+
+NOTED_DEVIATION = 0.01  # a share further than this from its target is stated in the manifest (not a check)
+
+
+class MixError(RuntimeError):
+    """The dataset would miss what the config asks for; the message names the cause and the key to change."""
+
+
+def missed_floors(plan: Plan, reached: dict[str, dict[str, dict[str, Any]]], targets: dict[str, float]) -> list[str]:
+    """Each language floor of ``mix.languages`` missed by more than the tolerance, with what to change."""
+    checks = plan.config.checks
+    problems = []
+    for category, by_language in reached.items():
+        for lang, got in by_language.items():
+            if got["floor"] - got["achieved_share"] <= checks.share_tolerance or category in checks.allow_shortfall:
+                continue
+            needed = round(got["floor"] * targets[category])
+            problems.append(
+                f"category '{category}': language '{lang}' reaches {got['achieved_share']:.1%} of its tokens, floor "
+                f"{got['floor']:.1%} (tolerance {checks.share_tolerance:.1%}): its '{lang}' samples hold "
+                f"{got['available_tokens']} tokens, about {needed} are needed; add '{lang}' prompts to "
+                f"'{category}', lower mix.languages.{category}.{lang}, or allow it with "
+                f"checks.allow_shortfall: [{category}]"
+            )
+    return problems
+
+
+def check(
+    plan: Plan,
+    shards: Mapping[str, list[Path]],
+    shares: dict[str, float],
+    targets: dict[str, float],
+    chosen: Counter[str],
+    available: Counter[str],
+    available_by_source: Counter[str],
+    cross: crosssource.CrossSource | None = None,
+    missed: list[str] | None = None,
+) -> None:
+    """Fail before writing when the dataset is empty, a source yields nothing, a share is missed, or
+    ``missed`` (the language floors' problems) is not empty.
+
+    A category listed in ``checks.allow_shortfall`` may fall short (its sources may be empty too);
+    the shortfall is still stated in the manifest.
+    """
+    checks = plan.config.checks
+    problems: list[str] = []
+    for name, sp in plan.sources.items():
+        taken_by_others = cross.counts.get(name, {}) if cross is not None else {}
+        if (
+            available_by_source[name] == 0
+            and sp.spec.category not in checks.allow_shortfall
+            and any(taken_by_others.values())
+        ):
+            steps = ", ".join(f"{reason} {n}" for reason, n in taken_by_others.items() if n)
+            problems.append(
+                f"source '{name}' reaches the mix with no samples: other sources hold all of its prompts "
+                f"({steps}; dedup.across_sources gives each prompt to the first of dedup.prefer, then by "
+                f"name); list '{name}' first in dedup.prefer, remove the source, or set "
+                "dedup.across_sources: false"
+            )
+        elif available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
+            problems.append(
+                f"source '{name}' reaches the mix with no samples ({_token_drops(shards.get(name, []))}); "
+                f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
+                f"answers that hit max_new_tokens; or allow it with checks.allow_shortfall: [{sp.spec.category}]"
+            )
+    total = sum(chosen.values())
+    if total == 0:
+        problems.insert(0, "the dataset would be empty: no token shard has a usable sample")
+    else:
+        for category, share in shares.items():
+            achieved = chosen[category] / total
+            if share - achieved > checks.share_tolerance and category not in checks.allow_shortfall:
+                problems.append(_missed_share(category, share, chosen, available, targets, checks.share_tolerance))
+    problems += missed or []
+    if problems:
+        raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _missed_share(
+    category: str,
+    share: float,
+    chosen: Counter[str],
+    available: Counter[str],
+    targets: dict[str, float],
+    tolerance: float,
+) -> str:
+    """Why ``category`` ends below its share, in terms that agree with each other, and by how much."""
+    total = sum(chosen.values())
+    achieved = chosen[category] / total
+    head = f"category '{category}' reaches {achieved:.1%} of tokens, target {share:.1%} (tolerance {tolerance:.1%})"
+    tolerance_needed = math.ceil((share - achieved) * 1000) / 1000
+    allow = f"or allow it with checks.share_tolerance: {tolerance_needed:g} or checks.allow_shortfall: [{category}]"
+    if chosen[category] >= available[category]:
+        # every sample is used: the others overshoot their targets by part of a sample each, which only
+        # more samples of this category can balance
+        others = total - chosen[category]
+        floor = share - tolerance
+        needed = math.ceil(floor / (1 - floor) * others) - available[category]
+        return (
+            f"{head}: all {available[category]} of its tokens are used and the other categories' samples "
+            f"overshoot their targets; the dataset is too small for this mix: it needs {needed} more tokens "
+            f"of '{category}' for the share at this size; add sources to it, lower mix.budget_tokens, {allow}"
+        )
+    return (
+        f"{head}: {chosen[category]} of its {available[category]} tokens are taken for a target of "
+        f"{round(targets[category])}, since its next samples would overshoot by more than they close; "
+        f"add shorter samples to it, {allow}"
+    )
+
+
+def _token_drops(shards: list[Path]) -> str:
+    """Why a source's rows did not become samples, summed over its token shards' stats sidecars."""
+    dropped: Counter[str] = Counter()
+    rows = 0
+    for path in shards:
+        stats_file = layout.sidecar(path)
+        if stats_file.exists():
+            stats = json.loads(stats_file.read_text())
+            rows += stats.get(R.STAT_INPUT_ROWS, 0)
+            dropped.update(stats.get(R.STAT_DROPPED, {}))
+    reasons = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "none"
+    return f"{rows} completions, tokenize dropped {reasons}"
+
+
+def shortfalls(
+    shares: dict[str, float], targets: dict[str, float], got: Counter[str], available: Counter[str], budget: int | None
+) -> list[str]:
+    """Plain statements of every way the dataset misses its configured mix."""
+    notes = []
+    total = sum(got.values())
+    for category, share in shares.items():
+        achieved = got[category] / total if total else 0.0
+        if available[category] == 0:
+            notes.append(f"category '{category}' has no samples: its target share {share:.1%} is not met")
+        elif budget is not None and available[category] < targets[category]:
+            notes.append(
+                f"category '{category}' falls short: {available[category]} tokens available, "
+                f"{round(targets[category])} targeted; all of them are used"
+            )
+        elif abs(achieved - share) > NOTED_DEVIATION:
+            target = round(targets[category])
+            if achieved < share and got[category] >= available[category]:
+                why = "every one of its samples is used; others overshoot their targets by part of a sample"
+            elif (achieved > share) == (got[category] <= target):
+                # its own target is met; the total it is a share of is not the planned one
+                why = f"it meets its target of {target} tokens; the other categories' misses move its share"
+            else:
+                why = f"its samples are too long to hit a target of {target} tokens closely (it has {got[category]})"
+            notes.append(f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: {why}")
+    return notes

@@ -1,0 +1,64 @@
+"""What a prompt is: its id (the digest of what the model is shown), the key duplicates share, its
+seeded selection rank and the shard a run of prompt ids falls in."""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_build import hashing
+from dflash_build.stages.prepare import columnar
+
+
+def _body(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
+    body = {"messages": messages, "tools": None if tools is None else hashing.normalise(tools)}
+    if kwargs:  # only when a source reads them, so every other prompt keeps its id
+        body["template_kwargs"] = hashing.normalise(kwargs)
+    return body
+
+
+def prompt_id(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None = None
+) -> str:
+    """The prompt's identity: its messages, tools and (where a source reads them) template kwargs, as
+    the same messages rendered with thinking on or off are two prompts."""
+    # messages are str-to-str dicts already (to_prompt makes them), so only the tools need normalising
+    return hashing.digest_normalised(_body(messages, tools, kwargs))[: hashing.KEY_LENGTH]
+
+
+def dedup_key(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None = None
+) -> str:
+    """What duplicates share: the digest a prompt id takes (:func:`prompt_id`'s body, whole) of the
+    messages after Unicode NFC, whitespace folding and trimming. So a row that folding leaves as it
+    is has its prompt id's digest. Only compared within one prepare, never stored."""
+    normalize = unicodedata.normalize
+    folded = [{"role": m["role"], "content": " ".join(normalize("NFC", m["content"]).split())} for m in messages]
+    return hashing.digest_normalised(_body(folded, tools, kwargs))
+
+
+def selection_rank(seed: int, pid: str) -> str:
+    return hashing.digest({"seed": seed, "prompt_id": pid})
+
+
+def selection_ranks(seed: int, pids: Any) -> bytes:
+    """:func:`selection_rank` of each prompt id (64-bit integers): the first 16 bytes of each digest."""
+    head, tail = b'{"prompt_id":"', f'","seed":{hashing.canonical_json(seed)}}}'.encode()
+    bodies = np.empty((len(pids), len(head) + 16 + len(tail)), dtype=np.uint8)
+    bodies[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+    hex_ids = np.asarray(pids, dtype=">u8").tobytes().hex().encode("ascii")
+    bodies[:, len(head) : len(head) + 16] = np.frombuffer(hex_ids, dtype=np.uint8).reshape(-1, 16)
+    bodies[:, len(head) + 16 :] = np.frombuffer(tail, dtype=np.uint8)
+    width = bodies.shape[1]
+    offsets = pa.py_buffer(np.arange(0, width * len(pids) + 1, width, dtype=np.int64).tobytes())
+    texts = pa.LargeStringArray.from_buffers(len(pids), offsets, pa.py_buffer(bodies.tobytes()))
+    return columnar.digests(texts, 16)
+
+
+def shard_bounds(n_rows: int, n_shards: int) -> list[tuple[int, int]]:
+    return [(i * n_rows // n_shards, (i + 1) * n_rows // n_shards) for i in range(n_shards)]
