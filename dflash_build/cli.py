@@ -45,6 +45,7 @@ def _plan(args: argparse.Namespace) -> plan_mod.Plan:
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args)
     estimates, disk = estimate.estimate_with_disk(plan, args.tokens_per_second)
+    mix_forecast = estimate.forecast_mix(plan, estimates, args.tokens_per_second)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=2))
         return _errors(estimates, disk)
@@ -73,6 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{sum(e.cross_source_gpu_hours for e in shared):.2f} GPU-hours (the row index serves the later "
             "source's rows when the sampling agrees)"
         )
+    print("\n".join(mix_forecast.lines()))
     window = plan.config.trainer.max_length if total else None
     if window is not None:
         print(_window_line(window, estimates, hours / tokens if tokens else 0.0))

@@ -227,3 +227,35 @@ def test_a_language_floor_is_met_and_a_short_language_fails_loudly(bilingual: tu
     budget = 2 * plain["mix"]["categories"]["general"]["available_tokens"]
     with pytest.raises(mix.checks.MixError, match="language 'zh' reaches"):
         _mix(root, raw, "budget", budget_tokens=budget, languages={"general": {"zh": 0.9}})
+
+
+def test_plan_forecasts_what_the_mix_then_takes_and_the_card_counts_generated_against_used(
+    bilingual: tuple[Path, dict[str, Any]],
+) -> None:
+    """Issue 39's forecast, on real generated shards: from measured lengths, `plan` names the binding
+    category and the tokens every-prompt generation leaves out; the mix's manifest and card then count
+    generated against used tokens, and the two agree."""
+    from dflash_build.ops import estimate, forecast
+
+    root, raw = bilingual
+    plan = plan_mod.build(_load(root, {**raw, "dataset": {"name": "counted", "out": str(root / "dist")}}))
+    estimates, _ = estimate.estimate_with_disk(plan)
+    predicted = estimate.forecast_mix(plan, estimates)
+    assert set(predicted.bases.values()) == {forecast.MEASURED_HERE}
+    manifest = _mix(root, raw, "counted")
+    use = manifest["use"]
+    assert use["used_tokens"] == manifest["tokens"] and use["used_share"] == pytest.approx(
+        manifest["tokens"] / use["generated_tokens"], abs=1e-6
+    )
+    for c in predicted.categories:
+        generated = use["by_category"][c.category]["generated_tokens"]
+        assert generated == manifest["mix"]["categories"][c.category]["available_tokens"]  # no cross-source copies
+        assert c.expected_tokens == pytest.approx(generated, rel=0.05), c.category
+        assert c.target_tokens == pytest.approx(manifest["mix"]["categories"][c.category]["target_tokens"], rel=0.05)
+    taken_whole = [c for c, got in use["by_category"].items() if got["used_tokens"] == got["generated_tokens"]]
+    assert [c.category for c in predicted.categories if c.binds] == taken_whole
+    assert predicted.left_out_tokens == pytest.approx(use["generated_tokens"] - use["used_tokens"], rel=0.1)
+    card = (root / "dist" / "counted" / "README.md").read_text()
+    assert f"used: {use['used_tokens']} of the {use['generated_tokens']} tokens generated" in card
+    assert "| category math |" in card and "| source general-zh |" in card
+    assert any(line.startswith("mix forecast") and "binding:" in line for line in predicted.lines())

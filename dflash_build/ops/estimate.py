@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from dflash_build.ops import forecast
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
 from dflash_build.stages import crosssource
@@ -230,6 +231,18 @@ def estimate_with_disk(
         estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selected)
     _cross_source(plan, estimates, selected)
     return estimates, disk_need(plan, estimates, sidecars)
+
+
+def forecast_mix(
+    plan: Plan, estimates: list[SourceEstimate], default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
+) -> forecast.MixForecast:
+    """The mix's forecast for this config's prompts (prepared counts where known), before any GPU time."""
+    sidecars = _model_sidecars(plan)
+    _, rate = _measured(sidecars)
+    prompt_rows = {e.source: e.prompt_rows for e in estimates}
+    return forecast.forecast(
+        plan, prompt_rows, forecast.source_lengths(plan, sidecars), rate or default_tokens_per_second
+    )
 
 
 def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:

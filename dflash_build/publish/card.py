@@ -25,6 +25,12 @@ def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str
         shares = report.language_shares(dict(report.language_totals(manifest)))
         named = list(shares.items())[: report.NAMED_LANGUAGES]
         lines.append("languages: " + ", ".join(f"{lang} {share:.1%}" for lang, share in named))
+    if "use" in manifest:
+        use = manifest["use"]
+        lines.append(
+            f"used: {use['used_tokens']} of the {use['generated_tokens']} tokens generated ({use['used_share']:.1%}); "
+            "the mix left out the rest"
+        )
     lines.extend(f"note: {s}" for s in manifest["shortfalls"])
     if sources and "report" in manifest:
         lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]
@@ -50,6 +56,20 @@ configs:
 """
 
 
+def use_table(manifest: dict[str, Any]) -> str:
+    """Generated against used tokens by category and by source (empty for a dataset built before)."""
+    use = manifest.get("use")
+    if not use:
+        return ""
+    lines = ["Generated against used tokens (prompts and answers of every sample that reached the mix):", ""]
+    lines += ["| category or source | generated | used | used share |", "|---|---|---|---|"]
+    for col in ("category", "source"):
+        for name, n in use[f"by_{col}"].items():
+            share = n["used_tokens"] / n["generated_tokens"] if n["generated_tokens"] else 0.0
+            lines.append(f"| {col} {name} | {n['generated_tokens']} | {n['used_tokens']} | {share:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def dataset_card(manifest: dict[str, Any]) -> str:
     sources = "\n".join(
         f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
@@ -69,6 +89,7 @@ only. Content keys of every input shard are in `{layout.MANIFEST}`.
 |---|---|---|---|---|
 {sources}
 
+{use_table(manifest)}
 Shortfalls:
 {shortfalls}
 

@@ -210,6 +210,7 @@ class _Choice:
     shares: dict[str, float]
     targets: dict[str, float]
     available: Counter[str]  # tokens by category the mix may take
+    generated: dict[str, Counter[str]]  # tokens of every sample that reached the mix, by category and by source
     cross: crosssource.CrossSource | None
     floors: dict[str, dict[str, dict[str, Any]]]  # mix.languages: category -> language -> what it got
 
@@ -242,9 +243,14 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
     if floors:
         reached = _floors_reached(floors, cand.by_language(categories, chosen), chosen_tokens, by_language)
     by_source = cand.available(cand.source, names, eligible)
+    every = np.ones(len(cand.rank), dtype=bool)
+    generated = {
+        "category": cand.available(cand.category, categories, every),
+        "source": cand.available(cand.source, names, every),
+    }
     missed = missed_floors(plan, reached, targets)
     check(plan, shards, shares, targets, chosen_tokens, available, by_source, cross, missed)
-    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, cross, reached)
+    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached)
 
 
 def _fill(cand: _Candidates, by_rank: np.ndarray, target: float, floors: dict[str, float] | None) -> np.ndarray:
@@ -401,6 +407,7 @@ def _manifest(
             f"by_{col}": {name: dict(counts.most_common()) for name, counts in sorted(written.languages[col].items())}
             for col in ("category", "source")
         },
+        "use": _use(choice, written),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
         "prompts": _prompt_summaries(manifests),
         "shortfalls": shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),
@@ -411,6 +418,26 @@ def _manifest(
         "finish_reasons": dict(sorted(written.finish.items())),
         "length": length_stats(all_lengths),
         "report": report.tables(plan, written.tally),
+    }
+
+
+def _use(choice: _Choice, written: _Written) -> dict[str, Any]:
+    """Generated against used: the tokens (prompts and answers) of every sample that reached the mix,
+    and those the dataset took, by category and by source; the share is the headline of what the GPU
+    time bought."""
+    generated = sum(choice.generated["category"].values())
+    used = sum(written.tokens_by["category"].values())
+    return {
+        "generated_tokens": generated,
+        "used_tokens": used,
+        "used_share": round(used / generated, 6) if generated else 0.0,
+        **{
+            f"by_{col}": {
+                name: {"generated_tokens": n, "used_tokens": written.tokens_by[col][name]}
+                for name, n in choice.generated[col].items()
+            }
+            for col in ("category", "source")
+        },
     }
 
 

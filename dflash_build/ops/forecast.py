@@ -1,0 +1,158 @@
+"""What the mix will take of a build, forecast before any GPU time (``dflash-build plan``).
+
+Every source generated whole (``generate: all``, today's only mode) gives each category its prompts ×
+samples × (prompt + answer) tokens. The mix's own rule (:func:`dflash_build.stages.mix.category_targets`)
+then sets each category's target: without a budget the scarcest category relative to its share is
+taken whole (it *binds*) and the others' surplus is generated and left out; with ``mix.budget_tokens``
+the budget sets the size. Lengths come from this source's shards in the store when it has any, else from
+this model's other shards, else they are assumed (half of ``max_new_tokens``, no prompt tokens), and the
+forecast says which.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_build.plan import Plan
+from dflash_build.stages.mix import category_targets
+from dflash_build.store import records as R
+
+MEASURED_HERE, MEASURED_MODEL, ASSUMED = "measured", "this model's other shards", "assumed"
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Mean tokens per generated row of a source, and where the numbers come from."""
+
+    prompt: float
+    answer: float
+    basis: str
+
+
+@dataclass(frozen=True)
+class CategoryForecast:
+    category: str
+    share: float
+    expected_tokens: float  # every source of the category generated whole: prompts and answers
+    answer_tokens: float  # of those, the answers (what GPU time is spent on)
+    target_tokens: float  # what the mix takes
+    binds: bool  # taken whole: its supply sets the dataset's size
+
+    @property
+    def left_out_tokens(self) -> float:
+        return max(self.expected_tokens - self.target_tokens, 0.0)
+
+    @property
+    def left_out_answer_tokens(self) -> float:
+        return self.answer_tokens * (self.left_out_tokens / self.expected_tokens) if self.expected_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class MixForecast:
+    categories: list[CategoryForecast]
+    bases: dict[str, str]  # source -> where its lengths come from
+    tokens_per_second: float
+
+    @property
+    def expected_tokens(self) -> float:
+        return sum(c.expected_tokens for c in self.categories)
+
+    @property
+    def left_out_tokens(self) -> float:
+        return sum(c.left_out_tokens for c in self.categories)
+
+    @property
+    def left_out_gpu_hours(self) -> float:
+        return sum(c.left_out_answer_tokens for c in self.categories) / self.tokens_per_second / 3600
+
+    def lines(self) -> list[str]:
+        binding = [c.category for c in self.categories if c.binds]
+        share = self.left_out_tokens / self.expected_tokens if self.expected_tokens else 0.0
+        head = (
+            f"mix forecast (every prompt generated): {self.left_out_tokens:.0f} of {self.expected_tokens:.0f} tokens "
+            f"({share:.0%}) would be left out by the mix, about {self.left_out_gpu_hours:.2f} GPU-hours of answers; "
+            + (f"binding: {', '.join(binding)} (taken whole)" if binding else "binding: mix.budget_tokens")
+        )
+        out = [head, f"{'category':<16}{'share':>7}{'expected':>12}{'taken':>12}{'left out':>12}{'GPU-h':>8}"]
+        for c in self.categories:
+            hours = c.left_out_answer_tokens / self.tokens_per_second / 3600
+            out.append(
+                f"{c.category:<16}{c.share:>7.1%}{c.expected_tokens:>12.0f}{c.target_tokens:>12.0f}"
+                f"{c.left_out_tokens:>12.0f}{hours:>8.2f}" + ("  binds" if c.binds else "")
+            )
+        bases = Counter(self.bases.values())
+        out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "expected_tokens": round(self.expected_tokens),
+            "left_out_tokens": round(self.left_out_tokens),
+            "left_out_gpu_hours": round(self.left_out_gpu_hours, 4),
+            "binding": [c.category for c in self.categories if c.binds],
+            "categories": {
+                c.category: {
+                    "share": c.share,
+                    "expected_tokens": round(c.expected_tokens),
+                    "target_tokens": round(c.target_tokens),
+                    "left_out_tokens": round(c.left_out_tokens),
+                }
+                for c in self.categories
+            },
+            "lengths": self.bases,
+        }
+
+
+def source_lengths(plan: Plan, sidecars: list[tuple[Path, dict[str, Any]]]) -> dict[str, Lengths]:
+    """Each source's mean prompt and answer tokens per row: its own shards of this model, else the
+    model's other shards, else the assumption."""
+    by_source: dict[str, list[int]] = {}
+    for stats_file, stats in sidecars:
+        rows = stats.get(R.STAT_INPUT_ROWS, 0) - stats.get(R.STAT_SKIPPED, 0)
+        if rows > 0:
+            got = by_source.setdefault(stats_file.parent.parent.name, [0, 0, 0])
+            got[0] += rows
+            got[1] += stats.get(R.STAT_PROMPT_TOKENS, 0)
+            got[2] += stats.get(R.STAT_OUTPUT_TOKENS, 0)
+    everything = [sum(v[i] for v in by_source.values()) for i in range(3)]
+    out = {}
+    for name, sp in plan.sources.items():
+        if (own := by_source.get(name)) is not None:
+            out[name] = Lengths(own[1] / own[0], own[2] / own[0], MEASURED_HERE)
+        elif everything[0]:
+            out[name] = Lengths(everything[1] / everything[0], everything[2] / everything[0], MEASURED_MODEL)
+        else:
+            out[name] = Lengths(0.0, sp.spec.sampling.max_new_tokens / 2, ASSUMED)
+    return out
+
+
+def forecast(
+    plan: Plan, prompt_rows: dict[str, int], lengths: dict[str, Lengths], tokens_per_second: float
+) -> MixForecast:
+    """The mix's forecast for these prompt counts (per source) and lengths."""
+    cfg = plan.config
+    expected: Counter[str] = Counter()
+    answers: Counter[str] = Counter()
+    for name, sp in plan.sources.items():
+        rows = prompt_rows[name] * sp.spec.sampling.samples_per_prompt
+        length = lengths[name]
+        answer = min(length.answer, sp.spec.sampling.max_new_tokens)
+        expected[sp.spec.category] += rows * (length.prompt + answer)
+        answers[sp.spec.category] += rows * answer
+    shares = dict(cfg.mix_categories)
+    targets = category_targets(shares, {c: int(expected[c]) for c in shares}, cfg.mix_budget_tokens)
+    categories = [
+        CategoryForecast(
+            c,
+            share,
+            expected[c],
+            answers[c],
+            min(targets[c], expected[c]),
+            expected[c] > 0 and targets[c] >= expected[c] - 1,
+        )
+        for c, share in shares.items()
+    ]
+    return MixForecast(categories, {n: v.basis for n, v in lengths.items()}, tokens_per_second)

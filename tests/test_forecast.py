@@ -1,0 +1,54 @@
+"""The mix forecast `plan` prints before any GPU time (issue 39): the mix's own targets over the tokens
+every prompt would give, from lengths measured where the store has them and assumed where it has none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_build import config as cfg
+from dflash_build import plan as plan_mod
+from dflash_build.ops import estimate, forecast
+from dflash_build.stages import mix
+from tests.conftest import base_config, write_jsonl
+
+
+def _plan(tmp_path: Path, tiny_model: Path, **mix_settings: object) -> plan_mod.Plan:
+    sources = {}
+    for name, category, rows in (("long", "coding", 30), ("short", "agent", 10)):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", [{"instruction": f"{name} task {i}"} for i in range(rows)])
+        sources[name] = {"category": category, "files": [str(data)], "format": "alpaca"}
+    raw = base_config(tiny_model, sources, store=str(tmp_path / "store"))
+    raw["mix"] = {"categories": {"coding": 0.8, "agent": 0.2}, **mix_settings}
+    raw["sources"]["long"]["sampling"] = {"max_new_tokens": 400}
+    raw["sources"]["short"]["sampling"] = {"max_new_tokens": 40}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    return plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+
+
+def test_before_anything_is_built_the_forecast_assumes_half_the_budget_and_names_the_binding_category(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    plan = _plan(tmp_path, tiny_model)
+    estimates, _ = estimate.estimate_with_disk(plan)
+    got = estimate.forecast_mix(plan, estimates, default_tokens_per_second=100.0)
+    assert set(got.bases.values()) == {forecast.ASSUMED}
+    by = {c.category: c for c in got.categories}
+    assert by["coding"].expected_tokens == 30 * 200 and by["agent"].expected_tokens == 10 * 20
+    # agent's 200 tokens back a 20% share of 1000; coding's 6000 are cut to 800
+    targets = mix.category_targets({"coding": 0.8, "agent": 0.2}, {"coding": 6000, "agent": 200}, None)
+    assert by["coding"].target_tokens == pytest.approx(targets["coding"]) == pytest.approx(800)
+    assert [c.category for c in got.categories if c.binds] == ["agent"]
+    assert got.left_out_tokens == pytest.approx(5200)
+    assert got.left_out_gpu_hours == pytest.approx(5200 / 100 / 3600)
+    assert "binding: agent (taken whole)" in got.lines()[0] and "5200 of 6200 tokens (84%)" in got.lines()[0]
+
+
+def test_with_a_budget_the_budget_binds(tmp_path: Path, tiny_model: Path) -> None:
+    plan = _plan(tmp_path, tiny_model, budget_tokens=500)
+    estimates, _ = estimate.estimate_with_disk(plan)
+    got = estimate.forecast_mix(plan, estimates)
+    assert sum(c.target_tokens for c in got.categories) == pytest.approx(500)
+    assert not any(c.binds for c in got.categories) and "binding: mix.budget_tokens" in got.lines()[0]
