@@ -16,6 +16,11 @@ include: "rules/tokenize.smk"
 include: "rules/mix.smk"
 
 
+if AS_NEEDED:
+
+    include: "rules/size.smk"
+
+
 if CONFIG.pack:
 
     include: "rules/pack.smk"

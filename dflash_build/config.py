@@ -111,6 +111,7 @@ def _source(
         turn_samples=_turn_samples(raw, key),
         chat_template_kwargs_from=_kwargs_from(raw["chat_template_kwargs_from"], key),
         languages=_languages(raw["languages"], f"{key}.languages"),
+        weight=raw["weight"],
     )
 
 
@@ -316,6 +317,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_budget_tokens=mix["budget_tokens"],
         mix_seed=mix["seed"],
         mix_languages=_mix_languages(mix["languages"], categories),
+        mix_generate=mix["generate"],
         sources=sources,
         checks=checks,
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,

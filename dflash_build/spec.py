@@ -107,6 +107,7 @@ class SourceSpec:
     # template kwarg -> where each row's value comes from (see TemplateKwargFrom)
     chat_template_kwargs_from: Mapping[str, TemplateKwargFrom] = field(default_factory=dict)
     languages: tuple[str, ...] | None = None  # keep only prompts in these languages (dflash_build.language)
+    weight: float | None = None  # mix.generate as_needed: share of its category's target (None: by supply)
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -284,6 +285,7 @@ class Config:
     mix_seed: int
     # category -> language -> the least share of the category's tokens in that language
     mix_languages: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    mix_generate: str = "all"  # all | as_needed (stages.size)
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
     checks: Checks = field(default_factory=Checks)
     pack: PackSpec | None = None

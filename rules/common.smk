@@ -6,6 +6,8 @@ import dflash_build.engines
 import dflash_build.engines.registry
 import dflash_build.plan
 import dflash_build.stages.prepare.checks
+import dflash_build.stages.job
+import dflash_build.stages.size
 import dflash_build.publish.release
 import dflash_build.versions
 import dflash_build.workflow
@@ -117,6 +119,40 @@ def get_prompt_components(source):
 def get_token_shards():
     # not ancient() either, for the same reason (see get_completion_shard)
     return [str(p) for p in sorted(PLAN.all_token_shards())]
+
+
+# mix.generate: as_needed (rules/size.smk): the pilot's shards, and each round's sizing.
+AS_NEEDED = CONFIG.mix_generate == "as_needed"
+PILOT_TOKEN_SHARDS = (
+    dflash_build.stages.job.sized_shards(PLAN, None) if AS_NEEDED else []
+)
+SIZING = {
+    n: layout.sizing_file(LOGS, CONFIG.dataset_name, n) for n in layout.SIZING_ROUNDS
+}
+
+
+def get_first_round_shards(wildcards):
+    return dflash_build.stages.job.sized_shards(
+        PLAN, checkpoints.size_pilot.get().output.sizing
+    )
+
+
+def get_sized_token_shards(wildcards):
+    return dflash_build.stages.job.sized_shards(
+        PLAN, checkpoints.size_topup.get().output.sizing
+    )
+
+
+def get_size_params():
+    # a changed share, budget or weight sizes the rounds again (the params trigger); nothing regenerates
+    return canonical_json(
+        {
+            "categories": dict(CONFIG.mix_categories),
+            "budget_tokens": CONFIG.mix_budget_tokens,
+            "weights": {s: spec.weight for s, spec in CONFIG.sources.items()},
+            "rounds": [dflash_build.stages.size.FIRST_ROUND, dflash_build.stages.size.MARGIN],
+        }
+    )
 
 
 def get_reference_files():

@@ -1,6 +1,6 @@
 rule mix:
     input:
-        tokens=get_token_shards(),
+        tokens=get_sized_token_shards if AS_NEEDED else get_token_shards(),
         bands=get_all_prompt_bands(),
         # the card's removed-rows table reads each source's prepare accounting
         manifests=[ancient(m) for m in PROMPT_MANIFESTS.values()],

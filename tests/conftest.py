@@ -195,7 +195,7 @@ class Workflow:
         return parse_dry_run(proc.stdout + proc.stderr)
 
 
-_RULE_LINE = re.compile(r"^(?:local)?rule (\S+):$")
+_RULE_LINE = re.compile(r"^(?:local)?(?:rule|checkpoint) (\S+):$")
 
 
 def parse_dry_run(text: str) -> dict[str, list[dict[str, str]]]:

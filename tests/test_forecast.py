@@ -52,3 +52,24 @@ def test_with_a_budget_the_budget_binds(tmp_path: Path, tiny_model: Path) -> Non
     got = estimate.forecast_mix(plan, estimates)
     assert sum(c.target_tokens for c in got.categories) == pytest.approx(500)
     assert not any(c.binds for c in got.categories) and "binding: mix.budget_tokens" in got.lines()[0]
+
+
+def test_a_categorys_need_is_split_by_weight_capped_at_each_sources_supply() -> None:
+    from dflash_build.stages.size import Supply, shards_needed
+
+    supplies = [
+        Supply("big", "c", shards=20, built=1, samples_per_shard=4, tokens_per_sample=25),  # 100 a shard
+        Supply("small", "c", shards=2, built=1, samples_per_shard=4, tokens_per_sample=25),
+        Supply("scarce", "d", shards=5, built=1, samples_per_shard=4, tokens_per_sample=10),  # 200 in all
+    ]
+    shards, targets = shards_needed({"c": 0.5, "d": 0.5}, None, supplies, part=1.0)
+    assert targets == {"c": 200, "d": 200} and shards["scarce"] == 5, "d binds: taken whole"
+    # by supply: big 2000 of 2200, small 200: 182 and 18 tokens, so 2 shards and 1 (its built one)
+    assert shards == {"big": 2, "small": 1, "scarce": 5}
+    weighted = [Supply(**{**s.__dict__, "weight": 1.0}) if s.category == "c" else s for s in supplies]
+    shards, _ = shards_needed({"c": 0.5, "d": 0.5}, None, weighted, part=1.0)
+    assert shards["big"] == 1 and shards["small"] == 1, "equal weights: 100 tokens each"
+    # a weight asking more than a source holds takes it whole and moves the rest to the others
+    heavy = [Supply(**{**s.__dict__, "weight": 10.0 if s.source == "small" else 1.0}) for s in supplies]
+    shards, _ = shards_needed({"c": 0.5, "d": 0.5}, 600, heavy, part=1.0)
+    assert shards["small"] == 2 and shards["big"] == 1

@@ -233,6 +233,19 @@ def estimate_with_disk(
     return estimates, disk_need(plan, estimates, sidecars)
 
 
+def wanted_shards(plan: Plan) -> dict[str, int]:
+    """Under mix.generate as_needed, how many of each source's shards the build will generate as things
+    stand: the latest round's sizing, else the pilot (each source's first shard); empty under all."""
+    cfg = plan.config
+    if cfg.mix_generate != "as_needed":
+        return {}
+    for round_ in reversed(layout.SIZING_ROUNDS):
+        sizing = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
+        if sizing.exists():
+            return dict(json.loads(sizing.read_text())["shards"])
+    return dict.fromkeys(plan.sources, 1)
+
+
 def forecast_mix(
     plan: Plan, estimates: list[SourceEstimate], default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
 ) -> forecast.MixForecast:
@@ -283,6 +296,7 @@ def _estimate(
 ) -> list[SourceEstimate]:
     """``selected``: filled with the prompt ids of the sources whose selection ran here."""
     out = []
+    sized = wanted_shards(plan)
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
         manifest_file = plan.prompt_manifest(name)
@@ -296,7 +310,8 @@ def _estimate(
             tokens_built=sum(p.exists() for p in plan.token_shards(name)),
         )
         ids_of = _ShardIds(plan, name, est, selected)
-        for shard, path in zip(sp.shards, plan.completion_shards(name), strict=True):
+        wanted = sized.get(name, sp.n_shards)
+        for shard, path in zip(sp.shards[:wanted], plan.completion_shards(name)[:wanted], strict=True):
             if not path.exists():
                 est.generate_jobs.append(f"{name}/{shard}")
                 _count_rows(plan, index, name, shard, ids_of(shard), est)

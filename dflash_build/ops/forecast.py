@@ -12,11 +12,12 @@ forecast says which.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_build.plan import Plan
+from dflash_build.stages import size
 from dflash_build.stages.mix import category_targets
 from dflash_build.store import records as R
 
@@ -55,6 +56,8 @@ class MixForecast:
     categories: list[CategoryForecast]
     bases: dict[str, str]  # source -> where its lengths come from
     tokens_per_second: float
+    # mix.generate as_needed: the shards each source would be generated to, of its shards (else empty)
+    as_needed: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def expected_tokens(self) -> float:
@@ -83,6 +86,9 @@ class MixForecast:
                 f"{c.category:<16}{c.share:>7.1%}{c.expected_tokens:>12.0f}{c.target_tokens:>12.0f}"
                 f"{c.left_out_tokens:>12.0f}{hours:>8.2f}" + ("  binds" if c.binds else "")
             )
+        if self.as_needed:
+            each = ", ".join(f"{s} {k} of {n}" for s, (k, n) in self.as_needed.items())
+            out.append(f"as needed (mix.generate): shards per source {each}, sized again on the pilot's measurements")
         bases = Counter(self.bases.values())
         out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
         return out
@@ -103,6 +109,7 @@ class MixForecast:
                 for c in self.categories
             },
             "lengths": self.bases,
+            "as_needed": {s: k for s, (k, _) in self.as_needed.items()},
         }
 
 
@@ -155,4 +162,20 @@ def forecast(
         )
         for c, share in shares.items()
     ]
-    return MixForecast(categories, {n: v.basis for n, v in lengths.items()}, tokens_per_second)
+    sized = {}
+    if cfg.mix_generate == "as_needed":
+        supplies = [
+            size.Supply(
+                name,
+                sp.spec.category,
+                sp.n_shards,
+                0,
+                prompt_rows[name] * sp.spec.sampling.samples_per_prompt / sp.n_shards,
+                lengths[name].prompt + min(lengths[name].answer, sp.spec.sampling.max_new_tokens),
+                sp.spec.weight,
+            )
+            for name, sp in plan.sources.items()
+        ]
+        shards, _ = size.shards_needed(shares, cfg.mix_budget_tokens, supplies)
+        sized = {name: (max(1, shards[name]), plan.sources[name].n_shards) for name in plan.sources}
+    return MixForecast(categories, {n: v.basis for n, v in lengths.items()}, tokens_per_second, sized)

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build.engines import host as engine_host
+from dflash_build.ops import estimate
 from dflash_build.plan import Plan
 from dflash_build.store import layout
 from dflash_build.store import records as R
@@ -116,11 +117,13 @@ def collect(plan: Plan, window: float = WINDOW_SECONDS, now: float | None = None
     now = time.time() if now is None else now
     status = Status(at=now, window_seconds=window)
     recent = _Window(now, window)
+    wanted = estimate.wanted_shards(plan)  # mix.generate as_needed: the shards the build will generate
     for name, sp in plan.sources.items():
         samples = sp.spec.sampling.samples_per_prompt
-        source = SourceStatus(name, 0, True, shards=sp.n_shards)
-        prompt_shards = plan.prompt_shards(name)
-        for shard, prompts, completion in zip(sp.shards, prompt_shards, plan.completion_shards(name), strict=True):
+        n = wanted.get(name, sp.n_shards)
+        source = SourceStatus(name, 0, True, shards=n)
+        shards = zip(sp.shards[:n], plan.prompt_shards(name)[:n], plan.completion_shards(name)[:n], strict=True)
+        for shard, prompts, completion in shards:
             stats_file = layout.sidecar(completion)
             if completion.exists() and stats_file.exists():
                 _published(source, json.loads(stats_file.read_text()), recent)

@@ -10,6 +10,7 @@ without Snakemake; :data:`INPUTS` and :data:`OUTPUTS` name what each stage's rul
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ INPUTS: dict[str, tuple[str, ...]] = {
     "generate": ("prompts",),
     "tokenize": ("completions", "prompts"),
     "mix": ("tokens", "bands", "manifests"),
+    "size": ("tokens",),
     "export": ("dataset", "store"),
     "pack": ("dataset",),
 }
@@ -32,6 +34,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "generate": ("data", "stats"),
     "tokenize": ("data", "stats"),
     "mix": ("record",),
+    "size": ("sizing",),
     "export": ("record",),
     "pack": ("record",),
 }
@@ -103,6 +106,14 @@ def _one(paths: Mapping[str, tuple[Path, ...]], name: str, stage: str) -> Path:
     return found[0]
 
 
+def sized_shards(plan: Plan, sizing: str | None) -> list[str]:
+    """The token shards a sizing file names (none yet: the pilot's, each source's first shard)."""
+    if sizing is None:
+        return [str(plan.token_shards(name)[0]) for name in sorted(plan.sources)]
+    counts = json.loads(Path(sizing).read_text())["shards"]
+    return [str(p) for name in sorted(plan.sources) for p in plan.token_shards(name)[: counts[name]]]
+
+
 def planned(plan: Plan, stage: str, source: str | None = None, shard: str | None = None, fmt: str | None = None) -> Job:
     """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile would declare)."""
     cfg = plan.config
@@ -127,9 +138,17 @@ def planned(plan: Plan, stage: str, source: str | None = None, shard: str | None
         inputs = {"prompts": manifest} | ({"completions": (completions,)} if stage == "tokenize" else {})
         outputs = {"data": (data,), "stats": (layout.sidecar(data),)}
         key = sp.gen_key if stage == "generate" else sp.tok_key
+    elif stage == "size":
+        assert shard is not None, "size: the round (shard='1' or '2')"
+        earlier = layout.sizing_file(cfg.logs, cfg.dataset_name, int(shard) - 1) if shard != "1" else None
+        inputs = {"tokens": tuple(Path(p) for p in sized_shards(plan, earlier))}
+        outputs = {"sizing": (Path(layout.sizing_file(cfg.logs, cfg.dataset_name, int(shard))),)}
     elif stage == "mix":
+        final = layout.sizing_file(cfg.logs, cfg.dataset_name, layout.SIZING_ROUNDS[-1])
         inputs = {
-            "tokens": tuple(sorted(plan.all_token_shards())),
+            "tokens": tuple(Path(p) for p in sized_shards(plan, final))
+            if cfg.mix_generate == "as_needed"
+            else tuple(sorted(plan.all_token_shards())),
             "bands": tuple(plan.prompt_bands(s) for s in sorted(plan.sources))
             if cfg.dedup.near and cfg.dedup.across_sources
             else (),

@@ -100,6 +100,19 @@ def prepare_log(logs: str | Path, source: str, prompt_key: str) -> str:
     return f"{logs}/{PROMPTS.folder}/{source}/{prompt_key}/{PROMPTS.rule}{LOG}"
 
 
+SIZING_ROUNDS = (1, 2)  # mix.generate as_needed: the pilot's sizing, then the top-up's
+
+
+def sizing_file(logs: str | Path, name: str, round_: int) -> str:
+    """Round ``round_``'s sizing of dataset ``name`` (mix.generate as_needed): derived from the shards it
+    measured and the config, so it lives with the config's logs, not in the content-addressed store."""
+    return f"{logs}/sizing/{name}-round-{round_}.json"
+
+
+def sizing_round(path: str | Path) -> int:
+    return int(Path(path).stem.rsplit("-", 1)[1])
+
+
 def dist_log(logs: str | Path, name: str) -> str:
     """The log of a job that writes ``dist/NAME`` (the mix, a pack, an export)."""
     return f"{logs}/dist/{name}{LOG}"

@@ -1,0 +1,126 @@
+"""Generate to the mix (issue 39): under ``mix.generate: as_needed`` a source is generated only as far down
+its shards as its category's target needs, sized on a pilot and topped up once.
+
+Real workflow, tiny model (transformers backend). Two categories whose answers differ eightfold (24
+new tokens against 3); the long category's first shard holds its longest prompts, so the pilot
+overestimates its tokens per sample, the first round falls short and the second tops it up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_build.stages.prepare.identity import prompt_id
+from dflash_build.store import layout
+from tests.conftest import Workflow, base_config, parse_dry_run, write_jsonl
+
+pytestmark = pytest.mark.workflow
+
+SHARD_SIZE = 4
+LONG_ROWS, SHORT_ROWS = 64, 48
+
+
+def _pid(text: str) -> int:
+    return int(prompt_id([{"role": "user", "content": text}], None), 16)
+
+
+def _long_source_rows() -> list[dict[str, str]]:
+    """Short prompts, except the four with the smallest prompt ids (the first shard), which are long."""
+    longs = sorted(
+        (f"Explain in detail topic {i}: " + "why and how it works, step by step. " * 6 for i in range(40)), key=_pid
+    )
+    first = longs[:SHARD_SIZE]
+    shorts = [t for t in (f"Explain topic {i}." for i in range(400)) if _pid(t) > _pid(first[-1])]
+    return [{"instruction": t} for t in first + shorts[: LONG_ROWS - SHARD_SIZE]]
+
+
+def _config(root: Path, model: Path, generate: str) -> dict[str, Any]:
+    long = write_jsonl(root / "long.jsonl", _long_source_rows())
+    short = write_jsonl(root / "short.jsonl", [{"instruction": f"Name a tool {i}."} for i in range(SHORT_ROWS)])
+    config = base_config(
+        model,
+        {
+            "long": {
+                "category": "coding",
+                "files": [str(long)],
+                "format": "alpaca",
+                "sampling": {"max_new_tokens": 24},
+            },
+            "short": {
+                "category": "agent",
+                "files": [str(short)],
+                "format": "alpaca",
+                "sampling": {"max_new_tokens": 3},
+            },
+        },
+        store="store",
+        shard_size=SHARD_SIZE,
+    )
+    config["mix"] = {"categories": {"coding": 0.5, "agent": 0.5}, "generate": generate}
+    config["checks"]["share_tolerance"] = 0.05
+    return config
+
+
+def _generated_shards(workdir: Path, source: str) -> set[str]:
+    return {p.stem for p in (workdir / "store" / "completions" / source).glob("*/*.parquet")}
+
+
+def _manifest(workdir: Path) -> dict[str, Any]:
+    return json.loads((workdir / "dist" / "test-mix" / "manifest.json").read_text())
+
+
+def test_as_needed_generates_what_the_mix_takes_topping_up_once_and_all_regenerates_nothing(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    wf = Workflow.at(tmp_path / "work", _config(tmp_path, tiny_model, "as_needed"))
+    pilot = parse_dry_run(wf.run("-n").stdout)
+    assert sorted(j["shard"] for j in pilot["generate"]) == ["00000", "00000"], "the dry run shows the pilot"
+    assert "size_pilot" in pilot, "with the checkpoint that sizes the first round"
+    planned = wf.cli("plan", "--jobs").stdout
+    assert "binding: agent (taken whole)" in planned and "would be left out by the mix" in planned, planned
+    assert "as needed (mix.generate): shards per source long" in planned
+    jobs = {line.split()[1] for line in planned.splitlines() if line.startswith("generate ")}
+    assert jobs == {"long/00000", "short/00000"}, "plan lists the pilot, as the dry run does"
+
+    # stopped between the rounds: the rerun generates no row again
+    wf.run("--until", "size_pilot")
+    assert _generated_shards(wf.workdir, "long") == _generated_shards(wf.workdir, "short") == {"00000"}
+    later = parse_dry_run(wf.run("-n").stdout)
+    assert {j["shard"] for j in later.get("generate", [])} and "00000" not in {j["shard"] for j in later["generate"]}, (
+        "once the pilot exists the dry run shows the first round, not the pilot again"
+    )
+    wf.build()
+    assert "total: 0 generate jobs" in wf.cli("plan").stdout
+    status = json.loads(wf.cli("status", "--json").stdout)
+    assert status["done"], "status counts the shards the sizing asked for, not every shard"
+
+    rounds = [json.loads((wf.workdir / layout.sizing_file("logs", "test-mix", n)).read_text()) for n in (1, 2)]
+    assert rounds[0]["shards"]["short"] == rounds[1]["shards"]["short"] == SHORT_ROWS // SHARD_SIZE, "agent binds"
+    assert rounds[1]["shards"]["long"] > rounds[0]["shards"]["long"] > 1, "the pilot's estimate was short: one top-up"
+    assert rounds[1]["measured"]["long"]["tokens_per_sample"] < rounds[0]["measured"]["long"]["tokens_per_sample"]
+    assert len(list((wf.workdir / "logs" / "sizing").glob("*.json"))) == 2, "one top-up and no more"
+    needed = rounds[1]["shards"]["long"]
+    assert _generated_shards(wf.workdir, "long") == {f"{i:05d}" for i in range(needed)} != LONG_ROWS // SHARD_SIZE
+    for stats in (wf.workdir / "store" / "completions").glob("*/*/*.stats.json"):
+        got = json.loads(stats.read_text())
+        assert got["generated"] == got["input_rows"], f"{stats}: a row was generated twice"
+
+    as_needed = _manifest(wf.workdir)
+    use = as_needed["use"]
+    assert use["used_share"] >= 0.9, use
+    for c in as_needed["mix"]["categories"].values():
+        assert abs(c["achieved_share"] - c["target_share"]) <= 0.05
+
+    # the same config generating every prompt: the rest of the long source, and the mix leaves most out
+    every = wf.copy_to(tmp_path / "every")
+    every.write_config(_config(tmp_path, tiny_model, "all"))
+    every.build()
+    assert len(_generated_shards(every.workdir, "long")) == LONG_ROWS // SHARD_SIZE
+    under_all = _manifest(every.workdir)["use"]
+    assert under_all["generated_tokens"] > 1.5 * use["generated_tokens"]
+    assert under_all["used_share"] < 0.75 < 0.9 <= use["used_share"]
+    assert under_all["used_tokens"] == pytest.approx(use["used_tokens"], rel=0.05)
