@@ -150,7 +150,10 @@ def get_size_params():
             "categories": dict(CONFIG.mix_categories),
             "budget_tokens": CONFIG.mix_budget_tokens,
             "weights": {s: spec.weight for s, spec in CONFIG.sources.items()},
-            "rounds": [dflash_build.stages.size.FIRST_ROUND, dflash_build.stages.size.MARGIN],
+            "rounds": [
+                dflash_build.stages.size.FIRST_ROUND,
+                dflash_build.stages.size.MARGIN,
+            ],
         }
     )
 
