@@ -24,7 +24,7 @@ from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.spec import Config, EngineSpec
 from dflash_build.stages import job as job_mod
-from dflash_build.stages.job import Job
+from dflash_build.stages.job import Job, StageFailure
 from dflash_build.store import filesystem, layout
 from dflash_build.store.rowindex import RowIndex
 
@@ -65,6 +65,9 @@ def logged(log_path: str | Path | None, writing: str | Path | None = None) -> It
     root.setLevel(logging.INFO)
     try:
         yield
+    except StageFailure as e:  # its message is the whole story
+        root.error("%s", e)
+        raise SystemExit(1) from None
     except Exception as e:
         if (env := filesystem.fault(e, writing)) is None:
             root.exception("job failed")

@@ -399,3 +399,23 @@ def test_an_in_process_engine_is_stalled_only_when_its_decoding_steps_stop() -> 
     time.sleep(1.2)
     progress.close()
     assert len(stalls) == 1 and stalls[0].startswith("s/00000: no answer from the in-process engine for ")
+
+
+def test_rows_outside_the_trainers_window_are_a_selection_and_never_fail_a_shard(tmp_path: Path) -> None:
+    """Issue 40's probe: a shard whose prompts are all longer than trainer.max_length allows is published
+    (its rows counted as outside_window); rows over the context still count, and the message says what
+    to change for what happened, naming the journal only where it exists."""
+    from dflash_build.stages.generate.accounting import ShardFailedError, check_failures
+    from dflash_build.store import records as R
+
+    window = f"{R.OUTSIDE_WINDOW} prompt of N tokens leaves N new tokens in trainer.max_length N"
+    stats = {"source": "s", "shard": "00000", R.STAT_INPUT_ROWS: 6, R.STAT_ERROR: 0, R.STAT_SKIPPED: 6}
+    check_failures({**stats, R.STAT_OUTSIDE_WINDOW: 6, "errors": {window: 6}}, 0.5, tmp_path / "rows.jsonl")
+    over = "prompt of N tokens + max_new_tokens N exceeds the context of N"
+    mixed = {**stats, R.STAT_OUTSIDE_WINDOW: 2, "errors": {window: 2, over: 4}}
+    with pytest.raises(ShardFailedError) as err:
+        check_failures(mixed, 0.5, tmp_path / "rows.jsonl")
+    message = str(err.value)
+    assert "4 of 4 rows could not be generated (0 error/abort, 4 skipped over the context; 2 more outside" in message
+    assert "raise model.context_length" in message and "template errors" not in message
+    assert "rows.jsonl" not in message and window not in message

@@ -122,3 +122,17 @@ def test_every_input_format_has_one_conversion() -> None:
     schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
     source = schema["properties"]["sources"]["additionalProperties"]["properties"]
     assert set(formats.FORMATS) == set(spec.FORMAT_FIELDS) == set(source["format"]["enum"])
+
+
+def test_a_stage_failure_ends_its_job_with_its_message_and_no_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dflash_build.stages.generate.accounting import ShardFailedError
+
+    log = tmp_path / "job.log"
+    with pytest.raises(SystemExit) as stop, workflow.logged(log):
+        raise ShardFailedError("s/00000: 4 of 4 rows could not be generated\n  4 x prompt of N tokens")
+    assert stop.value.code == 1
+    text = log.read_text()
+    assert "4 of 4 rows could not be generated" in text and "Traceback" not in text
+    assert "Traceback" not in capsys.readouterr().err

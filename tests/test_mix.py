@@ -217,3 +217,22 @@ def test_an_allowed_shortfall_passes(tmp_path: Path) -> None:
     _check(plan, {"a": 70, "b": 30}, {"a1": 30, "a2": 40, "b1": 30})
     with pytest.raises(mix.checks.MixError, match="source 'a2'"):
         _check(plan, {"a": 70, "b": 30}, {"a1": 70, "b1": 30})
+
+
+def test_a_source_the_trainers_window_emptied_is_named_with_the_window(tmp_path: Path) -> None:
+    """Its token shards' sidecars count the rows outside trainer.max_length: the message says to raise it."""
+    from dflash_build.store import layout
+
+    plan = _plan(tmp_path, trainer={"max_length": 160})
+    shard = tmp_path / "tokens" / "00000.parquet"
+    shard.parent.mkdir()
+    layout.sidecar(shard).write_text(json.dumps({"input_rows": 6, "dropped": {"outside_window": 6}}))
+    shares = dict(plan.config.mix_categories)
+    shards = {"a1": [], "a2": [shard], "b1": []}
+    with pytest.raises(mix.checks.MixError) as err:
+        mix.checks.check(
+            plan, shards, shares, {"a": 50, "b": 50}, Counter(a=50, b=50), Counter(a=50, b=50), Counter(a1=50, b1=50)
+        )
+    message = str(err.value)
+    assert "source 'a2' reaches the mix with no samples (6 completions, tokenize dropped outside_window: 6)" in message
+    assert "its prompts leave too little of trainer.max_length 160: raise it or drop the source" in message

@@ -66,7 +66,8 @@ def test_the_trainer_window_bounds_every_row_and_a_later_window_continues_or_cut
     rows = _rows(wf)
     assert len(rows) == len(PROMPTS) + 1
     [skipped] = [r for r in rows.values() if r["finish_reason"] == "skipped"]
-    assert "in the trainer's window of 56 (trainer.min_new_tokens 4)" in skipped["error"], skipped["error"]
+    assert skipped["error"].startswith("outside the trainer's window: prompt of"), skipped["error"]
+    assert "in trainer.max_length 56 (trainer.min_new_tokens 4)" in skipped["error"], skipped["error"]
     windowed = 0
     for r in rows.values():
         if r["finish_reason"] == "skipped":
@@ -80,7 +81,7 @@ def test_the_trainer_window_bounds_every_row_and_a_later_window_continues_or_cut
         assert r["finish_reason"] in ("stop", "window")
     assert windowed > 0, "the tiny model rarely stops: most rows reach the window"
     [stats] = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").rglob("*.stats.json")]
-    assert stats["window"] == windowed and stats["skipped"] == 1 and stats["truncated"] == 0
+    assert stats["window"] == windowed and stats["skipped"] == stats["outside_window"] == 1 and stats["truncated"] == 0
     dataset = [
         r
         for p in sorted((wf.workdir / "dist" / "test-mix" / "data").glob("*.parquet"))

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from dflash_build import hashing
 from dflash_build.publish import release
 from dflash_build.spec import ExportSpec
-from dflash_build.stages.job import Job
+from dflash_build.stages.job import Job, StageFailure
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
 
@@ -50,7 +50,7 @@ DROP_FEW_IN_WINDOW = "few_loss_tokens_within_max_length"  # enough in all, too f
 DROP_NOT_CONSECUTIVE = "no_adjacent_loss_tokens"
 
 
-class ExportEmptyError(RuntimeError):
+class ExportEmptyError(StageFailure):
     """Every sample of the dataset would be left out of an export: it fails instead of writing nothing."""
 
 

@@ -19,6 +19,13 @@ from dflash_build.plan import Plan
 from dflash_build.publish import release
 from dflash_build.store import layout
 
+
+class StageFailure(RuntimeError):
+    """A stage refusing its output for a reason its message states whole (a source that lost too much,
+    a shard whose rows mostly failed, a missed share, an empty export): the job ends with that message and
+    exit status 1, without a traceback."""
+
+
 # What each rule declares, by name (rules/*.smk use the same names).
 INPUTS: dict[str, tuple[str, ...]] = {
     "prepare": ("files", "references"),

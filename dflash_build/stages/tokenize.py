@@ -30,14 +30,15 @@ DROP_TRUNCATED = "truncated"
 DROP_ENGINE_ERROR = "engine_error"
 DROP_EMPTY_ANSWER = "empty_answer"
 DROP_SKIPPED = "skipped"
+DROP_OUTSIDE_WINDOW = R.STAT_OUTSIDE_WINDOW  # skipped: the trainer's window left too little room
 
 
-def _dropped(reason: str, truncated_policy: str) -> str | None:
+def _dropped(reason: str, truncated_policy: str, error: str | None = None) -> str | None:
     """Why an answer that ended with ``reason`` is no sample, or None when it is one."""
     if reason in (R.FINISH_ERROR, R.FINISH_ABORT):
         return DROP_ENGINE_ERROR
     if reason == R.FINISH_SKIPPED:
-        return DROP_SKIPPED
+        return DROP_OUTSIDE_WINDOW if (error or "").startswith(R.OUTSIDE_WINDOW) else DROP_SKIPPED
     if reason == R.FINISH_LENGTH and truncated_policy == "drop":
         return DROP_TRUNCATED
     return None
@@ -49,7 +50,7 @@ def to_sample(row: dict[str, Any], truncated_policy: str) -> tuple[list[int], li
     Every turn adds the ids the model saw before its answer (mask 0), then the answer and the stop
     token it emitted (mask 1).
     """
-    reason = _dropped(row["finish_reason"], truncated_policy)
+    reason = _dropped(row["finish_reason"], truncated_policy, row.get("error"))
     if reason is not None:
         return reason
     input_ids: list[int] = []

@@ -94,6 +94,10 @@ STAT_TRUNCATED = "truncated"
 STAT_WINDOW = "window"  # rows that ended at the trainer's window (kept: complete samples)
 STAT_ERROR = "error"
 STAT_SKIPPED = "skipped"
+# Of the skipped rows, those the trainer's window (trainer.max_length) leaves too little room for: a
+# selection, as a length filter is, never a failure. Their error starts with OUTSIDE_WINDOW.
+STAT_OUTSIDE_WINDOW = "outside_window"
+OUTSIDE_WINDOW = "outside the trainer's window:"
 STAT_RESUMED_TURNS = "resumed_turns"
 STAT_RETOKENIZED_TURNS = "retokenized_turns"  # answers that came back as text (openai backend)
 STAT_RETOKENIZE_DRIFT = "retokenize_drift_rate"  # of those, share whose length differs from the server's

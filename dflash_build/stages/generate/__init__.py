@@ -302,8 +302,8 @@ def next_requests(
         elif work.plan.config.trainer.leaves_too_little(budget):
             window = work.plan.config.trainer
             reason = (
-                f"prompt of {len(prompt_ids)} tokens leaves {max(budget, 0)} new tokens in the trainer's window of "
-                f"{window.max_length} (trainer.min_new_tokens {window.min_new_tokens})"
+                f"{R.OUTSIDE_WINDOW} prompt of {len(prompt_ids)} tokens leaves {max(budget, 0)} new tokens in "
+                f"trainer.max_length {window.max_length} (trainer.min_new_tokens {window.min_new_tokens})"
             )
         if reason is not None:
             if conv.turns:  # later turns: the conversation ends with what it has

@@ -11,31 +11,40 @@ from typing import Any
 from dflash_build.engines import gpus
 from dflash_build.plan import Plan
 from dflash_build.stages.generate.conversation import Conversation
+from dflash_build.stages.job import StageFailure
 from dflash_build.store import records as R
 
 
-class ShardFailedError(RuntimeError):
+class ShardFailedError(StageFailure):
     """Too many rows of a shard could not be generated; publishing it would hide that."""
 
 
 def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_path: Path) -> None:
-    """Refuse to publish a shard whose rows mostly (or all) ended as error, abort or skipped."""
-    rows = stats[R.STAT_INPUT_ROWS]
-    failed = stats[R.STAT_ERROR] + stats[R.STAT_SKIPPED]
-    if rows == 0 or failed / rows <= max_failed_fraction:
+    """Refuse to publish a shard whose rows mostly (or all) ended as error, abort or skipped over the
+    context. Rows outside the trainer's window are a selection and never count."""
+    window = stats.get(R.STAT_OUTSIDE_WINDOW, 0)
+    rows = stats[R.STAT_INPUT_ROWS] - window
+    over_context = stats[R.STAT_SKIPPED] - window
+    failed = stats[R.STAT_ERROR] + over_context
+    if rows <= 0 or failed / rows <= max_failed_fraction:
         return
-    reasons = sorted(stats["errors"].items(), key=lambda kv: -kv[1])[:3]
+    reasons = [
+        kv for kv in sorted(stats["errors"].items(), key=lambda kv: -kv[1]) if not kv[0].startswith(R.OUTSIDE_WINDOW)
+    ]
+    kept = f" Finished rows stay in {journal_path}." if journal_path.exists() else ""
     lines = [
         f"{stats['source']}/{stats['shard']}: {failed} of {rows} rows could not be generated "
-        f"({stats[R.STAT_ERROR]} error/abort, {stats[R.STAT_SKIPPED]} skipped over the context); "
-        f"the limit is {max_failed_fraction:.0%} (checks.max_failed_fraction). Nothing was published; "
-        f"finished rows stay in {journal_path}."
+        f"({stats[R.STAT_ERROR]} error/abort, {over_context} skipped over the context"
+        + (f"; {window} more outside the trainer's window are not counted" if window else "")
+        + f"); the limit is {max_failed_fraction:.0%} (checks.max_failed_fraction); the shard was not written.{kept}"
     ]
-    lines += [f"  {n} x {reason}" for reason, n in reasons]
-    lines.append(
-        "Skipped rows: raise model.context_length or lower sampling.max_new_tokens; template errors: "
-        "fix model.chat_template; engine aborts: see the engine log above."
-    )
+    lines += [f"  {n} x {reason}" for reason, n in reasons[:3]]
+    advice = []
+    if over_context:
+        advice.append("rows over the context: raise model.context_length or lower sampling.max_new_tokens")
+    if stats[R.STAT_ERROR]:
+        advice.append("template errors: fix model.chat_template; engine aborts: see the engine log above")
+    lines.append("; ".join(advice).capitalize() + ".")
     raise ShardFailedError("\n".join(lines))
 
 
@@ -96,6 +105,9 @@ def shard_stats(
         R.STAT_WINDOW: count(R.FINISH_WINDOW),
         R.STAT_ERROR: count(R.FINISH_ERROR, R.FINISH_ABORT),
         R.STAT_SKIPPED: count(R.FINISH_SKIPPED),
+        R.STAT_OUTSIDE_WINDOW: sum(
+            r["finish_reason"] == R.FINISH_SKIPPED and (r["error"] or "").startswith(R.OUTSIDE_WINDOW) for r in rows
+        ),
         R.STAT_RESUMED_TURNS: resumed_turns,
         R.STAT_PROMPT_TOKENS: sum(r["n_prompt_tokens"] for r in rows),
         R.STAT_OUTPUT_TOKENS: output_tokens,

@@ -12,13 +12,14 @@ from typing import Any
 
 from dflash_build.plan import Plan
 from dflash_build.stages import crosssource
+from dflash_build.stages.job import StageFailure
 from dflash_build.store import layout
 from dflash_build.store import records as R
 
 NOTED_DEVIATION = 0.01  # a share further than this from its target is stated in the manifest (not a check)
 
 
-class MixError(RuntimeError):
+class MixError(StageFailure):
     """The dataset would miss what the config asks for; the message names the cause and the key to change."""
 
 
@@ -75,10 +76,17 @@ def check(
                 "dedup.across_sources: false"
             )
         elif available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
+            drops, why = _token_drops(shards.get(name, []))
+            window = plan.config.trainer.max_length
+            advice = (
+                f"its prompts leave too little of trainer.max_length {window}: raise it or drop the source"
+                if drops.get(R.STAT_OUTSIDE_WINDOW)
+                else f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
+                "answers that hit max_new_tokens"
+            )
             problems.append(
-                f"source '{name}' reaches the mix with no samples ({_token_drops(shards.get(name, []))}); "
-                f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
-                f"answers that hit max_new_tokens; or allow it with checks.allow_shortfall: [{sp.spec.category}]"
+                f"source '{name}' reaches the mix with no samples ({why}); {advice}; or allow it with "
+                f"checks.allow_shortfall: [{sp.spec.category}]"
             )
     total = sum(chosen.values())
     if total == 0:
@@ -125,7 +133,7 @@ def _missed_share(
     )
 
 
-def _token_drops(shards: list[Path]) -> str:
+def _token_drops(shards: list[Path]) -> tuple[Counter[str], str]:
     """Why a source's rows did not become samples, summed over its token shards' stats sidecars."""
     dropped: Counter[str] = Counter()
     rows = 0
@@ -136,7 +144,7 @@ def _token_drops(shards: list[Path]) -> str:
             rows += stats.get(R.STAT_INPUT_ROWS, 0)
             dropped.update(stats.get(R.STAT_DROPPED, {}))
     reasons = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "none"
-    return f"{rows} completions, tokenize dropped {reasons}"
+    return dropped, f"{rows} completions, tokenize dropped {reasons}"
 
 
 def shortfalls(

@@ -7,13 +7,14 @@ import itertools
 
 from dflash_build.plan import Plan
 from dflash_build.spec import SourceSpec
+from dflash_build.stages.job import StageFailure
 from dflash_build.stages.prepare.drops import DROP_SETTINGS, INTENDED_DROPS, Drop, DropCounter
 from dflash_build.stages.prepare.formats import row_template_kwargs, to_prompt
 from dflash_build.stages.prepare.read import raw_rows
 from dflash_build.stages.prepare.selection import Selection
 
 
-class SourceLossError(RuntimeError):
+class SourceLossError(StageFailure):
     """A source lost too many rows (or all of them) in prepare; the message says why and what to change."""
 
 
