@@ -69,8 +69,9 @@ test: test-unit test-workflow
 test-unit: setup
 	$(BIN)/python -m pytest -q -m "not workflow" --durations=15
 
+# Two workers (pytest-xdist): a build keeps about one core busy, so two tests at once fill the machine.
 test-workflow: setup slurm-packages
-	$(BIN)/python -m pytest -q -m workflow --durations=15
+	$(BIN)/python -m pytest -q -m workflow -n 2 --durations=15
 
 # tests/test_slurm.py starts a real single-node SLURM cluster from Debian's packages (as root). Where
 # they cannot be installed the test is skipped, except under CI, where it fails.

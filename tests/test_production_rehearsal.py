@@ -89,35 +89,38 @@ def rehearsal(tmp_path_factory: pytest.TempPathFactory, rehearsal_model: Path) -
 def test_production_config_plans_every_shard_of_every_source(
     tmp_path: Path, rehearsal_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`snakemake -n` and `dflash-build plan` on the real hub sources, revisions pinned, nothing loaded."""
+    """`snakemake -n` and `dflash-build plan` on the real hub sources, revisions pinned, nothing loaded: the
+    pilot round as the production config has it (mix.generate as_needed), every shard under `all`."""
     from dflash_build import cli
 
     config = production_config()
+    assert config["mix"]["generate"] == "as_needed"
     config["model"]["path"] = str(rehearsal_model)  # the 27B weights are not here; keys need files
     for source in [*config["sources"].values(), *config["decontaminate"]["references"].values()]:
         source["hf"]["revision"] = PINNED
     wf = Workflow(tmp_path)
-    path = wf.write_config(config)
-    expected = {
-        (name, f"{i:05d}")
-        for name, s in config["sources"].items()
-        for i in range(math.ceil(s["max_samples"] / config["shard_size"]))
-    }
-    jobs = wf.dry_run()
-    assert {(j["source"], j["shard"]) for j in jobs["generate"]} == expected
-    assert {(j["source"], j["shard"]) for j in jobs["tokenize"]} == expected
-    assert {k for k in jobs if k.startswith("prepare_")} == {
-        f"prepare_{n.replace('-', '_')}" for n in config["sources"]
-    }
     monkeypatch.chdir(tmp_path)
-    capsys.readouterr()
-    assert cli.main(["--configfile", str(path), "plan", "--jobs"]) == 0
-    listed = {
-        tuple(line.split()[1].split("/"))
-        for line in capsys.readouterr().out.splitlines()
-        if line.startswith("generate ")
-    }
-    assert listed == expected
+    for generate in ("as_needed", "all"):
+        config["mix"]["generate"] = generate
+        path = wf.write_config(config)
+        expected = {
+            (name, f"{i:05d}")
+            for name, s in config["sources"].items()
+            for i in range(math.ceil(s["max_samples"] / config["shard_size"]) if generate == "all" else 1)
+        }
+        jobs = wf.dry_run()
+        assert {(j["source"], j["shard"]) for j in jobs["generate"]} == expected, generate
+        assert {(j["source"], j["shard"]) for j in jobs["tokenize"]} == expected
+        assert ("size_pilot" in jobs) is (generate == "as_needed")
+        assert {k for k in jobs if k.startswith("prepare_")} == {
+            f"prepare_{n.replace('-', '_')}" for n in config["sources"]
+        }
+        capsys.readouterr()
+        assert cli.main(["--configfile", str(path), "plan", "--jobs"]) == 0
+        out = capsys.readouterr().out
+        listed = {tuple(line.split()[1].split("/")) for line in out.splitlines() if line.startswith("generate ")}
+        assert listed == expected, generate
+        assert "binding:" in out and "would be left out by the mix" in out
 
 
 def test_rehearsal_dry_run_lists_every_shard(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
