@@ -3,6 +3,7 @@ every prompt would give, from lengths measured where the store has them and assu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ def _plan(tmp_path: Path, tiny_model: Path, **mix_settings: object) -> plan_mod.
     for name, category, rows in (("long", "coding", 30), ("short", "agent", 10)):
         data = write_jsonl(tmp_path / f"{name}.jsonl", [{"instruction": f"{name} task {i}"} for i in range(rows)])
         sources[name] = {"category": category, "files": [str(data)], "format": "alpaca"}
-    raw = base_config(tiny_model, sources, store=str(tmp_path / "store"))
+    raw = base_config(tiny_model, sources, store=str(tmp_path / "store"), logs=str(tmp_path / "logs"))
     raw["mix"] = {"categories": {"coding": 0.8, "agent": 0.2}, **mix_settings}
     raw["sources"]["long"]["sampling"] = {"max_new_tokens": 400}
     raw["sources"]["short"]["sampling"] = {"max_new_tokens": 40}
@@ -73,3 +74,41 @@ def test_a_categorys_need_is_split_by_weight_capped_at_each_sources_supply() -> 
     heavy = [Supply(**{**s.__dict__, "weight": 10.0 if s.source == "small" else 1.0}) for s in supplies]
     shards, _ = shards_needed({"c": 0.5, "d": 0.5}, 600, heavy, part=1.0)
     assert shards["small"] == 2 and shards["big"] == 1
+
+
+def test_the_size_stage_sizes_each_round_from_the_shards_its_job_declares(tmp_path: Path, tiny_model: Path) -> None:
+    """size.run on the pilot's token sidecars, then on the first round's: the rule's two checkpoints."""
+    from dflash_build.stages import size
+    from dflash_build.stages.job import planned
+    from dflash_build.store import atomic, layout
+
+    plan = _plan(tmp_path, tiny_model, generate="as_needed")  # long: 8 shards of 4 prompts, short: 3
+    assert plan.sources["long"].n_shards == 8 and plan.sources["short"].n_shards == 3
+
+    def measured(source: str, shard: str, tokens_per_sample: int) -> None:
+        path = layout.shard_file(plan.token_dir(source), shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(layout.sidecar(path), {"rows_out": 4, "tokens": 4 * tokens_per_sample})
+
+    measured("long", "00000", 100)  # the pilot: coding 8 x 400, agent 3 x 80 -> agent binds
+    measured("short", "00000", 20)
+    first = planned(plan, "size", round_=1)
+    assert [p.name for p in first.inputs["tokens"]] == ["00000.parquet", "00000.parquet"]
+    record = size.run(first)
+    # agent binds at 240 tokens, so coding's target is 960; the first round asks for 60%: 2 shards of 400
+    assert record["round"] == 1 and record["shards"] == {"long": 2, "short": 3}
+    assert record["targets"] == {"coding": 960, "agent": 240}
+    measured("long", "00001", 50)  # the pilot overestimated: the first round's second shard is shorter
+    for shard in ("00001", "00002"):
+        measured("short", shard, 20)
+    second = planned(plan, "size", round_=2)
+    assert len(second.inputs["tokens"]) == 5, "the shards the first round named"
+    record = size.run(second)
+    # long measures 75 a sample, 300 a shard: 960 x 1.03 needs 4 shards; short is whole
+    assert record["round"] == 2 and record["shards"] == {"long": 4, "short": 3}
+    assert json.loads(Path(layout.sizing_file(plan.config.logs, "test-mix", 2)).read_text()) == record
+    mix_job = planned(plan, "mix")
+    assert [(p.parent.parent.name, p.stem) for p in mix_job.inputs["tokens"]] == [
+        *(("long", f"{i:05d}") for i in range(4)),
+        *(("short", f"{i:05d}") for i in range(3)),
+    ], "the mix declares the shards the top-up names"

@@ -121,57 +121,84 @@ def sized_shards(plan: Plan, sizing: str | None) -> list[str]:
     return [str(p) for name in sorted(plan.sources) for p in plan.token_shards(name)[: counts[name]]]
 
 
-def planned(plan: Plan, stage: str, source: str | None = None, shard: str | None = None, fmt: str | None = None) -> Job:
-    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile would declare)."""
-    cfg = plan.config
-    inputs: dict[str, tuple[Path, ...]] = {}
-    outputs: dict[str, tuple[Path, ...]] = {}
-    key = None
-    if source is not None:
-        sp = plan.sources[source]
-        manifest = (plan.prompt_manifest(source),)
+Paths = dict[str, tuple[Path, ...]]
+
+
+def _source_paths(plan: Plan, stage: str, source: str, shard: str | None) -> tuple[Paths, Paths, str]:
+    """(inputs, outputs, key) of a source's job: prepare, or a shard's generate or tokenize."""
+    sp = plan.sources[source]
+    manifest = (plan.prompt_manifest(source),)
     if stage == "prepare":
-        assert source is not None
-        inputs = {
-            "files": tuple(sp.input_files),
-            "references": tuple(sorted({f for fs in plan.reference_files.values() for f in fs})),
-        }
-        outputs = {"manifest": manifest, "bands": (plan.prompt_bands(source),) if cfg.dedup.near else ()}
-        key = sp.prompt_key
-    elif stage in ("generate", "tokenize"):
-        assert source is not None and shard is not None
-        completions = layout.shard_file(plan.completion_dir(source), shard)
-        data = completions if stage == "generate" else layout.shard_file(plan.token_dir(source), shard)
-        inputs = {"prompts": manifest} | ({"completions": (completions,)} if stage == "tokenize" else {})
-        outputs = {"data": (data,), "stats": (layout.sidecar(data),)}
-        key = sp.gen_key if stage == "generate" else sp.tok_key
-    elif stage == "size":
-        assert shard is not None, "size: the round (shard='1' or '2')"
-        earlier = layout.sizing_file(cfg.logs, cfg.dataset_name, int(shard) - 1) if shard != "1" else None
-        inputs = {"tokens": tuple(Path(p) for p in sized_shards(plan, earlier))}
-        outputs = {"sizing": (Path(layout.sizing_file(cfg.logs, cfg.dataset_name, int(shard))),)}
-    elif stage == "mix":
-        final = layout.sizing_file(cfg.logs, cfg.dataset_name, layout.SIZING_ROUNDS[-1])
-        inputs = {
-            "tokens": tuple(Path(p) for p in sized_shards(plan, final))
-            if cfg.mix_generate == "as_needed"
-            else tuple(sorted(plan.all_token_shards())),
-            "bands": tuple(plan.prompt_bands(s) for s in sorted(plan.sources))
-            if cfg.dedup.near and cfg.dedup.across_sources
-            else (),
-            "manifests": tuple(plan.prompt_manifest(s) for s in plan.sources),
-        }
-        outputs = {"record": (release.record_dir(cfg.dataset_dir),)}
-    elif stage in ("export", "pack"):
-        inputs = {"dataset": (release.record_dir(cfg.dataset_dir),)}
-        if stage == "export":
-            assert fmt is not None
-            store = [p for s in plan.sources for p in (plan.prompt_manifest(s), *plan.completion_shards(s))]
-            inputs["store"] = tuple(store) if fmt == "conversations" else ()
-            outputs = {"record": (release.record_dir(cfg.export_dir(fmt)),)}
-        else:
-            assert cfg.packed_dir is not None
-            outputs = {"record": (release.record_dir(cfg.packed_dir),)}
-    else:
+        references = tuple(sorted({f for fs in plan.reference_files.values() for f in fs}))
+        bands = (plan.prompt_bands(source),) if plan.config.dedup.near else ()
+        return (
+            {"files": tuple(sp.input_files), "references": references},
+            {"manifest": manifest, "bands": bands},
+            sp.prompt_key,
+        )
+    assert shard is not None, f"{stage}: a shard job"
+    completions = layout.shard_file(plan.completion_dir(source), shard)
+    data = completions if stage == "generate" else layout.shard_file(plan.token_dir(source), shard)
+    inputs = {"prompts": manifest} | ({"completions": (completions,)} if stage == "tokenize" else {})
+    return (
+        inputs,
+        {"data": (data,), "stats": (layout.sidecar(data),)},
+        sp.gen_key if stage == "generate" else sp.tok_key,
+    )
+
+
+def _mix_inputs(plan: Plan) -> Paths:
+    cfg = plan.config
+    final = layout.sizing_file(cfg.logs, cfg.dataset_name, layout.SIZING_ROUNDS[-1])
+    as_needed = cfg.mix_generate == "as_needed"
+    across = cfg.dedup.near and cfg.dedup.across_sources
+    return {
+        "tokens": tuple(Path(p) for p in sized_shards(plan, final))
+        if as_needed
+        else tuple(sorted(plan.all_token_shards())),
+        "bands": tuple(plan.prompt_bands(s) for s in sorted(plan.sources)) if across else (),
+        "manifests": tuple(plan.prompt_manifest(s) for s in plan.sources),
+    }
+
+
+def _config_paths(plan: Plan, stage: str, fmt: str | None, round_: int | None) -> tuple[Paths, Paths]:
+    """(inputs, outputs) of a job of the whole config: size, mix, export, pack."""
+    cfg = plan.config
+    if stage == "size":
+        assert round_ in layout.SIZING_ROUNDS, f"size: a round of {layout.SIZING_ROUNDS}"
+        earlier = (
+            None if round_ == layout.SIZING_ROUNDS[0] else layout.sizing_file(cfg.logs, cfg.dataset_name, round_ - 1)
+        )
+        sizing = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
+        return {"tokens": tuple(Path(p) for p in sized_shards(plan, earlier))}, {"sizing": (sizing,)}
+    if stage == "mix":
+        return _mix_inputs(plan), {"record": (release.record_dir(cfg.dataset_dir),)}
+    dataset = {"dataset": (release.record_dir(cfg.dataset_dir),)}
+    if stage == "export":
+        assert fmt is not None
+        store = [p for s in plan.sources for p in (plan.prompt_manifest(s), *plan.completion_shards(s))]
+        inputs = {**dataset, "store": tuple(store) if fmt == "conversations" else ()}
+        return inputs, {"record": (release.record_dir(cfg.export_dir(fmt)),)}
+    assert stage == "pack" and cfg.packed_dir is not None, stage
+    return dataset, {"record": (release.record_dir(cfg.packed_dir),)}
+
+
+def planned(
+    plan: Plan,
+    stage: str,
+    source: str | None = None,
+    shard: str | None = None,
+    fmt: str | None = None,
+    round_: int | None = None,
+) -> Job:
+    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile would declare);
+    ``round_``: the sizing round of a ``size`` job (1: on the pilot, 2: the top-up)."""
+    if stage not in INPUTS:
         raise ValueError(f"no stage named {stage!r}")
+    key = None
+    if stage in ("prepare", "generate", "tokenize"):
+        assert source is not None, f"{stage}: a source's job"
+        inputs, outputs, key = _source_paths(plan, stage, source, shard)
+    else:
+        inputs, outputs = _config_paths(plan, stage, fmt, round_)
     return Job(stage, plan, inputs, outputs, source=source, shard=shard, key=key, fmt=fmt)
