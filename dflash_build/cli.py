@@ -44,8 +44,7 @@ def _plan(args: argparse.Namespace) -> plan_mod.Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    estimates, disk = estimate.estimate_with_disk(plan, args.tokens_per_second)
-    mix_forecast = estimate.forecast_mix(plan, estimates, args.tokens_per_second)
+    estimates, disk, mix_forecast = estimate.estimate_with_disk(plan, args.tokens_per_second)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=2))
         return _errors(estimates, disk)

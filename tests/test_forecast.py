@@ -33,8 +33,7 @@ def test_before_anything_is_built_the_forecast_assumes_half_the_budget_and_names
     tmp_path: Path, tiny_model: Path
 ) -> None:
     plan = _plan(tmp_path, tiny_model)
-    estimates, _ = estimate.estimate_with_disk(plan)
-    got = estimate.forecast_mix(plan, estimates, default_tokens_per_second=100.0)
+    _, _, got = estimate.estimate_with_disk(plan, default_tokens_per_second=100.0)
     assert set(got.bases.values()) == {forecast.ASSUMED}
     by = {c.category: c for c in got.categories}
     assert by["coding"].expected_tokens == 30 * 200 and by["agent"].expected_tokens == 10 * 20
@@ -49,8 +48,7 @@ def test_before_anything_is_built_the_forecast_assumes_half_the_budget_and_names
 
 def test_with_a_budget_the_budget_binds(tmp_path: Path, tiny_model: Path) -> None:
     plan = _plan(tmp_path, tiny_model, budget_tokens=500)
-    estimates, _ = estimate.estimate_with_disk(plan)
-    got = estimate.forecast_mix(plan, estimates)
+    _, _, got = estimate.estimate_with_disk(plan)
     assert sum(c.target_tokens for c in got.categories) == pytest.approx(500)
     assert not any(c.binds for c in got.categories) and "binding: mix.budget_tokens" in got.lines()[0]
 

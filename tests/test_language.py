@@ -239,8 +239,7 @@ def test_plan_forecasts_what_the_mix_then_takes_and_the_card_counts_generated_ag
 
     root, raw = bilingual
     plan = plan_mod.build(_load(root, {**raw, "dataset": {"name": "counted", "out": str(root / "dist")}}))
-    estimates, _ = estimate.estimate_with_disk(plan)
-    predicted = estimate.forecast_mix(plan, estimates)
+    _, _, predicted = estimate.estimate_with_disk(plan)
     assert set(predicted.bases.values()) == {forecast.MEASURED_HERE}
     manifest = _mix(root, raw, "counted")
     use = manifest["use"]

@@ -15,6 +15,7 @@ from dflash_build.ops import forecast
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
 from dflash_build.stages import crosssource
+from dflash_build.stages.job import sized_counts
 from dflash_build.stages.prepare import checks as prepare_checks
 from dflash_build.stages.prepare.identity import shard_bounds
 from dflash_build.stages.prepare.selection import select
@@ -221,41 +222,31 @@ def warn_at_start(plan: Plan) -> None:
 
 def estimate_with_disk(
     plan: Plan, default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
-) -> tuple[list[SourceEstimate], DiskNeed]:
-    """What a build of the current config would do, per source, and what it writes to the store."""
-    sidecars = _model_sidecars(plan)  # read once: rates, mean answer, the window's sample, bytes per token
+) -> tuple[list[SourceEstimate], DiskNeed, forecast.MixForecast]:
+    """What a build of the current config would do, per source, what it writes to the store, and what
+    the mix will take of it (the forecast, from this config's prompts: prepared counts where known)."""
+    # read once: rates, mean answer, the window's sample, bytes per token, each source's lengths
+    sidecars = _model_sidecars(plan)
     mean_tokens, rate = _measured(sidecars)
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     selected: dict[str, np.ndarray] = {}
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selected)
     _cross_source(plan, estimates, selected)
-    return estimates, disk_need(plan, estimates, sidecars)
+    prompt_rows = {e.source: e.prompt_rows for e in estimates}
+    source_lengths = forecast.source_lengths(plan, sidecars)
+    mix = forecast.forecast(plan, prompt_rows, source_lengths, rate or default_tokens_per_second)
+    return estimates, disk_need(plan, estimates, sidecars), mix
 
 
 def wanted_shards(plan: Plan) -> dict[str, int]:
     """Under mix.generate as_needed, how many of each source's shards the build will generate as things
-    stand: the latest round's sizing, else the pilot (each source's first shard); empty under all."""
+    stand: the latest round's sizing, else the pilot's; empty under all."""
     cfg = plan.config
     if cfg.mix_generate != "as_needed":
         return {}
-    for round_ in reversed(layout.SIZING_ROUNDS):
-        sizing = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
-        if sizing.exists():
-            return dict(json.loads(sizing.read_text())["shards"])
-    return dict.fromkeys(plan.sources, 1)
-
-
-def forecast_mix(
-    plan: Plan, estimates: list[SourceEstimate], default_tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND
-) -> forecast.MixForecast:
-    """The mix's forecast for this config's prompts (prepared counts where known), before any GPU time."""
-    sidecars = _model_sidecars(plan)
-    _, rate = _measured(sidecars)
-    prompt_rows = {e.source: e.prompt_rows for e in estimates}
-    return forecast.forecast(
-        plan, prompt_rows, forecast.source_lengths(plan, sidecars), rate or default_tokens_per_second
-    )
+    rounds = [Path(layout.sizing_file(cfg.logs, cfg.dataset_name, n)) for n in reversed(layout.SIZING_ROUNDS)]
+    return sized_counts(plan, next((p for p in rounds if p.exists()), None))
 
 
 def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:

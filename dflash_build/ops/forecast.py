@@ -1,12 +1,13 @@
 """What the mix will take of a build, forecast before any GPU time (``dflash-build plan``).
 
-Every source generated whole (``generate: all``, today's only mode) gives each category its prompts ×
-samples × (prompt + answer) tokens. The mix's own rule (:func:`dflash_build.stages.mix.category_targets`)
-then sets each category's target: without a budget the scarcest category relative to its share is
-taken whole (it *binds*) and the others' surplus is generated and left out; with ``mix.budget_tokens``
-the budget sets the size. Lengths come from this source's shards in the store when it has any, else from
-this model's other shards, else they are assumed (half of ``max_new_tokens``, no prompt tokens), and the
-forecast says which.
+Every source generated whole (``mix.generate: all``) gives each category its prompts × samples × (prompt +
+answer) tokens. The mix's own rule (:func:`dflash_build.stages.mix.category_targets`) then sets each
+category's target: without a budget the scarcest category relative to its share is taken whole (it
+*binds*) and the others' surplus is generated and left out; with ``mix.budget_tokens`` the budget sets
+the size. Under ``as_needed`` the forecast adds the shards per source the sizing
+(:mod:`dflash_build.stages.size`) would ask for from the same lengths. Lengths come from this source's
+shards in the store when it has any, else from this model's other shards, else they are assumed (half of
+``max_new_tokens``, no prompt tokens), and the forecast says which.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from dflash_build.plan import Plan
 from dflash_build.stages import size
-from dflash_build.stages.mix import category_targets
+from dflash_build.stages.mix import binds, category_targets
 from dflash_build.store import records as R
 
 MEASURED_HERE, MEASURED_MODEL, ASSUMED = "measured", "this model's other shards", "assumed"
@@ -93,25 +94,6 @@ class MixForecast:
         out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
         return out
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "expected_tokens": round(self.expected_tokens),
-            "left_out_tokens": round(self.left_out_tokens),
-            "left_out_gpu_hours": round(self.left_out_gpu_hours, 4),
-            "binding": [c.category for c in self.categories if c.binds],
-            "categories": {
-                c.category: {
-                    "share": c.share,
-                    "expected_tokens": round(c.expected_tokens),
-                    "target_tokens": round(c.target_tokens),
-                    "left_out_tokens": round(c.left_out_tokens),
-                }
-                for c in self.categories
-            },
-            "lengths": self.bases,
-            "as_needed": {s: k for s, (k, _) in self.as_needed.items()},
-        }
-
 
 def source_lengths(plan: Plan, sidecars: list[tuple[Path, dict[str, Any]]]) -> dict[str, Lengths]:
     """Each source's mean prompt and answer tokens per row: its own shards of this model, else the
@@ -143,12 +125,13 @@ def forecast(
     cfg = plan.config
     expected: Counter[str] = Counter()
     answers: Counter[str] = Counter()
+    samples, per_sample = {}, {}
     for name, sp in plan.sources.items():
-        rows = prompt_rows[name] * sp.spec.sampling.samples_per_prompt
-        length = lengths[name]
-        answer = min(length.answer, sp.spec.sampling.max_new_tokens)
-        expected[sp.spec.category] += rows * (length.prompt + answer)
-        answers[sp.spec.category] += rows * answer
+        samples[name] = prompt_rows[name] * sp.spec.sampling.samples_per_prompt
+        answer = min(lengths[name].answer, sp.spec.sampling.max_new_tokens)
+        per_sample[name] = lengths[name].prompt + answer
+        expected[sp.spec.category] += samples[name] * per_sample[name]
+        answers[sp.spec.category] += samples[name] * answer
     shares = dict(cfg.mix_categories)
     targets = category_targets(shares, {c: int(expected[c]) for c in shares}, cfg.mix_budget_tokens)
     categories = [
@@ -158,7 +141,7 @@ def forecast(
             expected[c],
             answers[c],
             min(targets[c], expected[c]),
-            expected[c] > 0 and targets[c] >= expected[c] - 1,
+            binds(targets[c], expected[c]),
         )
         for c, share in shares.items()
     ]
@@ -170,8 +153,8 @@ def forecast(
                 sp.spec.category,
                 sp.n_shards,
                 0,
-                prompt_rows[name] * sp.spec.sampling.samples_per_prompt / sp.n_shards,
-                lengths[name].prompt + min(lengths[name].answer, sp.spec.sampling.max_new_tokens),
+                samples[name] / sp.n_shards,
+                per_sample[name],
                 sp.spec.weight,
             )
             for name, sp in plan.sources.items()

@@ -113,11 +113,16 @@ def _one(paths: Mapping[str, tuple[Path, ...]], name: str, stage: str) -> Path:
     return found[0]
 
 
-def sized_shards(plan: Plan, sizing: str | None) -> list[str]:
-    """The token shards a sizing file names (none yet: the pilot's, each source's first shard)."""
+def sized_counts(plan: Plan, sizing: str | Path | None) -> dict[str, int]:
+    """How many of each source's first shards a sizing file names (none yet: the pilot's, one each)."""
     if sizing is None:
-        return [str(plan.token_shards(name)[0]) for name in sorted(plan.sources)]
-    counts = json.loads(Path(sizing).read_text())["shards"]
+        return dict.fromkeys(plan.sources, 1)
+    return dict(json.loads(Path(sizing).read_text())["shards"])
+
+
+def sized_shards(plan: Plan, sizing: str | Path | None) -> list[str]:
+    """The token shards a sizing file names, by source name (:func:`sized_counts`)."""
+    counts = sized_counts(plan, sizing)
     return [str(p) for name in sorted(plan.sources) for p in plan.token_shards(name)[: counts[name]]]
 
 

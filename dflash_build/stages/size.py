@@ -31,7 +31,7 @@ from typing import Any
 
 from dflash_build.plan import Plan
 from dflash_build.stages.job import Job
-from dflash_build.stages.mix import category_targets
+from dflash_build.stages.mix import binds, category_targets
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 
@@ -99,8 +99,8 @@ def shards_needed(
     shards = {}
     for category in shares:
         members = [s for s in supplies if s.category == category]
-        binds = targets[category] >= available[category] - 1
-        need = available[category] if binds else min(targets[category] * part, available[category])
+        whole = binds(targets[category], available[category])
+        need = available[category] if whole else min(targets[category] * part, available[category])
         parts = _split(need, members)
         for s in members:
             # a source whose measured shards gave no sample gets nothing more: more of it would give none either

@@ -58,6 +58,12 @@ def category_targets(
     return {c: share * total for c, share in shares.items()}
 
 
+def binds(target: float, available: float) -> bool:
+    """Whether a category's target takes all it has (its supply sets the dataset's size), to within the
+    rounding of a target to whole tokens."""
+    return available > 0 and target >= available - 1
+
+
 def take_to_target(n_tokens: np.ndarray, target: float) -> np.ndarray:
     """Which samples to take, given their token counts in rank order: a boolean mask.
 
