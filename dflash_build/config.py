@@ -251,13 +251,16 @@ def _static_prefix(pattern: str) -> str:
     return str(Path(*parts)) if parts else "."
 
 
-def _exports(raw: Mapping[str, Any], window: int | None) -> dict[str, ExportSpec]:
-    """The exports; their max_length is the trainer's window unless they name their own."""
+def _exports(raw: Mapping[str, Any], window: int | None, parser: str | None) -> dict[str, ExportSpec]:
+    """The exports; their max_length is the trainer's window unless they name their own, and the
+    conversations export reads tool calls with the model's parser."""
     exports = {}
     for fmt, settings in raw.items():
         settings = {**EXPORT_DEFAULTS[fmt], **settings}
         if fmt != "conversations" and settings.get("max_length") is None:
             settings["max_length"] = window  # null: the trainer's
+        if fmt == "conversations" and parser is not None:
+            settings["tool_call_parser"] = parser
         if "think" in settings:
             settings["think"] = tuple(settings["think"])
         spec = ExportSpec(format=fmt, **settings)
@@ -321,7 +324,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         sources=sources,
         checks=checks,
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
-        exports=_exports(raw.get("export") or {}, trainer.max_length),
+        exports=_exports(raw.get("export") or {}, trainer.max_length, raw["model"]["tool_call_parser"]),
         trainer=trainer,
         dedup=_dedup(raw["dedup"], sources),
         decontaminate=_decontaminate(raw["decontaminate"]),
@@ -367,6 +370,7 @@ def _model(model: Mapping[str, Any]) -> ModelSpec:
         chat_template=model["chat_template"],
         chat_template_kwargs=dict(model["chat_template_kwargs"]),
         context_length=model["context_length"],
+        tool_call_parser=model["tool_call_parser"],
     )
 
 

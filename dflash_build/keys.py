@@ -70,6 +70,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "model.chat_template": _d(GEN, "by content: what the model is shown"),
     "model.chat_template_kwargs": _d(GEN, "e.g. enable_thinking changes the prompt"),
     "model.context_length": _d(GEN, "decides which prompts are skipped"),
+    "model.tool_call_parser": _d(None, "how the conversations export reads tool calls out of answers; " + _EXPORT),
     "engine.backend": _d(None, "backends sample the same distribution; their numerics options are keyed below"),
     "engine.options": _d(None, "per backend and option: ENGINE_OPTIONS"),
     "engine.gpus": _d(None, _WHERE),

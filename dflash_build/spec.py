@@ -137,6 +137,7 @@ class ModelSpec:
     chat_template: str | None
     chat_template_kwargs: Mapping[str, Any]
     context_length: int | None = None
+    tool_call_parser: str | None = None  # dflash_build.toolcalls.PARSERS
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class ExportSpec:
     consecutive: bool = False  # SpecForge DFlash: at least two adjacent supervised tokens
     shard_rows: int = 100_000
     think: tuple[str, str] = ("<think>", "</think>")  # conversations: the reasoning's markers
+    tool_call_parser: str | None = None  # conversations: model.tool_call_parser, which reads the calls
 
 
 # The trainers' own loaders drop these (SpecForge's DFlash recipe: 2 loss tokens, two of them adjacent).

@@ -2,8 +2,10 @@
 
 Importing SGLang patches transformers process-wide, so the contract tests ask this script (a fresh
 interpreter) instead of importing it themselves. Reads JSON on stdin:
-``{"server_args": [kwargs, ...], "sampling": [params, ...], "vocab_size": N}``; writes JSON on stdout:
-the version, the ServerArgs fields, and for each input ``null`` (accepted) or the error SGLang raised.
+``{"server_args": [kwargs, ...], "sampling": [params, ...], "vocab_size": N, "tool_calls": [case, ...]}``;
+writes JSON on stdout: the version, the ServerArgs fields, for each server_args and sampling input
+``null`` (accepted) or the error SGLang raised, and for each tool-call case (``{"parser", "text",
+"tools"}``) what SGLang's detector of that name parses: ``{"content", "calls": [[name, arguments]]}``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ def check_sampling(params: dict[str, Any], vocab_size: int) -> str | None:
     return None
 
 
+def parse_tool_calls(case: dict[str, Any]) -> dict[str, Any]:
+    """One answer through SGLang's own detector (``detect_and_parse``, what the server runs on a whole answer)."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.hermes_detector import HermesDetector
+    from sglang.srt.function_call.qwen3_coder_detector import Qwen3CoderDetector
+
+    detector = {"hermes": HermesDetector, "qwen3_coder": Qwen3CoderDetector}[case["parser"]]()
+    tools = [Tool(**t) for t in case["tools"]]
+    result = detector.detect_and_parse(case["text"], tools)
+    return {"content": result.normal_text, "calls": [[c.name, json.loads(c.parameters)] for c in result.calls]}
+
+
 def main() -> None:
     import importlib.metadata
     import logging
@@ -72,6 +86,7 @@ def main() -> None:
         "fields": sorted(f.name for f in record_fields(ServerArgs)),
         "server_args": [check_server_args(k) for k in request.get("server_args", [])],
         "sampling": [check_sampling(p, request.get("vocab_size", 151936)) for p in request.get("sampling", [])],
+        "tool_calls": [parse_tool_calls(case) for case in request.get("tool_calls", [])],
     }
     json.dump(answer, sys.stdout)
 

@@ -9,11 +9,16 @@ overestimates its tokens per sample, the first round falls short and the second 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dflash_build import killpoints
 from dflash_build.stages.prepare.identity import prompt_id
 from dflash_build.store import layout
 from tests.conftest import Workflow, base_config, parse_dry_run, write_jsonl
@@ -69,6 +74,22 @@ def _generated_shards(workdir: Path, source: str) -> set[str]:
     return {p.stem for p in (workdir / "store" / "completions" / source).glob("*/*.parquet")}
 
 
+def _kill_once_sized(wf: Workflow, round_: int) -> None:
+    """Start the build and SIGKILL Snakemake and every job the moment sizing round ``round_`` is written."""
+    sizing = wf.workdir / layout.sizing_file("logs", "test-mix", round_)
+    cmd, env = wf.command()
+    proc = subprocess.Popen(
+        cmd, cwd=wf.workdir, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 600
+    while not sizing.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the build ended before {sizing} was written"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wf.run("--unlock")
+
+
 def _manifest(workdir: Path) -> dict[str, Any]:
     return json.loads((workdir / "dist" / "test-mix" / "manifest.json").read_text())
 
@@ -86,14 +107,17 @@ def test_as_needed_generates_what_the_mix_takes_topping_up_once_and_all_regenera
     jobs = {line.split()[1] for line in planned.splitlines() if line.startswith("generate ")}
     assert jobs == {"long/00000", "short/00000"}, "plan lists the pilot, as the dry run does"
 
-    # stopped between the rounds: the rerun generates no row again
+    # stopped after the pilot: the dry run shows the first round, not the pilot again
     wf.run("--until", "size_pilot")
     assert _generated_shards(wf.workdir, "long") == _generated_shards(wf.workdir, "short") == {"00000"}
     later = parse_dry_run(wf.run("-n").stdout)
-    assert {j["shard"] for j in later.get("generate", [])} and "00000" not in {j["shard"] for j in later["generate"]}, (
-        "once the pilot exists the dry run shows the first round, not the pilot again"
-    )
-    wf.build()
+    assert {j["shard"] for j in later.get("generate", [])} and "00000" not in {j["shard"] for j in later["generate"]}
+    # Snakemake and its jobs killed between the rounds, as a lost node would be, then a top-up job killed
+    # after its first row: the reruns generate no row again
+    _kill_once_sized(wf, round_=2)
+    crashed = wf.run("--rerun-incomplete", check=False, env_extra={killpoints.KILL_AT_ENV: "rows:1"})
+    assert crashed.returncode != 0, "a top-up job died after its first row"
+    wf.run("--rerun-incomplete")
     assert "total: 0 generate jobs" in wf.cli("plan").stdout
     status = json.loads(wf.cli("status", "--json").stdout)
     assert status["done"], "status counts the shards the sizing asked for, not every shard"
@@ -105,9 +129,12 @@ def test_as_needed_generates_what_the_mix_takes_topping_up_once_and_all_regenera
     assert len(list((wf.workdir / "logs" / "sizing").glob("*.json"))) == 2, "one top-up and no more"
     needed = rounds[1]["shards"]["long"]
     assert _generated_shards(wf.workdir, "long") == {f"{i:05d}" for i in range(needed)} != LONG_ROWS // SHARD_SIZE
+    resumed = 0
     for stats in (wf.workdir / "store" / "completions").glob("*/*/*.stats.json"):
         got = json.loads(stats.read_text())
-        assert got["generated"] == got["input_rows"], f"{stats}: a row was generated twice"
+        assert got["generated"] + got["resumed_turns"] == got["input_rows"], f"{stats}: a row was generated twice"
+        resumed += got["resumed_turns"]
+    assert resumed >= 1, "the crashed job's rows were resumed, not generated again"
 
     as_needed = _manifest(wf.workdir)
     use = as_needed["use"]

@@ -107,3 +107,44 @@ def test_a_conversation_takes_the_regenerated_answers_in_place_of_the_sources() 
     assert first[-1] == {"role": "assistant", "content": "answer", "reasoning_content": "hm"} and len(first) == 3
     single = export.conversation(messages[:2], ["plain"], think)  # turns: first keeps no source answer
     assert single == [*messages[:2], {"role": "assistant", "content": "plain"}]
+
+
+@pytest.mark.parametrize(
+    ("parser", "call"),
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "北京", "days": 2}}\n</tool_call>'),
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+        ),
+    ],
+)
+def test_the_targets_tool_calls_are_exported_as_the_server_reads_them(parser: str, call: str) -> None:
+    """With model.tool_call_parser, an answer's calls become structured tool_calls (arguments a JSON
+    string, typed by the tool's schema), its text before them the content, its reasoning apart."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "北京天气?"}, {"role": "assistant", "content": "old"}]
+    answer = f"<think>\nThe user wants Beijing.\n</think>\n\nLet me check.\n{call}"
+    turns = export.conversation(messages, [answer], ("<think>", "</think>"), parser, tools)
+    assert turns[-1] == {
+        "role": "assistant",
+        "content": "Let me check.\n" if parser == "qwen3_coder" else "Let me check.",  # as SGLang returns it
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "北京", "days": 2}'}}
+        ],
+        "reasoning_content": "The user wants Beijing.",
+    }
+    unparsed = export.conversation(messages, [answer], ("<think>", "</think>"))  # no parser: the text stays
+    assert unparsed[-1]["content"].endswith("</tool_call>") and "tool_calls" not in unparsed[-1]

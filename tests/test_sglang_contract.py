@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dflash_build import keys
+from dflash_build import keys, toolcalls
 from dflash_build.engines import Request, SamplingParams, sglang_fields
 from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.sglang_backend import (
@@ -234,3 +234,95 @@ def test_the_pinned_version_has_the_target_models_architecture() -> None:
 def test_fits_context_is_sglangs_boundary(prompt: int, fits: bool) -> None:
     """Finding 7: prompt + max_new_tokens == context is accepted by the pinned version, one more is not."""
     assert fits_context(prompt, 4096, 8192) is fits
+
+
+# -- tool calls: our parsers against SGLang's detectors of the same names (issue 40) --------------------------
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "filters": {"type": "object"},
+                    "limit": {"type": ["integer", "null"]},
+                    "min_score": {"type": "number"},
+                    "tags": {"anyOf": [{"type": "array"}, {"type": "null"}]},
+                    "order": {"enum": ["asc", "desc"]},
+                },
+            },
+        },
+    },
+]
+
+
+def _hermes(*calls: str) -> str:
+    return "".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+
+
+def _coder(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+_WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+TOOL_CALL_CASES = {
+    "hermes": [
+        "No tool is needed: it is 42.",
+        "Let me look.\n\n" + _hermes(_WEATHER),
+        _hermes(_WEATHER, '{"name": "search", "arguments": {"query": "rain", "filters": {"lang": "fr"}}}'),
+        _hermes('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "search", "arguments": {}}]'),
+        _hermes('{"name": "search", "parameters": {"query": "parameters, not arguments"}}'),
+        "Checking " + _hermes('{"name": "get_weather", "arguments": {"city": '),  # unparsable JSON
+        _hermes('{"name": "launch_rocket", "arguments": {"now": true}}'),  # a function the tools lack
+        _hermes(_WEATHER, '{"name": "launch_rocket", "arguments": {}}'),
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}',  # cut before its closing tag
+        "The user asks for Beijing.\n</think>\n\n" + _hermes('{"name": "get_weather", "arguments": {"city": "北京"}}'),
+        _hermes('"just a string"'),
+    ],
+    "qwen3_coder": [
+        "No tool is needed: it is 42.",
+        "Let me look.\n\n" + _coder("get_weather", city="Paris", days="3"),
+        _coder("get_weather", city="Oslo", metric="True") + "\n" + _coder("search", query="rain", limit="null"),
+        _coder("search", query="x", filters='{"lang": "fr", "n": [1, 2]}', min_score="2.50", tags="['a', 'b']"),
+        _coder("search", query="x", min_score="7", order="desc", limit="seven"),
+        _coder("launch_rocket", now="true"),  # a function the tools lack: kept, its values as text
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n</tool_call>",  # no </parameter>
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n",  # cut mid-call
+        "The user asks for Beijing.\n</think>\n\n" + _coder("get_weather", city="北京", days="2"),
+        _coder("search", query="line one\nline two\n"),  # a value's own last newline stays
+    ],
+}
+
+
+def test_tool_call_parsers_read_answers_as_sglangs_own_detectors_do() -> None:
+    cases = [{"parser": p, "text": t, "tools": _TOOLS} for p, texts in TOOL_CALL_CASES.items() for t in texts]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "sglang_probe.py")],
+        input=json.dumps({"tool_calls": cases}),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout)["tool_calls"]
+    for case, expected in zip(cases, theirs, strict=True):
+        ours = toolcalls.parse(case["parser"], case["text"], case["tools"])
+        got = {"content": ours.content, "calls": [[c.name, c.arguments] for c in ours.calls]}
+        assert got == expected, (case["parser"], case["text"])
+    assert sum(bool(e["calls"]) for e in theirs) >= 14 and any(not e["calls"] for e in theirs[1:]), (
+        "the table tests both"
+    )

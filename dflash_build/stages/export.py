@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import hashing
+from dflash_build import hashing, toolcalls
 from dflash_build.publish import release
 from dflash_build.spec import ExportSpec
 from dflash_build.stages.job import Job, StageFailure
@@ -234,25 +234,34 @@ def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[s
 
 
 # -- conversations ---------------------------------------------------------------------------------
-def split_reasoning(text: str, think: tuple[str, str]) -> tuple[str | None, str]:
-    """(reasoning, answer) of a generated text. The generation prompt may have opened the think block
-    already (Qwen3.5/3.6 write ``<think>\\n`` into it), so the closing marker decides."""
-    opening, closing = think
-    if closing not in text:
-        return None, text.strip()
-    reasoning, _, answer = text.partition(closing)
-    return reasoning.strip().removeprefix(opening).strip(), answer.strip()
+def assistant_message(text: str, think: tuple[str, str], parser: str | None, tools: toolcalls.Tools) -> dict[str, Any]:
+    """A generated answer as the server would return it: reasoning apart (the generation prompt may have
+    opened the think block already, so the closing marker decides), and with ``parser`` its tool calls
+    as structured ``tool_calls``."""
+    reasoning, content = toolcalls.split_reasoning(text, think)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if parser is not None:
+        parsed = toolcalls.parse(parser, content, tools)
+        message["content"] = parsed.content
+        if parsed.calls:
+            message["tool_calls"] = [c.as_openai() for c in parsed.calls]
+    return message | ({"reasoning_content": reasoning} if reasoning else {})
 
 
-def conversation(messages: list[dict[str, Any]], answers: list[str], think: tuple[str, str]) -> list[dict[str, Any]]:
+def conversation(
+    messages: list[dict[str, Any]],
+    answers: list[str],
+    think: tuple[str, str],
+    parser: str | None = None,
+    tools: toolcalls.Tools = None,
+) -> list[dict[str, Any]]:
     """The source's messages with its assistant turns replaced, in order, by the regenerated answers; a
     conversation that ended early (a truncated or failed turn) ends after its last regenerated answer."""
     out: list[dict[str, Any]] = []
     pending = list(answers)
 
     def answer() -> None:
-        reasoning, content = split_reasoning(pending.pop(0), think)
-        out.append({"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})})
+        out.append(assistant_message(pending.pop(0), think, parser, tools))
 
     for message in messages:
         if message.get("role") == "assistant":
@@ -307,11 +316,14 @@ def _conversations(
                 prompt = prompts[done["prompt_id"]]
                 answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
                 tools = json.loads(prompt["tools"]) if prompt["tools"] else None
-                turns = conversation(json.loads(prompt["messages"]), answers, spec.think)
+                turns = conversation(json.loads(prompt["messages"]), answers, spec.think, spec.tool_call_parser, tools)
                 out.write({"id": sample_id(*key), "conversations": turns, "tools": tools})
                 counts["rows"] += 1
                 counts["turns"] += len(answers)
                 counts["with_reasoning"] += any("reasoning_content" in t for t in turns)
+                calls = sum(len(t.get("tool_calls", ())) for t in turns)
+                counts["with_tool_calls"] += bool(calls)
+                counts["tool_calls"] += calls
         if todo:
             example = sorted(todo)[0]
             raise ValueError(
@@ -323,6 +335,8 @@ def _conversations(
         "rows": counts["rows"],
         "regenerated_turns": counts["turns"],
         "rows_with_reasoning": counts["with_reasoning"],
+        "rows_with_tool_calls": counts["with_tool_calls"],  # the target's calls, read by export.tool_call_parser
+        "tool_calls": counts["tool_calls"],
     }
 
 
@@ -374,6 +388,10 @@ def card(manifest: dict[str, Any]) -> str:
             f"- regenerated turns: {manifest['regenerated_turns']}; "
             f"rows with reasoning: {manifest['rows_with_reasoning']}",
             f"- reasoning markers: `{spec['think'][0]}` … `{spec['think'][1]}` → `reasoning_content`",
+            f"- tool calls: {manifest['tool_calls']} in {manifest['rows_with_tool_calls']} rows, read by "
+            f"`{spec['tool_call_parser']}` into `tool_calls`"
+            if spec.get("tool_call_parser")
+            else "- tool calls: left in the text (model.tool_call_parser is not set)",
         ]
     else:
         lines += [
