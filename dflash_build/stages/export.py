@@ -372,7 +372,9 @@ def _share(part: int, whole: int) -> str:
 def summary(manifest: dict[str, Any], where: Path) -> str:
     rows, fmt = manifest["rows"], manifest["format"]
     if fmt == "conversations":
-        return f"export {fmt}: {where} ({rows} conversations, {manifest['regenerated_turns']} regenerated turns)"
+        parser = manifest["export"].get("tool_call_parser")
+        calls = f", {manifest['tool_calls']} tool calls read by {parser}" if parser else ""
+        return f"export {fmt}: {where} ({rows} conversations, {manifest['regenerated_turns']} regenerated turns{calls})"
     limit = manifest["export"]["max_length"]
     window = f", max_length {limit} ({manifest['export']['long']})" if limit else ""
     tokens = f"{manifest['tokens']} tokens, {manifest['loss_tokens']} loss tokens"
