@@ -31,10 +31,16 @@ NOT_IN_REUSE_KEY = ("prompt_key", "trainer_window")
 SAMPLING_NOT_IN_REUSE_KEY = ("max_new_tokens", "samples_per_prompt")
 
 
-def reuse_key(gen_components: Mapping[str, Any]) -> str:
+def reuse_key(gen_components: Mapping[str, Any], conversations: bool = False) -> str:
     """gen_key without the prompt set and the budgets: rows under one reuse key are interchangeable (the
     row index reuses them across configs). The one rule, for a plan and for a sidecar's recorded
-    components alike."""
+    components alike.
+
+    ``conversations``: the key under which a ``turns: all`` row is reused. Such a row is taken whole or
+    not at all (each later turn's prompt holds the earlier answers, so a cut or continued turn would
+    change every turn after it), so the budgets stay in this key and only the prompt set leaves it."""
+    if conversations:
+        return hashing.content_key({"conversations": {k: v for k, v in gen_components.items() if k != PROMPT}})
     parts = {k: v for k, v in gen_components.items() if k not in NOT_IN_REUSE_KEY}
     parts["sampling"] = {k: v for k, v in parts["sampling"].items() if k not in SAMPLING_NOT_IN_REUSE_KEY}
     return hashing.content_key(parts)

@@ -306,6 +306,44 @@ def test_a_killed_job_resumes_at_the_next_unfinished_turn(
     assert _completions(plan) == _completions(whole)
 
 
+def test_conversations_are_reused_whole_from_an_earlier_prompt_set_and_only_under_the_same_budgets(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another prompt set (a row added) with the same model, template and sampling: every earlier
+    conversation is taken from the row index, every turn of it, one ending on a truncated turn too;
+    only the new one reaches the engine, and the rows equal a fresh build's. Under another
+    max_new_tokens nothing is taken: a later turn's prompt holds the earlier answers."""
+    tok = _tokenizer(tiny_model)
+    first = _messages_plan(tmp_path, tiny_model)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok, length_at_turn=2))
+    generate.run(planned(first, "generate", "s", "00000"))
+    new_row = {"messages": [{"role": "user", "content": "Count to two."}, {"role": "assistant", "content": "1 2"}]}
+    write_jsonl(tmp_path / "chat.jsonl", [*MESSAGES_ROWS, new_row])
+    grown = _plan(tmp_path, tiny_model, {"format": "messages", "files": [str(tmp_path / "chat.jsonl")]})
+    assert grown.sources["s"].gen_key != first.sources["s"].gen_key
+    assert grown.sources["s"].conversation_reuse_key == first.sources["s"].conversation_reuse_key
+    engine = ThinkingEngine(tok, length_at_turn=2)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: engine)
+    stats = generate.run(planned(grown, "generate", "s", "00000"))
+    assert stats["reused"] == 2 and stats["generated"] == 1 and len(engine.requests) == 1, stats
+    assert {r.prompt_id for r in engine.requests} == set(_prompts(grown)) - set(_prompts(first))
+    fresh = _plan(tmp_path / "fresh", tiny_model, {"format": "messages", "files": [str(tmp_path / "chat.jsonl")]})
+    generate.run(planned(fresh, "generate", "s", "00000"))
+    columns = ["prompt_id", "sample_idx", "prompt_ids", "output_ids", "finish_reason", "turns", "per_turn"]
+    assert pq.read_table(grown.completion_dir("s") / "00000.parquet", columns=columns).to_pylist() == (
+        pq.read_table(fresh.completion_dir("s") / "00000.parquet", columns=columns).to_pylist()
+    )
+    shorter = _plan(
+        tmp_path,
+        tiny_model,
+        {"format": "messages", "files": [str(tmp_path / "chat.jsonl")], "sampling": {"max_new_tokens": 20}},
+    )
+    assert shorter.sources["s"].conversation_reuse_key != first.sources["s"].conversation_reuse_key
+    again = ThinkingEngine(tok, length_at_turn=2)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: again)
+    assert generate.run(planned(shorter, "generate", "s", "00000"))["reused"] == 0
+
+
 def test_a_column_sets_thinking_per_row(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nemotron v2's ``reasoning`` (on/off) as enable_thinking: each row renders as the data says; the
     same messages with thinking on and off are two prompts; a value the map lacks drops the row."""

@@ -372,4 +372,8 @@ def _count_rows(
         est.rows_reused += len(taken)
         est.rows_continued += len(found) - len(taken)
         wanted -= taken
+    else:  # a conversation is taken whole, under a key that keeps the budgets
+        taken = set(index.lookup(sp.conversation_reuse_key, wanted, sampling.max_new_tokens))
+        est.rows_reused += len(taken)
+        wanted -= taken
     est.rows_to_generate += len(wanted)

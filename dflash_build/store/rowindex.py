@@ -11,6 +11,10 @@ sample of this one. Under a new max_new_tokens M, a row with n output tokens is 
 - as a prefix to continue from, when it was truncated with n < M: the engine generates the rest,
   which is as valid a sample as one generated from scratch.
 
+A ``turns: all`` row is reused whole, every turn of it, or not at all, under a key that keeps the
+budgets (``keys.reuse_key(..., conversations=True)``): each later turn's prompt holds the earlier
+answers, so a cut or continued turn would change every turn after it.
+
 SQLite (one file per store) keeps the lookup fast at millions of rows and safe for concurrent jobs:
 every lookup and delete goes through an index, and a write transaction holds the lock only for its own
 shard's statements (rows are read and prepared before it begins). On a local filesystem it runs in WAL
@@ -47,7 +51,7 @@ from dflash_build.store import filesystem, layout
 log = logging.getLogger(__name__)
 INDEX_FILE = layout.INDEX_FILE
 LOCK_FILE = layout.INDEX_LOCK
-LAYOUT = 2  # PRAGMA user_version: 2 = store-relative paths and per-shard row counts
+LAYOUT = 3  # PRAGMA user_version: 2 = store-relative paths and per-shard row counts; 3 = turns: all rows
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
     reuse_key TEXT NOT NULL,
@@ -70,10 +74,12 @@ class IndexCorrupt(RuntimeError):
     """The index file is damaged in a way found only while using it."""
 
 
-def _indexed(rows: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """The rows worth indexing: single-turn rows that stopped or ran out (multi-turn rows are not reused)."""
+def _indexed(rows: Iterable[dict[str, Any]], conversations: bool) -> list[tuple[int, dict[str, Any]]]:
+    """The rows worth indexing: rows that stopped or ran out; ``turns: all`` rows only with ``conversations``."""
     reusable = ("stop", "length", "window")  # a row that ended at a trainer's window continues like a truncated one
-    return [(i, r) for i, r in enumerate(rows) if r["finish_reason"] in reusable and not r.get("turns")]
+    return [
+        (i, r) for i, r in enumerate(rows) if r["finish_reason"] in reusable and (conversations or not r.get("turns"))
+    ]
 
 
 def _outcome(row: dict[str, Any], max_new_tokens: int) -> tuple[str, int, int]:
@@ -288,13 +294,23 @@ class RowIndex:
         return os.path.relpath(os.path.abspath(path), os.path.abspath(self.store))
 
     def add_shard(
-        self, key: str, gen_key: str, path: Path, rows: Iterable[dict[str, Any]], max_new_tokens: int
+        self,
+        key: str,
+        gen_key: str,
+        path: Path,
+        rows: Iterable[dict[str, Any]],
+        max_new_tokens: int,
+        conversation_key: str | None = None,
     ) -> None:
-        """Index a published completion shard (multi-turn rows are not reused, so not indexed)."""
+        """Index a published completion shard: single-turn rows under ``key``, ``turns: all`` rows under
+        ``conversation_key`` (keys.reuse_key; without it they are not indexed)."""
         name = self.relative(path)
-        indexed = _indexed(rows)
+        indexed = _indexed(rows, conversation_key is not None)
         values = [
-            (*(key, r["prompt_id"], r["sample_idx"], gen_key, name, i), *_outcome(r, max_new_tokens))
+            (
+                *(conversation_key if r.get("turns") else key, r["prompt_id"], r["sample_idx"], gen_key, name, i),
+                *_outcome(r, max_new_tokens),
+            )
             for i, r in indexed
         ]
         with self._writing():
@@ -400,7 +416,14 @@ def _index_file(index: RowIndex, data: Path) -> None:
     except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError
         log.warning("cannot index %s (%s): `dflash-build verify` checks it", data, e)
         return
-    index.add_shard(reuse_key(components), stats["gen_key"], data, rows, components["sampling"]["max_new_tokens"])
+    index.add_shard(
+        reuse_key(components),
+        stats["gen_key"],
+        data,
+        rows,
+        components["sampling"]["max_new_tokens"],
+        reuse_key(components, conversations=True),
+    )
 
 
 def rebuild(store: Path, force: bool = True) -> int:

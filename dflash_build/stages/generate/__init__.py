@@ -55,6 +55,7 @@ from dflash_build.stages.generate.control import SignalStop, StallStop
 from dflash_build.stages.generate.conversation import Conversation as Conversation
 from dflash_build.stages.generate.conversation import HistoryRewritten, Turn, answer_slots
 from dflash_build.stages.generate.conversation import Renderer as Renderer
+from dflash_build.stages.generate.reuse import reuse, reuse_conversations
 from dflash_build.stages.generate.work import SEED_BITS as SEED_BITS
 from dflash_build.stages.generate.work import (
     EngineRun,
@@ -99,6 +100,8 @@ def run(job: Job) -> dict[str, Any]:
             resumed = replay(work, journal)
             if work.spec.turns == "first":
                 reuse(work, journal)
+            else:
+                reuse_conversations(work, journal)
             engine_run = generate_rest(work, journal, lease)
             killpoints.die_at("publish")
             return publish(work, journal, lease, resumed, engine_run, time.time() - started)
@@ -213,60 +216,6 @@ def replay(work: ShardWork, journal: Journal) -> int:
     if applied:
         log.info("%s: resuming, %d turns already journaled", work.label, applied)
     return applied
-
-
-def reuse(work: ShardWork, journal: Journal) -> int:
-    """Take every row an earlier build already generated validly (see rowindex); returns how many."""
-    sp = work.plan.sources[work.source]
-    limit = sp.spec.sampling.max_new_tokens
-    pending = [c.key for c in work.pending() if not c.turns]
-    if not pending:
-        return 0
-    store = work.plan.config.store
-    with RowIndex.open(store, sync=None) as index:  # the build's start synced it with the store
-        found = index.lookup(sp.reuse_key, pending, limit)
-        by_file: dict[str, list[Any]] = {}
-        for cand in found.values():
-            by_file.setdefault(cand.path, []).append(cand)
-        count = 0
-        for path, cands in by_file.items():
-            try:
-                table = pq.read_table(
-                    store / path, columns=["prompt_ids", "output_ids", "stop_token_id", "finish_reason"]
-                )
-                rows = table.take(pa.array([c.row for c in cands], type=pa.int64())).to_pylist()
-            except (OSError, pa.ArrowException, IndexError) as e:
-                log.warning("index points at unreadable %s (%s): dropping its entries", store / path, e)
-                index.remove_shard(store / path)
-                continue
-            origin = f"{Path(path).parent.name}/{Path(path).stem}"
-            for cand, old in zip(cands, rows, strict=True):
-                conv = work.convs[(cand.prompt_id, cand.sample_idx)]
-                ids = work.renderer.next_context(conv)
-                if ids != old["prompt_ids"]:
-                    continue  # rendered differently (should not happen under one reuse_key): generate it
-                budget = work.budget(len(ids))
-                if not fits_context(len(ids), budget, work.context) or work.plan.config.trainer.leaves_too_little(
-                    budget
-                ):
-                    continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
-                output = list(old["output_ids"])
-                use = cand.use_for(budget)
-                if use == "continue":
-                    conv.prefix, conv.prefix_from = output, origin  # the engine generates the rest
-                    continue
-                if use == "whole":
-                    result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
-                else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
-                    result = Result(conv.prompt_id, conv.sample_idx, output[:budget], work.ran_out(budget))
-                turn = apply_result(conv, ids, result)
-                turn.reused_from = origin
-                journal.append(journal_row(conv, turn))
-                count += 1
-        journal.sync()
-        if count:
-            log.info("%s: %d rows reused from earlier completions", work.label, count)
-        return count
 
 
 def next_requests(
@@ -502,4 +451,6 @@ def _link_outputs(journal: Journal, paths: ShardPaths) -> None:
 def _index_shard(plan: Plan, source: str, data: Path, rows: list[dict[str, Any]]) -> None:
     sp = plan.sources[source]
     with RowIndex.open(plan.config.store, sync=False) as index:
-        index.add_shard(sp.reuse_key, sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens)
+        index.add_shard(
+            sp.reuse_key, sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens, sp.conversation_reuse_key
+        )
