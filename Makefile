@@ -66,8 +66,9 @@ bench: setup
 # tests that run Snakemake builds, model servers or the SLURM cluster (pyproject.toml's markers).
 test: test-unit test-workflow
 
+# Two workers here too: the unit tier's slowest tests wait on subprocesses (SGLang's probe, servers).
 test-unit: setup
-	$(BIN)/python -m pytest -q -m "not workflow" --durations=15
+	$(BIN)/python -m pytest -q -m "not workflow" -n 2 --durations=15
 
 # Two workers (pytest-xdist): a build keeps about one core busy, so two tests at once fill the machine.
 test-workflow: setup slurm-packages

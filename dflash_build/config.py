@@ -109,6 +109,7 @@ def _source(
         turns=raw["turns"],
         max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
         turn_samples=_turn_samples(raw, key),
+        tool_match=_tool_match(raw, key),
         chat_template_kwargs_from=_kwargs_from(raw["chat_template_kwargs_from"], key),
         languages=_languages(raw["languages"], f"{key}.languages"),
         weight=raw["weight"],
@@ -141,6 +142,12 @@ def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> d
             raise ConfigError(key, f"the floors sum to {sum(floors.values()):g}, more than the whole category")
         out[str(category)] = {str(code): float(share) for code, share in floors.items()}
     return out
+
+
+def _tool_match(raw: Mapping[str, Any], key: str) -> str:
+    if "tool_match" in raw and raw["turns"] != "all":
+        raise ConfigError(f"{key}.tool_match", "applies to turns: all only (turns: first answers the first turn only)")
+    return str(raw.get("tool_match", "arguments"))
 
 
 def _turn_samples(raw: Mapping[str, Any], key: str) -> str:

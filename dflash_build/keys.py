@@ -24,10 +24,17 @@ from dflash_build import hashing
 PROMPT = "prompt_key"
 GEN = "gen_key"
 TOK = "tok_key"
+# The gen component naming the sources ranked above a source (dedup.across_sources), with their prompt
+# keys: which of its prompts are copies another source keeps, skipped before any GPU time.
+CROSS_SOURCE = "cross_source"
+# The gen component of a turns: all source under model.tool_call_parser: the parser and tool_match,
+# which decide where a tool conversation goes on. A conversation without tools does not depend on it.
+TOOL_CALLS = "tool_calls"
 
-# What gen_key holds that is not how a row is generated: the prompt set and the budgets (a row generated
-# under another max_new_tokens or window is cut or continued; samples_per_prompt only adds rows).
-NOT_IN_REUSE_KEY = ("prompt_key", "trainer_window")
+# What gen_key holds that is not how a row is generated: the prompt set, which of it other sources keep,
+# and the budgets (a row generated under another max_new_tokens or window is cut or continued;
+# samples_per_prompt only adds rows).
+NOT_IN_REUSE_KEY = ("prompt_key", CROSS_SOURCE, "trainer_window")
 SAMPLING_NOT_IN_REUSE_KEY = ("max_new_tokens", "samples_per_prompt")
 
 
@@ -38,9 +45,12 @@ def reuse_key(gen_components: Mapping[str, Any], conversations: bool = False) ->
 
     ``conversations``: the key under which a ``turns: all`` row is reused. Such a row is taken whole or
     not at all (each later turn's prompt holds the earlier answers, so a cut or continued turn would
-    change every turn after it), so the budgets stay in this key and only the prompt set leaves it."""
+    change every turn after it), so the budgets stay in this key and only the prompt set leaves it (and
+    the tool-call settings, which decide nothing of a conversation without tools: one with tools is
+    reused only from a row generated under the same settings, which reuse checks)."""
     if conversations:
-        return hashing.content_key({"conversations": {k: v for k, v in gen_components.items() if k != PROMPT}})
+        parts = {k: v for k, v in gen_components.items() if k not in (PROMPT, CROSS_SOURCE, TOOL_CALLS)}
+        return hashing.content_key({"conversations": parts})
     parts = {k: v for k, v in gen_components.items() if k not in NOT_IN_REUSE_KEY}
     parts["sampling"] = {k: v for k, v in parts["sampling"].items() if k not in SAMPLING_NOT_IN_REUSE_KEY}
     return hashing.content_key(parts)
@@ -76,7 +86,11 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "model.chat_template": _d(GEN, "by content: what the model is shown"),
     "model.chat_template_kwargs": _d(GEN, "e.g. enable_thinking changes the prompt"),
     "model.context_length": _d(GEN, "decides which prompts are skipped"),
-    "model.tool_call_parser": _d(None, "how the conversations export reads tool calls out of answers; " + _EXPORT),
+    "model.tool_call_parser": _d(
+        GEN,
+        "turns: all sources: where a tool conversation goes on (its calls read as the server reads them); "
+        "the conversations export's params name it too",
+    ),
     "engine.backend": _d(None, "backends sample the same distribution; their numerics options are keyed below"),
     "engine.options": _d(None, "per backend and option: ENGINE_OPTIONS"),
     "engine.gpus": _d(None, _WHERE),
@@ -128,8 +142,12 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "dedup.near.ngram": _d(PROMPT, "which near-copies are dropped: the shingles compared"),
     "dedup.near.num_perm": _d(PROMPT, "which near-copies are dropped: the signature's length"),
     "dedup.near.seed": _d(PROMPT, "which near-copies are dropped: the MinHash permutations"),
-    "dedup.across_sources": _d(None, _MIX + " (each source keeps its own prompts and keys)"),
-    "dedup.prefer": _d(None, _MIX + " (which source keeps a prompt several hold)"),
+    "dedup.across_sources": _d(
+        GEN,
+        "a source skips, before generation, the prompts (and near-copies) a source ranked above it keeps: "
+        "the prompt keys of those sources are in its gen key (plan.ranked_above); rows it has are reused",
+    ),
+    "dedup.prefer": _d(GEN, "which sources rank above a source, so which of its prompts it skips as copies"),
     "decontaminate.ngram": _d(PROMPT, "which prompts count as contaminated"),
     "decontaminate.references": _d(PROMPT, "by content, like sources: file digests or hub id and pinned commit"),
     "checks.max_drop_fraction": _d(None, _CHECK),
@@ -148,6 +166,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sources.*.turn_samples": _d(
         GEN, "how later turns are prompted: the engine's ids in one sequence, or the template's render of the history"
     ),
+    "sources.*.tool_match": _d(GEN, "turns: all with a tool_call_parser: whether a tool conversation goes on"),
     "sources.*.chat_template_kwargs_from": _d(PROMPT, "each row's kwargs are a column of its prompt and in its id"),
     "sources.*.max_samples": _d(PROMPT, "which prompts are kept"),
     "sources.*.weight": _d(None, "how far down its shards a source is generated (mix.generate: as_needed)"),

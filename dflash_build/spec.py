@@ -67,6 +67,9 @@ class HubSpec:
         return os.path.isdir(self.path)
 
 
+TOOL_TURNS = 1  # how turns: all prepares tool conversations (SourceSpec.content_spec); bump when it changes
+TOOL_MATCHES = ("arguments", "name")
+
 # How ``turns: all`` makes samples of a conversation. sequence: one sample, each turn's prompt the ids
 # before it + the template's ids in between (needs a template that writes history as a prefix of the
 # next prompt); per_turn: one sample per turn, its prompt the template's own render of the history so
@@ -108,6 +111,7 @@ class SourceSpec:
     chat_template_kwargs_from: Mapping[str, TemplateKwargFrom] = field(default_factory=dict)
     languages: tuple[str, ...] | None = None  # keep only prompts in these languages (dflash_build.language)
     weight: float | None = None  # mix.generate as_needed: share of its category's target (None: by supply)
+    tool_match: str = "arguments"  # turns: all with tools: when a regenerated turn's calls are the dataset's
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -126,6 +130,9 @@ class SourceSpec:
                 else {}
             ),
             **({"languages": sorted(self.languages)} if self.languages is not None else {}),
+            # turns: all keeps the dataset's tool calls in its answer slots (what a regenerated turn is
+            # compared with) and its tool results without their <tool_response> wrapper
+            **({"tool_turns": TOOL_TURNS} if self.turns == "all" else {}),
         }
 
 

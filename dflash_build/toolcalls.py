@@ -201,16 +201,8 @@ def _typed(value: str, schema: Any) -> Any:
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
-        try:
-            return json.loads(value)
-        except ValueError:
-            pass
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return ast.literal_eval(value)
-    except Exception:  # literal_eval raises several types; the text stays text
-        return value
+        return _literal(value)
+    return _python_literal(value)
 
 
 PARSERS: dict[str, Callable[[str, Tools], Parsed]] = {"hermes": hermes, "qwen3_coder": qwen3_coder}
@@ -229,3 +221,79 @@ def split_reasoning(text: str, think: tuple[str, str]) -> tuple[str | None, str]
 def parse(parser: str, text: str, tools: Tools) -> Parsed:
     """The content and calls of an answer's text after its reasoning, by the named parser."""
     return PARSERS[parser](text, tools)
+
+
+THINK = ("<think>", "</think>")  # the reasoning markers of the Qwen and Hermes templates
+
+
+def read_answer(parser: str, text: str, tools: Tools, think: tuple[str, str] = THINK) -> tuple[str, Parsed]:
+    """(the text before the calls, the calls) of a whole generated answer: its reasoning (kept, as
+    generated) is split off first, as the server's reasoning parser does, so a call inside it is none."""
+    reasoning, rest = split_reasoning(text, think)
+    parsed = parse(parser, rest, tools)
+    if reasoning is None:
+        return parsed.content, parsed
+    head = text[: text.index(think[1]) + len(think[1])]
+    return f"{head}\n\n{parsed.content}" if parsed.content else head, parsed
+
+
+# -- the dataset's own calls ----------------------------------------------------------------------------
+_ANY_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_RESPONSE = re.compile(r"^\s*<tool_response>(.*)</tool_response>\s*$", re.DOTALL)
+
+
+def dataset_calls(structured: Any, text: Any) -> list[dict[str, Any]]:
+    """A dataset's assistant turn's calls as chat ``tool_calls`` (arguments parsed): its structured
+    ``tool_calls`` (OpenAI messages), else the ``<tool_call>`` blocks of its text, JSON or a Python
+    literal (Hermes datasets write both). A block that is neither is no call."""
+    items: list[Any] = []
+    if isinstance(structured, list):
+        items = structured
+    elif isinstance(text, str):
+        for block in _ANY_CALL.findall(text):
+            value = _literal(block.strip())
+            items.extend(value if isinstance(value, list) else [value])
+    calls = []
+    for item in items:
+        function = item.get("function", item) if isinstance(item, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            arguments = function.get("arguments", function.get("parameters", {}))
+            if isinstance(arguments, str):
+                arguments = _literal(arguments) if arguments.strip() else {}
+            calls.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _literal(text: str) -> Any:
+    """JSON, else a Python literal, else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _python_literal(text)
+
+
+def _python_literal(text: str) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ast.literal_eval(text)
+    except Exception:  # literal_eval raises several types; the text stays text
+        return text
+
+
+def unwrap_response(text: str) -> str:
+    """A tool result without the ``<tool_response>`` tags a Hermes dataset writes around it: the target's
+    template writes its own."""
+    match = _RESPONSE.match(text)
+    return match.group(1).strip() if match else text
+
+
+def same_calls(ours: tuple[ToolCall, ...], theirs: list[dict[str, Any]], match: str) -> bool:
+    """Whether the target's calls are the dataset's: the same functions in the same order and, with
+    ``match`` arguments, arguments equal as canonical JSON."""
+    if [c.name for c in ours] != [t["function"]["name"] for t in theirs]:
+        return False
+    if match == "name":
+        return True
+    canonical = [json.dumps(c.arguments, sort_keys=True) for c in ours]
+    return canonical == [json.dumps(t["function"]["arguments"], sort_keys=True) for t in theirs]

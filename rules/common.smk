@@ -100,6 +100,17 @@ def get_prompt_manifest(wildcards):
     return ancient(PROMPT_MANIFESTS[wildcards.source])
 
 
+# What a source's generate job reads to skip the prompts a source ranked above it keeps (its manifests
+# and band keys): ancient(), as the prompt manifest; their content is in the job's gen key.
+COPIES_INPUTS = {
+    s: [ancient(str(p)) for p in PLAN.copies_inputs(s)] for s in PLAN.sources
+}
+
+
+def get_copies_inputs(wildcards):
+    return COPIES_INPUTS[wildcards.source]
+
+
 def get_completion_shard(wildcards):
     # Not ancient(), unlike the prompt manifest of a GPU job: Snakemake (9.27) skips every job downstream of
     # a forced one whose inputs are all ancient and present, so after a killed Snakemake

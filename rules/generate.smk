@@ -1,6 +1,7 @@
 rule generate:
     input:
         prompts=get_prompt_manifest,
+        copies_of=get_copies_inputs,
     output:
         data=update(shard_pattern(STORE, layout.COMPLETIONS, layout.DATA)),
         stats=update(shard_pattern(STORE, layout.COMPLETIONS, layout.SIDECAR)),

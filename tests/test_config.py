@@ -166,6 +166,10 @@ def test_what_goes_into_each_key(raw: dict[str, Any], tmp_path: Path) -> None:
 
     selected = build(edit(raw, "sources.a.max_samples", 1), tmp_path)
     assert _keys(selected, "a")[0] != a[0] and _keys(selected, "b") == b
+    # ranked first (dedup.prefer), a's prompt set decides which of b's prompts b skips as copies
+    ranked = edit(raw, "dedup", {"prefer": ["a"]})
+    before, after = build(ranked, tmp_path), build(edit(ranked, "sources.a.max_samples", 1), tmp_path)
+    assert _keys(after, "b")[0] == _keys(before, "b")[0] and _keys(after, "b")[1] != _keys(before, "b")[1]
 
     (Path(raw["model"]["path"]) / "model.safetensors").write_bytes(b"other weights")
     reweighted = build(raw, tmp_path)

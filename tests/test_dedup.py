@@ -273,9 +273,13 @@ def test_across_sources_each_prompt_stays_with_one_source_by_an_order_free_rule(
 
 # -- a build ---------------------------------------------------------------------------------------------
 @pytest.mark.workflow
-def test_two_sources_sharing_prompts_give_one_sample_each_from_one_generation(tmp_path: Path, tiny_model: Path) -> None:
-    """Every shared prompt is generated once (the second source's job reuses the first's rows) and in the
-    dataset once; a near-copy in the second source goes as cross_source_near_duplicate; the card says so."""
+def test_a_prompt_several_sources_hold_is_generated_once_by_the_source_ranked_first(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Copies are settled before any GPU time: a source skips every prompt (and near-copy) that a source
+    dedup.prefer ranks above it holds, counted and named; the dataset holds each prompt once and every
+    generated row reaches it. Removing a ranked source re-keys the sources below it, whose rows, and the
+    rows the removed source held, come from the row index: nothing is generated."""
     texts = _texts(10, seed=5)
     near = texts[9].split(" ")
     near[20] = "changed"
@@ -288,12 +292,13 @@ def test_two_sources_sharing_prompts_give_one_sample_each_from_one_generation(tm
         "code_b": {"category": "coding", "format": "alpaca", "files": [str(data / "b.jsonl")]},
         "general": {"category": "coding", "format": "alpaca", "files": [str(data / "c.jsonl")]},
     }  # one category: the mix takes every sample it may
-    config = base_config(tiny_model, sources, dedup={"near": {"threshold": 0.7}, "prefer": ["general"]})
+    config = base_config(tiny_model, sources, dedup={"near": {"threshold": 0.7}, "prefer": ["general", "code_a"]})
     config["checks"]["share_tolerance"] = 1.0
     wf = Workflow.at(tmp_path / "work", config)
     before = wf.cli("plan").stdout  # nothing prepared: exact copies, from prepare's selection in memory
     assert "across sources: 4 prompts another source holds too (code_b 4)" in before, before
-    wf.run(cores=1)  # one job at a time: the later source's generate finds the earlier one's rows indexed
+    assert "Of the rows still to build, 4 are copies of a source dedup.prefer ranks above" in before, before
+    wf.run()
     manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
     rows = [
         r
@@ -304,26 +309,61 @@ def test_two_sources_sharing_prompts_give_one_sample_each_from_one_generation(tm
     assert len(ids) == len(set(ids)), "a prompt id appears at most once in the dataset"
     assert len(ids) == 8 + 1 + 2  # a's 8; of b's 6, the one a lacks (4 are a's, 1 a near-copy of c's); c's 2
     cross = manifest["cross_source"]
-    assert cross["code_b"][crosssource.CROSS_DUPLICATE] == 4  # code_a sorts first
-    assert cross["code_b"][crosssource.CROSS_NEAR_DUPLICATE] == 1  # general is preferred
+    assert cross["code_b"][crosssource.CROSS_DUPLICATE] == 4  # code_a ranks above code_b
+    assert cross["code_b"][crosssource.CROSS_NEAR_DUPLICATE] == 1  # general ranks first
     assert cross["code_a"][crosssource.CROSS_DUPLICATE] == 0 and cross["general"] == {
         crosssource.CROSS_DUPLICATE: 0,
         crosssource.CROSS_NEAR_DUPLICATE: 0,
         "examples": [],
     }
-    stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").glob("*/*/*.stats.json")]
-    reused = sum(s.get("reused", 0) for s in stats)
-    assert reused == 4, f"the four shared prompts are generated once: {reused} rows reused"
+    stats = _generate_stats(wf.workdir)
+    assert stats["code_b"]["cross_source"] == 5 and stats["code_b"]["generated"] == 1, stats["code_b"]
+    assert sum(s["generated"] for s in stats.values()) == len(ids), "every generated row reaches the dataset"
+    b_rows = [
+        r
+        for f in (wf.workdir / "store" / "completions" / "code_b").glob("*/*.parquet")
+        for r in pq.read_table(f).to_pylist()
+    ]
+    errors = sorted(r["error"] for r in b_rows if r["finish_reason"] == "skipped")
+    assert sum(e.startswith("cross_source_duplicate: prompt ") and e.endswith(" is code_a's too") for e in errors) == 4
+    assert sum(e.startswith("cross_source_near_duplicate: ") and "general's prompt" in e for e in errors) == 1
+    dropped: dict[str, int] = {}
+    for f in (wf.workdir / "store" / "tokens" / "code_b").glob("*/*.stats.json"):
+        for reason, n in json.loads(f.read_text())["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + n
+    assert dropped == {crosssource.CROSS_DUPLICATE: 4, crosssource.CROSS_NEAR_DUPLICATE: 1}
     card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
     assert "## Removed rows" in card and "cross_source_duplicate 4" in card
     assert (wf.workdir / "dist" / "test-mix" / "plots" / "prompt_removals_by_source.png").exists()
     after = wf.cli("plan").stdout  # every source prepared: the near-copy counts too (nothing left to generate)
     assert "across sources: 5 prompts another source holds too (code_b 5)" in after, after
-    # removing a source regenerates nothing of the others
+    assert "Of the rows still to build, 0 are copies" in after, after
+    # removing a ranked source re-keys the one below it; its rows and code_a's come from the row index
     del config["sources"]["code_a"]
+    config["dedup"]["prefer"] = ["general"]
     wf.write_config(config)
     jobs = wf.dry_run()
-    assert not {"generate", "tokenize", "prepare_code_b", "prepare_general"} & set(jobs), jobs
+    assert {j["source"] for j in jobs["generate"]} == {"code_b"} and "prepare_code_b" not in jobs, jobs
+    assert f"total: {len(jobs['generate'])} generate jobs, 0 rows to generate" in wf.cli("plan").stdout
+    wf.run()
+    b = _generate_stats(wf.workdir)["code_b"]
+    assert b["generated"] == 0 and b["reused"] == 5 and b["cross_source"] == 1, b
+
+
+def _generate_stats(workdir: Path) -> dict[str, dict[str, int]]:
+    """Each source's generate counts, summed over the shards of its newest gen key."""
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for path in (workdir / "store" / "completions").glob("*/*/*.stats.json"):
+        stats = json.loads(path.read_text())
+        by_key.setdefault((stats["source"], stats["gen_key"]), []).append(stats)
+    newest: dict[str, list[dict[str, Any]]] = {}
+    for (source, _), shards in by_key.items():
+        if source not in newest or max(s["finished_at"] for s in shards) > max(
+            s["finished_at"] for s in newest[source]
+        ):
+            newest[source] = shards
+    names = ("input_rows", "generated", "reused", "cross_source")
+    return {source: {n: sum(s[n] for s in shards) for n in names} for source, shards in newest.items()}
 
 
 # -- every script ------------------------------------------------------------------------------------------

@@ -115,12 +115,18 @@ def random_config(ws: Workspace, rng: random.Random) -> dict[str, Any]:
     filters: dict[str, Any] = {}
     if rng.random() < 0.5:  # the filters on, at their defaults, or off: each edit below holds either way
         filters["dedup"] = {"near": {}}
+    if rng.random() < 0.5:  # the first source ranked: the others skip its prompts, so its edits reach them
+        filters.setdefault("dedup", {})["prefer"] = [min(names)]
     if rng.random() < 0.5:
         filters["decontaminate"] = {"references": {"bench": {"files": [str(ws.root / "ref.jsonl")], "field": "q"}}}
     return {
         **filters,
         "store": str(ws.root / "store"),
-        "model": {"path": str(ws.model), "chat_template": str(ws.root / "t1.jinja")},
+        "model": {
+            "path": str(ws.model),
+            "chat_template": str(ws.root / "t1.jinja"),
+            "tool_call_parser": rng.choice([None, "hermes"]),
+        },
         "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": rng.randint(1, 8)}},
         "sampling": sampling,
         "shard_size": rng.choice([2, 4]),
@@ -131,7 +137,8 @@ def random_config(ws: Workspace, rng: random.Random) -> dict[str, Any]:
     }
 
 
-Edit = Callable[[dict[str, Any], Workspace], str | None]  # mutates the config; returns the one source it touches
+# mutates the config; returns the one source it touches (or the set of them; None: every source)
+Edit = Callable[[dict[str, Any], Workspace], str | set[str] | None]
 
 
 def _first(c: dict[str, Any]) -> str:
@@ -147,6 +154,19 @@ def _set(path: str, value: Any) -> Edit:
         node[last] = value(node.get(last)) if callable(value) else value
 
     return edit
+
+
+def _tool_call_parser(c: dict[str, Any], ws: Workspace) -> set[str]:
+    """Another parser: it decides where the conversations of turns: all sources go on, nothing else."""
+    c["model"]["tool_call_parser"] = "qwen3_coder" if c["model"].get("tool_call_parser") else "hermes"
+    return {n for n, s in c["sources"].items() if s.get("turns") == "all"}
+
+
+def _tool_match(c: dict[str, Any], ws: Workspace) -> set[str]:
+    """tool_match on the first (turns: all) source: it decides something only with a parser."""
+    name = _first(c)
+    c["sources"][name]["tool_match"] = "name"
+    return {name} if c["model"].get("tool_call_parser") else set()
 
 
 def _source(field: str, value: Any) -> Edit:
@@ -236,7 +256,8 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "dedup.near.num_perm": (_near("num_perm", 64), keys.PROMPT),
     "dedup.near.seed": (_near("seed", 7), keys.PROMPT),
     "dedup.across_sources": (_set("dedup.across_sources", False), None),
-    "dedup.prefer": (lambda c, ws: c.setdefault("dedup", {}).update(prefer=[_first(c)]), None),
+    # these two change which sources rank above which: the gen keys follow from _above (below)
+    "dedup.prefer": (lambda c, ws: c.setdefault("dedup", {}).update(prefer=[sorted(c["sources"])[-1]]), None),
     "decontaminate.references": (_references, keys.PROMPT),
     "decontaminate.ngram": (_reference_ngram, keys.PROMPT),
     "mix.budget_tokens": (_set("mix.budget_tokens", 1000), None),
@@ -259,6 +280,8 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
         keys.PROMPT,
     ),
     "sources.*.sampling": (_source("sampling", {"temperature": 0.33}), keys.GEN),
+    "model.tool_call_parser": (_tool_call_parser, keys.GEN),
+    "sources.*.tool_match": (_tool_match, keys.GEN),
     "sources.*.chat_template_kwargs": (_source("chat_template_kwargs", {"enable_thinking": True}), keys.GEN),
     "sources.*.max_drop_fraction": (_source("max_drop_fraction", 0.9), None),
 }
@@ -290,11 +313,27 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
         after = ws.keys(config)
         readme.unlink(missing_ok=True)
         (ws.model / "config.json").write_text(config_json)
+        above_before, above_after = _above(base, before), _above(config, after)
         for source, old in before.items():
             changed = {k for k, a, b in zip(ORDER, old, after[source], strict=True) if a != b}
-            hit = touched is None or touched == source
+            hit = touched is None or (source in touched if isinstance(touched, set) else touched == source)
             expected = set(ORDER[ORDER.index(first_key) :]) if first_key is not None and hit else set()
+            if above_before[source] != above_after[source]:  # which of its prompts it skips as copies
+                expected |= {keys.GEN, keys.TOK}
             assert changed == expected, f"edit {name!r} on source {source}: changed {changed}, expected {expected}"
+
+
+def _above(raw: dict[str, Any], keyed: dict[str, tuple[str, str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """The contract of dedup.across_sources, stated apart from the code: a source skips the prompts the
+    sources of dedup.prefer before it keep (all of them, for a source the list does not name), so their
+    names and prompt keys decide its gen key; with across_sources off, nothing does."""
+    dedup = raw.get("dedup") or {}
+    names = sorted(raw["sources"])
+    if dedup.get("across_sources") is False:
+        return {n: [] for n in names}
+    prefer = [n for n in dedup.get("prefer", []) if n in names]
+    above = {n: prefer[: prefer.index(n)] if n in prefer else prefer for n in names}
+    return {n: [(a, keyed[a][0]) for a in above[n]] for n in names}
 
 
 def test_a_reference_sets_content_is_its_identity(tmp_path: Path) -> None:

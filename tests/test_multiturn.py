@@ -102,11 +102,17 @@ class ThinkingEngine:
         pass
 
 
-def _plan(tmp_path: Path, model: Path, source: dict[str, Any], template: Path = QWEN3_TEMPLATE) -> plan_mod.Plan:
+def _plan(
+    tmp_path: Path,
+    model: Path,
+    source: dict[str, Any],
+    template: Path = QWEN3_TEMPLATE,
+    model_settings: dict[str, Any] | None = None,
+) -> plan_mod.Plan:
     tmp_path.mkdir(exist_ok=True)
     raw = {
         "store": str(tmp_path / "store"),
-        "model": {"path": str(model), "chat_template": str(template)},
+        "model": {"path": str(model), "chat_template": str(template), **(model_settings or {})},
         "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 4, "threads": 1}},
         "sampling": {"max_new_tokens": 24, "temperature": 0.8, "seed": 3},
         "sources": {"s": {"category": "c", "turns": "all", **source}},
@@ -315,6 +321,7 @@ def test_conversations_are_reused_whole_from_an_earlier_prompt_set_and_only_unde
     max_new_tokens nothing is taken: a later turn's prompt holds the earlier answers."""
     tok = _tokenizer(tiny_model)
     first = _messages_plan(tmp_path, tiny_model)
+    plan_mod.record_components(first)  # as the Snakefile does: reuse reads what an earlier key was made of
     monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok, length_at_turn=2))
     generate.run(planned(first, "generate", "s", "00000"))
     new_row = {"messages": [{"role": "user", "content": "Count to two."}, {"role": "assistant", "content": "1 2"}]}
@@ -478,7 +485,8 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
     assert manifest["rows"] == manifest["per_turn_samples"] == 3
     card = (tmp_path / "whole" / "dist" / "mt" / "README.md").read_text()
     retokenized = sum(t["history_retokenized"] for t in row["turns"])
-    assert "## Multi-turn conversations" in card and f"| s | 1 | 3 | 1 | {retokenized} | 0 | 3 turns: 1 |" in card
+    assert "## Multi-turn conversations" in card
+    assert f"| s | 1 | 3 | 1 | {retokenized} | 0 | – | – | 3 turns: 1 |" in card, "no parser: no tool columns"
 
     root = tmp_path / "resumed"
     root.mkdir()
@@ -496,3 +504,105 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
     stats = generate.run(planned(resumed, "generate", "s", "00000"))
     assert stats["resumed_turns"] == 1 and stats["generated"] == 2
     assert _completions(resumed) == [row], "fresh = resumed, row for row"
+
+
+# -- tool conversations (issue 40): the target's calls against the dataset's ---------------------------
+def _call(city: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+
+def _weather_row(question: str, first_answer: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            first_answer,
+            {"role": "tool", "content": '{"temperature": 18}'},
+            {"role": "assistant", "content": "It is 18 degrees."},
+            {"role": "user", "content": "Should I take an umbrella?"},
+            {"role": "assistant", "content": "No."},
+        ],
+        "tools": [WEATHER_TOOL],
+    }
+
+
+TOOL_ROWS = [
+    _weather_row("Weather in Paris?", {"role": "assistant", "content": "", "tool_calls": [_call("Paris")]}),
+    _weather_row("Weather in Lyon?", {"role": "assistant", "content": "", "tool_calls": [_call("Lyon")]}),
+    _weather_row("Is it warm in Paris?", {"role": "assistant", "content": "Usually, in summer."}),
+]
+
+
+class ToolEngine(ThinkingEngine):
+    """Stand-in: reasons, then at the first turn calls get_weather for Paris (whatever was asked), later
+    answers in text."""
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        for r in requests:
+            self.requests.append(r)
+            turn = self.tokenizer.decode(r.prompt_ids).count("<|im_start|>assistant") - 1
+            answer = (
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                if turn == 0
+                else f"answer {turn}"
+            )
+            ids = self.tokenizer(f"reasoning {turn}\n</think>\n\n{answer}", add_special_tokens=False)["input_ids"]
+            yield Result(r.prompt_id, r.sample_idx, ids, "stop", stop_token_id=STOP)
+
+
+@pytest.mark.parametrize("tool_match", ["arguments", "name"])
+def test_a_tool_conversation_goes_on_while_the_targets_calls_are_the_datasets(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tool_match: str
+) -> None:
+    """Every turn regenerated while the target's call (read by the hermes parser) is the dataset's: the
+    next prompt is the template's render of the history with that call, structured, and the dataset's
+    result. A call with other arguments (under tool_match: arguments), or a call where the dataset
+    answered in text, ends the conversation after that turn, counted as tool_call_mismatch."""
+    write_jsonl(tmp_path / "tools.jsonl", TOOL_ROWS)
+    source = {"format": "messages", "files": [str(tmp_path / "tools.jsonl")], "tool_match": tool_match}
+    raw_model = {"tool_call_parser": "hermes"}
+    plan = _plan(tmp_path, tiny_model, source, model_settings=raw_model)
+    tok = _tokenizer(tiny_model)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ToolEngine(tok))
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
+    by_question = {json.loads(p["messages"])[0]["content"]: p["prompt_id"] for p in _prompts(plan).values()}
+    rows = {r["prompt_id"]: r for r in _completions(plan)}
+    paris, lyon, text = (
+        rows[by_question[q]] for q in ("Weather in Paris?", "Weather in Lyon?", "Is it warm in Paris?")
+    )
+    assert len(paris["turns"]) == 3 and paris["error"] is None
+    assert len(lyon["turns"]) == (1 if tool_match == "arguments" else 3)
+    assert len(text["turns"]) == 1 and text["error"].startswith("tool_call_mismatch: turn 0 answered ['get_weather']")
+    assert stats["turns"]["tool_calls_matched"] == (1 if tool_match == "arguments" else 2)
+    assert stats["turns"]["tool_call_mismatch"] == (2 if tool_match == "arguments" else 1)
+    assert stats["error"] == 0 and stats["ok"] == 3, "an ended conversation keeps its turns as samples"
+    if tool_match == "arguments":
+        assert lyon["error"].startswith("tool_call_mismatch: turn 0")
+    # the prompt of the turn after the call: an independent render of the history with the call, structured
+    called = {
+        "role": "assistant",
+        "content": "reasoning 0\n</think>",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    }
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        called,
+        {"role": "tool", "content": '{"temperature": 18}'},
+    ]
+    text_1 = tok.apply_chat_template(history, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+    samples = tokenize.to_samples(paris, "drop")
+    assert (
+        samples[1][1][: len(samples[1][1]) - len(paris["turns"][1]["output_ids"]) - 1]
+        == tok(text_1, add_special_tokens=False)["input_ids"]
+    )
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text_1
+    assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in text_1
+    # the conversations export writes the target's call structured
+    exported = export.conversation(
+        json.loads(_prompts(plan)[paris["prompt_id"]]["messages"]),
+        [t["text"] for t in paris["turns"]],
+        ("<think>", "</think>"),
+        "hermes",
+        [WEATHER_TOOL],
+    )
+    assert exported[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert exported[2] == {"role": "tool", "content": '{"temperature": 18}'}

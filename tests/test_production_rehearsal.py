@@ -163,6 +163,17 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
         assert len(with_tools) >= 9
         for r in with_tools:
             assert "<tools>" not in r["messages"], "the dataset's own preamble is replaced by the template's"
+    # hermes-glaive runs turns: all under qwen3_coder: the tiny model never calls, so every conversation
+    # whose dataset called at its first turn ends there, counted; the card says so
+    calling = [
+        r
+        for p in (wf.workdir / "store" / "prompts" / "hermes-glaive").rglob("0*.parquet")
+        for r in pq.read_table(p).to_pylist()
+        if r["tools"] and json.loads(r["messages"])[1].get("tool_calls")
+    ]
+    turns = manifest["report"]["by_source"]["hermes-glaive"]["generation"]["turns"]
+    assert turns["tool_call_mismatch"] == len(calling) > 0 and turns["tool_calls_matched"] == 0, turns
+    assert "| tool calls matched | ended on a tool-call mismatch |" in (dist / "README.md").read_text()
     ds = datasets.load_dataset(str(dist), split="train")
     assert len(ds) == manifest["rows"]
     from transformers import AutoTokenizer

@@ -88,6 +88,31 @@ def test_glaive_rows_with_and_without_tools(tmp_path: Path) -> None:
     assert all(r["messages"][0]["content"].startswith("You are a helpful assistant") for r in without)
 
 
+def test_glaive_under_turns_all_keeps_the_datasets_calls_and_unwraps_its_tool_results(tmp_path: Path) -> None:
+    """turns: all on Hermes' glaive rows: each answer slot holds the dataset's calls (written there as a
+    Python literal in <tool_call> tags), parsed to structured tool_calls, for a regenerated turn to be
+    compared with; a tool result loses its <tool_response> tags, which the target's template writes."""
+    manifest, rows = _prepared(
+        tmp_path,
+        {"format": "hermes", "turns": "all", "hf": _hf("hermes-function-calling-v1", name="glaive_func_calling")},
+    )
+    assert manifest["rows_out"] == 12 and manifest["drops"] == {}
+    with_tools = [r for r in rows if r["tools"]]
+    assert len(with_tools) == 9
+    for r in with_tools:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["user", "assistant", "tool", "assistant"]
+        call = r["messages"][1]["tool_calls"]
+        name = r["tools"][0]["function"]["name"]
+        amount = int(r["messages"][0]["content"].split(" ")[5])  # "Hi, I need to convert {100 + i} US dollars"
+        assert call == [{"type": "function", "function": {"name": name, "arguments": {"amount": amount, "to": "EUR"}}}]
+        assert r["messages"][1]["content"] == "" and "tool_calls" not in r["messages"][3]
+        assert r["messages"][2]["content"] == "{'converted_amount': 85.0}"
+    for r in rows:
+        if not r["tools"]:
+            assert all("tool_calls" not in m for m in r["messages"])
+
+
 @pytest.mark.parametrize(
     ("folder", "source", "rows_out", "first_user"),
     [

@@ -8,17 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from dflash_build.ops import forecast
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
-from dflash_build.stages import crosssource
+from dflash_build.stages import crosssource, neardup
 from dflash_build.stages.job import sized_counts
 from dflash_build.stages.prepare import checks as prepare_checks
 from dflash_build.stages.prepare.identity import shard_bounds
-from dflash_build.stages.prepare.selection import select
+from dflash_build.stages.prepare.selection import Selection, select
 from dflash_build.store import filesystem, layout
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
@@ -46,8 +45,9 @@ class SourceEstimate:
     gpu_hours: float = 0.0
     errors: list[str] = field(default_factory=list)  # what would fail the build before any GPU work
     window: WindowEffect | None = None  # with trainer.max_length: its effect on the rows to generate
-    cross_source_prompts: int = 0  # prompts another source holds too and keeps (dedup.across_sources)
-    cross_source_gpu_hours: float = 0.0  # what generating them for this source as well would cost
+    cross_source_prompts: int = 0  # prompts another source holds too and keeps: the mix leaves them out
+    rows_copies_skipped: int = 0  # of the rows in its jobs, copies of a ranked source's: skipped, never generated
+    cross_source_gpu_hours: float = 0.0  # what generating those rows would have cost
 
 
 WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
@@ -229,10 +229,11 @@ def estimate_with_disk(
     sidecars = _model_sidecars(plan)
     mean_tokens, rate = _measured(sidecars)
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
-    selected: dict[str, np.ndarray] = {}
+    selections: dict[str, Selection] = {}
+    cross, copies = _cross_source(plan, selections)
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
-        estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selected)
-    _cross_source(plan, estimates, selected)
+        estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selections, copies)
+    _cross_source_cost(estimates, cross)
     prompt_rows = {e.source: e.prompt_rows for e in estimates}
     source_lengths = forecast.source_lengths(plan, sidecars)
     mix = forecast.forecast(plan, prompt_rows, source_lengths, rate or default_tokens_per_second)
@@ -249,31 +250,48 @@ def wanted_shards(plan: Plan) -> dict[str, int]:
     return sized_counts(plan, next((p for p in rounds if p.exists()), None))
 
 
-def _cross_source(plan: Plan, estimates: list[SourceEstimate], selected: dict[str, np.ndarray]) -> None:
-    """Each source's prompts that another source holds too and keeps, and their GPU-hours: the mix takes
-    each once, and the row index serves the second generation when the sampling agrees. Near-copies
-    count once every source is prepared (their band keys are written then); before, exact copies only."""
+def _cross_source(
+    plan: Plan, selections: dict[str, Selection]
+) -> tuple[crosssource.CrossSource | None, dict[str, set[str]]]:
+    """(what the mix will leave out across sources, each source's prompts that its generate jobs skip:
+    those a source dedup.prefer ranks above it keeps). Near-copies count once every source is prepared
+    (their band keys are written then); before, exact copies only. ``selections``: filled with the
+    selections run here (CPU only) for the estimate."""
     if not plan.config.dedup.across_sources or len(plan.sources) < 2:
-        return
+        return None, {}
+    bands: dict[str, Any] | None = None
     if plan.config.dedup.near is not None and all(plan.prompt_bands(n).exists() for n in plan.sources):
-        cross = crosssource.load(plan)
-    else:
-        prompts = {}
-        for name, sp in plan.sources.items():
-            if plan.prompt_manifest(name).exists():
-                prompts[name] = crosssource.prompt_ids(plan, name)
-            elif name in selected:
-                prompts[name] = selected[name]
-            elif sp.spec.hf is None or sp.spec.hf.is_local:
-                prompts[name] = select(plan, name).selected
-        cross = crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, None)
-    assert cross is not None
+        bands = {}
+    prompts: dict[str, Any] = {}
+    for name, sp in plan.sources.items():
+        if bands is not None:
+            prompts[name], bands[name] = neardup.read_bands(plan.prompt_bands(name))
+        elif plan.prompt_manifest(name).exists():
+            prompts[name] = crosssource.prompt_ids(plan, name)
+        elif sp.spec.hf is None or sp.spec.hf.is_local:
+            selections[name] = selections.get(name) or select(plan, name)
+            prompts[name] = selections[name].selected
+    priority = plan.config.dedup.source_priority(prompts)
+    copies = {}
+    for name, sp in plan.sources.items():
+        group = [n for n in (*sp.above, name) if n in prompts]
+        if name in prompts and len(group) > 1:
+            part = crosssource.resolve(
+                [n for n in priority if n in group],
+                {n: prompts[n] for n in group},
+                None if bands is None else {n: bands[n] for n in group},
+            )
+            copies[name] = {f"{int(i):016x}" for i in part.dropped[name]}
+    return crosssource.resolve(priority, prompts, bands), copies
+
+
+def _cross_source_cost(estimates: list[SourceEstimate], cross: crosssource.CrossSource | None) -> None:
+    """Each source's copies the mix leaves out, and the GPU-hours its skipped rows save."""
     rows = sum(e.rows_to_generate for e in estimates)
     hours_per_row = sum(e.gpu_hours for e in estimates) / rows if rows else 0.0
     for e in estimates:
-        e.cross_source_prompts = len(cross.dropped.get(e.source, ()))
-        samples = plan.sources[e.source].spec.sampling.samples_per_prompt
-        e.cross_source_gpu_hours = e.cross_source_prompts * samples * hours_per_row
+        e.cross_source_prompts = len(cross.dropped.get(e.source, ())) if cross is not None else 0
+        e.cross_source_gpu_hours = e.rows_copies_skipped * hours_per_row
 
 
 def _estimate(
@@ -283,9 +301,11 @@ def _estimate(
     rate: float | None,
     default_tokens_per_second: float,
     lengths: list[tuple[int, int]],
-    selected: dict[str, np.ndarray],
+    selections: dict[str, Selection],
+    copies: dict[str, set[str]],
 ) -> list[SourceEstimate]:
-    """``selected``: filled with the prompt ids of the sources whose selection ran here."""
+    """``selections``: prepare's selection of sources not prepared yet, run once (shared with the
+    cross-source count); ``copies``: each source's prompts a source ranked above keeps (skipped)."""
     out = []
     sized = wanted_shards(plan)
     for name, sp in plan.sources.items():
@@ -300,12 +320,12 @@ def _estimate(
             completions_built=sum(p.exists() for p in plan.completion_shards(name)),
             tokens_built=sum(p.exists() for p in plan.token_shards(name)),
         )
-        ids_of = _ShardIds(plan, name, est, selected)
+        ids_of = _ShardIds(plan, name, est, selections)
         wanted = sized.get(name, sp.n_shards)
         for shard, path in zip(sp.shards[:wanted], plan.completion_shards(name)[:wanted], strict=True):
             if not path.exists():
                 est.generate_jobs.append(f"{name}/{shard}")
-                _count_rows(plan, index, name, shard, ids_of(shard), est)
+                _count_rows(plan, index, name, shard, ids_of(shard), est, copies.get(name, set()))
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
         drop = plan.config.truncated == "drop"
@@ -321,8 +341,8 @@ class _ShardIds:
     """A shard's prompt ids: from its prompt shard, else from prepare's selection run in memory (once a
     source, CPU only), or None for a hub source (never loaded to plan)."""
 
-    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selected: dict[str, np.ndarray]) -> None:
-        self.plan, self.source, self.est, self.selected = plan, source, est, selected
+    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, Selection]) -> None:
+        self.plan, self.source, self.est, self.selections = plan, source, est, selections
         self.by_shard: dict[str, list[str]] | None = None
 
     def __call__(self, shard: str) -> list[str] | None:
@@ -333,8 +353,8 @@ class _ShardIds:
         if sp.spec.hf is not None and not sp.spec.hf.is_local:
             return None
         if self.by_shard is None:
-            selection = select(plan, self.source)
-            self.selected[self.source] = selection.selected
+            selection = self.selections.get(self.source) or select(plan, self.source)
+            self.selections[self.source] = selection
             self.by_shard = selection.shard_prompt_ids()
             self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
             try:  # the check its prepare job will make: a lost source is found before generation
@@ -345,9 +365,16 @@ class _ShardIds:
 
 
 def _count_rows(
-    plan: Plan, index: RowIndex, source: str, shard: str, ids: list[str] | None, est: SourceEstimate
+    plan: Plan,
+    index: RowIndex,
+    source: str,
+    shard: str,
+    ids: list[str] | None,
+    est: SourceEstimate,
+    copies: set[str],
 ) -> None:
-    """Add one shard's rows to ``est``: journaled, reused from the row index, or to generate."""
+    """Add one shard's rows to ``est``: journaled, reused from the row index, skipped as copies another
+    source keeps, or to generate."""
     sp = plan.sources[source]
     sampling = sp.spec.sampling
     if ids is None:  # a hub source: the upper bound, every row generated, none reused
@@ -357,6 +384,9 @@ def _count_rows(
         return
     wanted = {(pid, i) for pid in ids for i in range(sampling.samples_per_prompt)}
     est.rows_in_jobs += len(wanted)
+    skipped = {(pid, i) for pid, i in wanted if pid in copies}
+    est.rows_copies_skipped += len(skipped)
+    wanted -= skipped
     journal_dir = plan.journal_dir(source, shard)
     if (journal_dir / PUBLISHED_DATA).exists():  # published before: the job restores it
         est.rows_journaled += len(wanted)

@@ -130,7 +130,11 @@ def _add_turns(total: dict[str, Any] | None, shard: dict[str, Any]) -> dict[str,
     """Two shards' ``turns`` summaries (generate.turn_counts) summed."""
     if total is None:
         return {**shard, "by_count": dict(shard["by_count"])}
-    out = {k: total[k] + shard.get(k, 0) for k in total if k != "by_count"}
+    out: dict[str, Any] = {}
+    for k in total.keys() | shard.keys():
+        a, b = total.get(k), shard.get(k)
+        if k != "by_count":  # counts add up; example lists are joined, the first few kept
+            out[k] = ((a or []) + (b or []))[:3] if isinstance(a or b, list) else (a or 0) + (b or 0)
     by_count = Counter(total["by_count"]) + Counter(shard["by_count"])
     out["by_count"] = dict(sorted(by_count.items(), key=lambda kv: int(kv[0])))
     return out
@@ -496,16 +500,23 @@ def removals(manifest: dict[str, Any]) -> str:
 def multi_turn(report: dict[str, Any]) -> str:
     """The card's section on ``turns: all`` sources: turns per conversation and the per-turn samples;
     empty when no source regenerates later turns."""
-    rows = []
+    rows: list[str] = []
+    examples: list[str] = []
     for name, s in report["by_source"].items():
         turns = s["generation"].get(R.STAT_TURNS)
         if turns is None:
             continue
         spread = ", ".join(f"{n} turns: {c}" for n, c in turns["by_count"].items())
+        tools = (
+            f"{turns[R.STAT_TOOL_CALLS_MATCHED]} | {turns[R.TOOL_CALL_MISMATCH]}"
+            if R.TOOL_CALL_MISMATCH in turns
+            else "– | –"
+        )
         rows.append(
             f"| {name} | {turns['conversations']} | {turns['turns']} | {turns['per_turn']} | "
-            f"{turns['history_retokenized']} | {turns['ended_early']} | {spread} |"
+            f"{turns['history_retokenized']} | {turns['ended_early']} | {tools} | {spread} |"
         )
+        examples += [f"- {name}: `{e}`" for e in turns.get("tool_call_mismatch_examples", [])[:2]]
     if not rows:
         return ""
     head = [
@@ -514,13 +525,16 @@ def multi_turn(report: dict[str, Any]) -> str:
         "Sources with `turns: all`. A per-turn conversation gives one sample per turn, its prompt the chat "
         "template's own render of the history (earlier answers re-tokenized as the template writes them); the "
         "others give one sample each. A conversation ends early when a turn does not stop on its own or its "
-        "prompt no longer fits (the completion row's `error` says why).",
+        "prompt no longer fits (the completion row's `error` says why). With `model.tool_call_parser`, a tool "
+        "conversation goes on while the target's calls are the dataset's (turns whose calls matched) and ends "
+        "after the first turn whose calls are not (`tool_call_mismatch`).",
         "",
         "| source | conversations | turns | per-turn conversations | turns with re-tokenized history | ended early "
-        "| turns per conversation |",
-        "|---|---|---|---|---|---|---|",
+        "| tool calls matched | ended on a tool-call mismatch | turns per conversation |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join(head + rows) + "\n"
+    tail = ["", "Tool-call mismatches, for example:", "", *examples] if examples else []
+    return "\n".join(head + rows + tail) + "\n"
 
 
 def _mean(total: int, rows: int) -> float:

@@ -1,28 +1,36 @@
-"""Prompts that several sources hold: the mix takes each once (config ``dedup.across_sources``).
+"""Prompts that several sources hold: each is taken once, and generated once where it can be (config
+``dedup.across_sources``).
 
-Each source keeps its own prompts, keys and shards: adding or removing a source changes no other
-source's key, so nothing of the others regenerates, and the generation of a prompt a second source
-holds is served from the row index when the sampling agrees (the same reuse key). Only the mix
-decides, by a rule that depends on neither the config's nor the shards' order: a prompt id several
-sources hold stays with the source that comes first in ``dedup.prefer``, then by name; with
-``dedup.near``, a prompt whose near-copy (:mod:`dflash_build.stages.neardup`) another source's prompt that
-comes first (by that source order, then prompt id) holds goes too.
-"""
+A prompt id several sources hold stays with the source that comes first in ``dedup.prefer``, then by
+name; with ``dedup.near``, a prompt whose near-copy (:mod:`dflash_build.stages.neardup`) another
+source's prompt that comes first (by that source order, then prompt id) holds goes too. The rule depends
+on neither the config's nor the shards' order, and a source's copies depend only on the sources before
+it. For the sources ``dedup.prefer`` lists it is settled before any GPU time: a source's generate job
+skips the prompts of the listed sources before it (:func:`skipped_copies`: each a ``skipped`` row whose
+error names the source that keeps it), and their prompt keys are part of its gen key
+(``plan.ranked_above``). Sources the list does not name settle nothing between them, so adding one
+re-keys no other source; the mix applies the whole rule to what it takes, and its manifest counts every
+copy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import hashing
 from dflash_build.plan import Plan
 from dflash_build.stages import neardup
+from dflash_build.stages.job import Job
+from dflash_build.store import layout
+from dflash_build.store import records as R
 
-CROSS_DUPLICATE = "cross_source_duplicate"
-CROSS_NEAR_DUPLICATE = "cross_source_near_duplicate"
+CROSS_DUPLICATE = R.CROSS_SOURCE_DUPLICATE
+CROSS_NEAR_DUPLICATE = R.CROSS_SOURCE_NEAR_DUPLICATE
 EXAMPLES = 5
 
 
@@ -33,14 +41,21 @@ class CrossSource:
     dropped: dict[str, np.ndarray] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)  # resolve(explain=): each copy's reason, by prompt id
 
     def report(self) -> dict[str, Any]:
         return {s: {**self.counts[s], "examples": self.examples.get(s, [])} for s in sorted(self.counts)}
 
 
-def resolve(priority: list[str], prompts: dict[str, np.ndarray], bands: dict[str, np.ndarray] | None) -> CrossSource:
+def resolve(
+    priority: list[str],
+    prompts: dict[str, np.ndarray],
+    bands: dict[str, np.ndarray] | None,
+    explain: str | None = None,
+) -> CrossSource:
     """``prompts``: each source's prompt ids (uint64); ``priority``: the sources, first keeps.
-    ``bands``: each source's band keys, row for row with its prompt ids (with dedup.near)."""
+    ``bands``: each source's band keys, row for row with its prompt ids (with dedup.near).
+    ``explain``: the source whose every copy gets its reason in ``reasons`` (not only examples)."""
     out = CrossSource()
     rank = {name: i for i, name in enumerate(priority)}
     names = sorted(prompts, key=rank.__getitem__)
@@ -66,21 +81,24 @@ def resolve(priority: list[str], prompts: dict[str, np.ndarray], bands: dict[str
         found = neardup.first_copies(position[rest], keys[rest])
         near[rest] = found != neardup.NO_MATCH
         matched[rest] = found
+
+    def reason(j: int) -> str:
+        if exact[j]:
+            return f"{CROSS_DUPLICATE}: prompt {int(pids[j]):016x} is {names[source[first_of[j]]]}'s too"
+        k = order[int(matched[j])]
+        return (
+            f"{CROSS_NEAR_DUPLICATE}: prompt {int(pids[j]):016x} is a near-copy of {names[source[k]]}'s "
+            f"prompt {int(pids[k]):016x}"
+        )
+
     for i, name in enumerate(names):
         mine = source == i
         out.dropped[name] = pids[mine & (exact | near)]
         out.counts[name] = {CROSS_DUPLICATE: int((mine & exact).sum()), CROSS_NEAR_DUPLICATE: int((mine & near).sum())}
-        examples = []
-        for j in np.flatnonzero(mine & exact)[:EXAMPLES]:
-            keeper = names[source[first_of[j]]]
-            examples.append(f"{CROSS_DUPLICATE}: prompt {int(pids[j]):016x} is {keeper}'s too")
-        for j in np.flatnonzero(mine & near)[:EXAMPLES]:
-            k = order[int(matched[j])]
-            examples.append(
-                f"{CROSS_NEAR_DUPLICATE}: prompt {int(pids[j]):016x} is a near-copy of {names[source[k]]}'s "
-                f"prompt {int(pids[k]):016x}"
-            )
-        out.examples[name] = examples
+        picked = [*np.flatnonzero(mine & exact)[:EXAMPLES], *np.flatnonzero(mine & near)[:EXAMPLES]]
+        out.examples[name] = [reason(int(j)) for j in picked]
+        if name == explain:
+            out.reasons = {f"{int(pids[j]):016x}": reason(int(j)) for j in np.flatnonzero(mine & (exact | near))}
     return out
 
 
@@ -111,8 +129,36 @@ def load(plan: Plan) -> CrossSource | None:
 
 def prompt_ids(plan: Plan, source: str) -> np.ndarray:
     """A prepared source's prompt ids (uint64), from its prompt shards."""
-    ids = [
-        hashing.hex_to_u64(pq.read_table(p, columns=["prompt_id"]).column("prompt_id"))
-        for p in plan.prompt_shards(source)
-    ]
+    return _ids_of(plan.prompt_shards(source))
+
+
+def skipped_copies(job: Job, shard_ids: list[str]) -> dict[str, str]:
+    """The prompts of a generate job's shard that a source ranked above its own keeps: prompt id → the
+    reason its row is skipped with. Read from what the job declares (``copies_of``: those sources'
+    manifests, beside which their prompt shards lie, and with dedup.near their band keys and its own)."""
+    plan, name = job.plan, job.source
+    assert name is not None
+    above = plan.sources[name].above
+    if not above or not shard_ids:
+        return {}
+    declared = job.by_source("copies_of")
+    prompts: dict[str, np.ndarray] = {}
+    bands: dict[str, np.ndarray] | None = None
+    if plan.config.dedup.near is not None:  # near-copies: every row of each, its own source's too
+        bands = {}
+        for source in [*above, name]:
+            band_file = next(p for p in declared[source] if p.name == layout.BANDS)
+            prompts[source], bands[source] = neardup.read_bands(band_file)
+    else:  # exact copies: a source's own rows are never copies of each other (prepare keeps one)
+        for source in above:
+            manifest = next(p for p in declared[source] if p.name == layout.MANIFEST)
+            shards = [layout.shard_file(manifest.parent, s) for s in plan.sources[source].shards]
+            prompts[source] = _ids_of(shards)
+        prompts[name] = hashing.hex_to_u64(pa.array(sorted(shard_ids)))
+    cross = resolve(plan.config.dedup.source_priority(prompts), prompts, bands, explain=name)
+    return {pid: cross.reasons[pid] for pid in shard_ids if pid in cross.reasons}
+
+
+def _ids_of(shards: list[Path]) -> np.ndarray:
+    ids = [hashing.hex_to_u64(pq.read_table(p, columns=["prompt_id"]).column("prompt_id")) for p in shards]
     return np.concatenate(ids) if ids else np.zeros(0, np.uint64)

@@ -29,7 +29,7 @@ class StageFailure(RuntimeError):
 # What each rule declares, by name (rules/*.smk use the same names).
 INPUTS: dict[str, tuple[str, ...]] = {
     "prepare": ("files", "references"),
-    "generate": ("prompts",),
+    "generate": ("prompts", "copies_of"),
     "tokenize": ("completions", "prompts"),
     "mix": ("tokens", "bands", "manifests"),
     "size": ("tokens",),
@@ -144,7 +144,11 @@ def _source_paths(plan: Plan, stage: str, source: str, shard: str | None) -> tup
     assert shard is not None, f"{stage}: a shard job"
     completions = layout.shard_file(plan.completion_dir(source), shard)
     data = completions if stage == "generate" else layout.shard_file(plan.token_dir(source), shard)
-    inputs = {"prompts": manifest} | ({"completions": (completions,)} if stage == "tokenize" else {})
+    inputs: Paths = {"prompts": manifest}
+    if stage == "generate":
+        inputs["copies_of"] = tuple(plan.copies_inputs(source))
+    else:
+        inputs["completions"] = (completions,)
     return (
         inputs,
         {"data": (data,), "stats": (layout.sidecar(data),)},

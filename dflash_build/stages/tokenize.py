@@ -37,8 +37,8 @@ def _dropped(reason: str, truncated_policy: str, error: str | None = None) -> st
     """Why an answer that ended with ``reason`` is no sample, or None when it is one."""
     if reason in (R.FINISH_ERROR, R.FINISH_ABORT):
         return DROP_ENGINE_ERROR
-    if reason == R.FINISH_SKIPPED:
-        return DROP_OUTSIDE_WINDOW if (error or "").startswith(R.OUTSIDE_WINDOW) else DROP_SKIPPED
+    if reason == R.FINISH_SKIPPED:  # a selection (the window, another source's copy) names itself
+        return R.selection_of(reason, error) or DROP_SKIPPED
     if reason == R.FINISH_LENGTH and truncated_policy == "drop":
         return DROP_TRUNCATED
     return None

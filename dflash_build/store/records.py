@@ -98,6 +98,28 @@ STAT_SKIPPED = "skipped"
 # selection, as a length filter is, never a failure. Their error starts with OUTSIDE_WINDOW.
 STAT_OUTSIDE_WINDOW = "outside_window"
 OUTSIDE_WINDOW = "outside the trainer's window:"
+# Of the skipped rows, copies of a prompt that a source ranked above keeps (dedup.across_sources),
+# skipped before any GPU time: a selection too. Their error starts with one of the two reasons.
+# A tool conversation that ended because the target's calls were not the dataset's (turns: all with
+# model.tool_call_parser): its row's error starts with this; the turns it has are samples.
+TOOL_CALL_MISMATCH = "tool_call_mismatch"
+STAT_TOOL_CALLS_MATCHED = "tool_calls_matched"  # turns whose calls were the dataset's: the conversation went on
+STAT_CROSS_SOURCE = "cross_source"
+CROSS_SOURCE_DUPLICATE = "cross_source_duplicate"
+CROSS_SOURCE_NEAR_DUPLICATE = "cross_source_near_duplicate"
+
+
+def selection_of(finish_reason: str, error: str | None) -> str | None:
+    """Which selection left a skipped row out (outside_window, or a cross-source reason), or None for a
+    row that was not skipped, or was skipped for another reason (over the context: a failure)."""
+    if finish_reason != FINISH_SKIPPED or not error:
+        return None
+    if error.startswith(OUTSIDE_WINDOW):
+        return STAT_OUTSIDE_WINDOW
+    reason = error.partition(":")[0]
+    return reason if reason in (CROSS_SOURCE_DUPLICATE, CROSS_SOURCE_NEAR_DUPLICATE) else None
+
+
 STAT_RESUMED_TURNS = "resumed_turns"
 STAT_RETOKENIZED_TURNS = "retokenized_turns"  # answers that came back as text (openai backend)
 STAT_RETOKENIZE_DRIFT = "retokenize_drift_rate"  # of those, share whose length differs from the server's

@@ -46,7 +46,7 @@ from dflash_build import engines, hashing, killpoints
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
-from dflash_build.stages import chat
+from dflash_build.stages import chat, crosssource
 from dflash_build.stages.generate.accounting import ShardFailedError as ShardFailedError
 from dflash_build.stages.generate.accounting import check_failures, shard_stats, turn_counts
 from dflash_build.stages.generate.control import Interrupted as Interrupted
@@ -61,7 +61,6 @@ from dflash_build.stages.generate.work import (
     EngineRun,
     ShardPaths,
     ShardWork,
-    apply_result,
     completion_row,
     fits_context,
     journal_row,
@@ -97,6 +96,7 @@ def run(job: Job) -> dict[str, Any]:
         with gpus.pinned(cfg.engine) if needs_gpu else contextlib.nullcontext() as lease:
             started = time.time()
             work = open_shard(plan, source, shard, paths)
+            skip_copies(work, crosssource.skipped_copies(job, sorted({c.prompt_id for c in work.convs.values()})))
             resumed = replay(work, journal)
             if work.spec.turns == "first":
                 reuse(work, journal)
@@ -183,10 +183,21 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
             conv = Conversation(p["prompt_id"], idx, messages, tools, slots, template_kwargs=row_kwargs)
             conv.per_turn = sp.spec.turn_samples == "per_turn" and len(slots) > 1
             convs[conv.key] = conv
-    renderer = Renderer(tokenizer, template_kwargs, sp.spec.turn_samples)
+    parser = plan.config.model.tool_call_parser if sp.spec.turns == "all" else None
+    renderer = Renderer(tokenizer, template_kwargs, sp.spec.turn_samples, parser, sp.spec.tool_match)
     return ShardWork(
         plan, source, shard, paths, tokenizer, renderer, chat.context_length(plan.config.model), params, convs
     )
+
+
+def skip_copies(work: ShardWork, copies: dict[str, str]) -> None:
+    """Finish, before any engine call, the conversations of prompts a source ranked above keeps: each
+    is a ``skipped`` row whose error names that source (a selection, never a failure)."""
+    for conv in work.convs.values():
+        if conv.prompt_id in copies:
+            conv.finish(R.FINISH_SKIPPED, copies[conv.prompt_id])
+    if copies:
+        log.info("%s: %d prompts another source keeps are skipped", work.label, len(copies))
 
 
 _JOURNAL_FIELDS = ("prompt_id", "sample_idx", "turn", "output_ids", "finish_reason", "stop_token_id", "error")
@@ -208,7 +219,7 @@ def replay(work: ShardWork, journal: Journal) -> int:
         if conv.finish_reason is not None:
             skipped += 1
             continue
-        turn = apply_result(conv, work.renderer.next_context(conv), result_of(row))
+        turn = work.apply(conv, work.renderer.next_context(conv), result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
         applied += 1
     if skipped:
@@ -285,7 +296,7 @@ def take_result(work: ShardWork, generated: Result, context: tuple[list[int], in
             output_ids=conv.prefix + list(generated.output_ids),
             engine_output_tokens=None if counted is None else counted + len(conv.prefix),
         )
-    turn = apply_result(conv, context_ids, result)
+    turn = work.apply(conv, context_ids, result)
     if conv.prefix_from is not None:
         turn.reused_from, turn.continued = conv.prefix_from, True
         conv.prefix, conv.prefix_from = [], None
@@ -425,7 +436,7 @@ def publish(
     if engine_run.engine_identity is not None:
         stats["engine"]["served"] = engine_run.engine_identity
     if work.spec.turns == "all":
-        stats[R.STAT_TURNS] = turn_counts(list(convs))
+        stats[R.STAT_TURNS] = turn_counts(list(convs), work.renderer.parser is not None)
     check_failures(stats, work.plan.config.checks.max_failed_fraction, journal.path)
     table = pa.Table.from_pylist(rows, schema=R.COMPLETION_SCHEMA)
     # Written into the journal's folder first: the outputs are links to these (see journal).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,19 @@ class ShardFailedError(StageFailure):
 
 def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_path: Path) -> None:
     """Refuse to publish a shard whose rows mostly (or all) ended as error, abort or skipped over the
-    context. Rows outside the trainer's window are a selection and never count."""
+    context. Rows outside the trainer's window and copies another source keeps are a selection and never
+    count."""
     window = stats.get(R.STAT_OUTSIDE_WINDOW, 0)
-    rows = stats[R.STAT_INPUT_ROWS] - window
-    over_context = stats[R.STAT_SKIPPED] - window
+    selected_out = window + stats.get(R.STAT_CROSS_SOURCE, 0)
+    rows = stats[R.STAT_INPUT_ROWS] - selected_out
+    over_context = stats[R.STAT_SKIPPED] - selected_out
     failed = stats[R.STAT_ERROR] + over_context
     if rows <= 0 or failed / rows <= max_failed_fraction:
         return
     reasons = [
-        kv for kv in sorted(stats["errors"].items(), key=lambda kv: -kv[1]) if not kv[0].startswith(R.OUTSIDE_WINDOW)
+        kv
+        for kv in sorted(stats["errors"].items(), key=lambda kv: -kv[1])
+        if R.selection_of(R.FINISH_SKIPPED, kv[0]) is None
     ]
     kept = f" Finished rows stay in {journal_path}." if journal_path.exists() else ""
     lines = [
@@ -48,13 +53,13 @@ def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_pa
     raise ShardFailedError("\n".join(lines))
 
 
-def turn_counts(convs: list[Conversation]) -> dict[str, Any]:
+def turn_counts(convs: list[Conversation], reads_calls: bool = False) -> dict[str, Any]:
     """What ``turns: all`` made of a shard's conversations: how many turns each got, how many became
     per-turn samples, and how many ended before their last answer (the row's ``error`` says why)."""
     by_count: dict[str, int] = {}
     for conv in convs:
         by_count[str(len(conv.turns))] = by_count.get(str(len(conv.turns)), 0) + 1
-    return {
+    counts = {
         "conversations": len(convs),
         "turns": sum(len(c.turns) for c in convs),
         "per_turn": sum(c.per_turn for c in convs),
@@ -62,6 +67,13 @@ def turn_counts(convs: list[Conversation]) -> dict[str, Any]:
         "ended_early": sum(0 < len(c.turns) < len(c.slots) for c in convs),
         "by_count": dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
     }
+    if reads_calls:  # model.tool_call_parser: turns whose calls were the dataset's, so the conversation
+        # went on; conversations that ended on calls that were not, with examples
+        mismatched = [c for c in convs if (c.error or "").startswith(R.TOOL_CALL_MISMATCH)]
+        counts[R.STAT_TOOL_CALLS_MATCHED] = sum(t.tool_calls == "matched" for c in convs for t in c.turns)
+        counts[R.TOOL_CALL_MISMATCH] = len(mismatched)
+        counts["tool_call_mismatch_examples"] = [c.error for c in mismatched[:3]]
+    return counts
 
 
 def shard_stats(
@@ -77,10 +89,6 @@ def shard_stats(
     cfg = plan.config
     sp = plan.sources[source]
     output_tokens = sum(r["n_output_tokens"] for r in rows)
-
-    def count(*reasons: str) -> int:
-        return sum(r["finish_reason"] in reasons for r in rows)
-
     stats = {
         "stage": "generate",
         "source": source,
@@ -99,15 +107,7 @@ def shard_stats(
             else {"id": lease.gpu, "node_gpu": lease.node_id, "port": lease.port, "via": lease.source},
         },
         "scheduler_job": gpus.scheduler_job(),  # e.g. SLURM_JOB_ID: which allocation wrote this shard
-        R.STAT_INPUT_ROWS: len(rows),
-        R.STAT_OK: count(R.FINISH_STOP),
-        R.STAT_TRUNCATED: count(R.FINISH_LENGTH),
-        R.STAT_WINDOW: count(R.FINISH_WINDOW),
-        R.STAT_ERROR: count(R.FINISH_ERROR, R.FINISH_ABORT),
-        R.STAT_SKIPPED: count(R.FINISH_SKIPPED),
-        R.STAT_OUTSIDE_WINDOW: sum(
-            r["finish_reason"] == R.FINISH_SKIPPED and (r["error"] or "").startswith(R.OUTSIDE_WINDOW) for r in rows
-        ),
+        **outcomes(rows),
         R.STAT_RESUMED_TURNS: resumed_turns,
         R.STAT_PROMPT_TOKENS: sum(r["n_prompt_tokens"] for r in rows),
         R.STAT_OUTPUT_TOKENS: output_tokens,
@@ -122,6 +122,22 @@ def shard_stats(
     if accounted != stats[R.STAT_INPUT_ROWS]:
         raise RuntimeError(f"{source}/{shard}: {accounted} rows accounted for, {len(rows)} in the shard")
     return stats
+
+
+def outcomes(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Rows by how they ended, and of the skipped ones those a selection left out (the window, copies)."""
+    finish = Counter(r["finish_reason"] for r in rows)
+    selections = Counter(R.selection_of(r["finish_reason"], r["error"]) for r in rows)
+    return {
+        R.STAT_INPUT_ROWS: len(rows),
+        R.STAT_OK: finish[R.FINISH_STOP],
+        R.STAT_TRUNCATED: finish[R.FINISH_LENGTH],
+        R.STAT_WINDOW: finish[R.FINISH_WINDOW],
+        R.STAT_ERROR: finish[R.FINISH_ERROR] + finish[R.FINISH_ABORT],
+        R.STAT_SKIPPED: finish[R.FINISH_SKIPPED],
+        R.STAT_OUTSIDE_WINDOW: selections[R.STAT_OUTSIDE_WINDOW],
+        R.STAT_CROSS_SOURCE: selections[R.CROSS_SOURCE_DUPLICATE] + selections[R.CROSS_SOURCE_NEAR_DUPLICATE],
+    }
 
 
 def error_summary(rows: list[dict[str, Any]]) -> dict[str, int]:

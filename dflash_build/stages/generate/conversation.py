@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_build import toolcalls
 from dflash_build.stages import chat
+from dflash_build.store import records as R
 
 
 @dataclass
@@ -21,6 +23,7 @@ class Turn:
     reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
     continued: bool = False  # the engine extended the reused (truncated) answer
     history_retokenized: bool = False  # the prompt holds earlier answers as text the template wrote
+    tool_calls: str | None = None  # a tool conversation's turn: "matched" the dataset's calls, or "mismatched"
 
     @property
     def generated_ids(self) -> list[int]:
@@ -88,8 +91,52 @@ class Renderer:
     """Prompt ids for each turn of a conversation, never re-tokenizing generated ids but the history
     text a template rewrites (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any], turn_samples: str = "auto") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        template_kwargs: dict[str, Any],
+        turn_samples: str = "auto",
+        tool_call_parser: str | None = None,
+        tool_match: str = "arguments",
+    ) -> None:
         self.tokenizer, self.kwargs, self.turn_samples = tokenizer, template_kwargs, turn_samples
+        self.parser, self.tool_match = tool_call_parser, tool_match
+
+    def reads_calls(self, conv: Conversation) -> bool:
+        """Whether this conversation's answers are read for tool calls (a parser, and tools declared)."""
+        return self.parser is not None and bool(conv.tools)
+
+    def answer_message(self, conv: Conversation, turn: Turn) -> dict[str, Any]:
+        """A regenerated answer as the next prompt's history holds it: its text, or, in a tool
+        conversation, what a server hands the agent: the text before its calls and the calls, structured
+        (the template writes them as it writes calls)."""
+        text = self.decode(turn.output_ids)
+        if self.parser is None or not self.reads_calls(conv):
+            return {"role": "assistant", "content": text}
+        content, parsed = toolcalls.read_answer(self.parser, text, conv.tools)
+        calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+    def end_on_mismatch(self, conv: Conversation) -> None:
+        """After a turn of a tool conversation with more to come: go on when its calls are the dataset's
+        at that point (the dataset's results follow), else end the conversation after it (counted as
+        tool_call_mismatch; the turn stays a sample)."""
+        if self.parser is None or not self.reads_calls(conv) or conv.finish_reason is not None:
+            return
+        turn, slot = conv.turns[-1], conv.slots[len(conv.turns) - 1]
+        theirs = conv.messages[slot].get("tool_calls") or [] if slot < len(conv.messages) else []
+        _, parsed = toolcalls.read_answer(self.parser, self.decode(turn.output_ids), conv.tools)
+        if toolcalls.same_calls(parsed.calls, theirs, self.tool_match):
+            turn.tool_calls = "matched" if theirs else None
+            return
+        turn.tool_calls = "mismatched"
+        ours = [c.name for c in parsed.calls] or "text"
+        wanted = [t["function"]["name"] for t in theirs] or "text"
+        conv.finish(
+            turn.finish_reason,
+            f"{R.TOOL_CALL_MISMATCH}: turn {len(conv.turns) - 1} answered {ours} where the dataset has {wanted} "
+            f"(tool_match: {self.tool_match})",
+        )
 
     def kwargs_of(self, conv: Conversation) -> dict[str, Any]:
         return {**self.kwargs, **(conv.template_kwargs or {})}
@@ -99,7 +146,7 @@ class Renderer:
         slot = conv.slots[len(conv.turns)]
         messages = [dict(m) for m in conv.messages[:slot]]
         for turn, s in zip(conv.turns, conv.slots, strict=False):
-            messages[s] = {"role": "assistant", "content": self.decode(turn.output_ids)}
+            messages[s] = self.answer_message(conv, turn)
         return messages
 
     def decode(self, ids: list[int]) -> str:

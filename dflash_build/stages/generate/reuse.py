@@ -4,20 +4,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_build import keys
 from dflash_build.engines import Result
+from dflash_build.plan import planned_components
 from dflash_build.stages.generate.conversation import Conversation
 from dflash_build.stages.generate.work import ShardWork, apply_result, fits_context, journal_row
 from dflash_build.store import records as R
 from dflash_build.store.journal import Journal
-from dflash_build.store.rowindex import RowIndex
+from dflash_build.store.rowindex import Candidate, RowIndex
 
 log = logging.getLogger(__name__)
 
@@ -33,37 +36,28 @@ def reuse(work: ShardWork, journal: Journal) -> int:
     with RowIndex.open(store, sync=None) as index:  # the build's start synced it with the store
         found = index.lookup(sp.reuse_key, pending, limit)
         count = 0
-        for path, cands in _by_file(found.values()).items():
-            try:
-                rows = _rows_of(store / path, cands, ["prompt_ids", "output_ids", "stop_token_id", "finish_reason"])
-            except (OSError, pa.ArrowException, IndexError) as e:
-                log.warning("index points at unreadable %s (%s): dropping its entries", store / path, e)
-                index.remove_shard(store / path)
+        columns = ["prompt_ids", "output_ids", "stop_token_id", "finish_reason"]
+        for cand, old, origin in _earlier_rows(store, index, found.values(), columns):
+            conv = work.convs[(cand.prompt_id, cand.sample_idx)]
+            ids = work.renderer.next_context(conv)
+            if ids != old["prompt_ids"]:
+                continue  # rendered differently (should not happen under one reuse_key): generate it
+            budget = work.budget(len(ids))
+            if not fits_context(len(ids), budget, work.context) or work.plan.config.trainer.leaves_too_little(budget):
+                continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
+            output = list(old["output_ids"])
+            use = cand.use_for(budget)
+            if use == "continue":
+                conv.prefix, conv.prefix_from = output, origin  # the engine generates the rest
                 continue
-            origin = f"{Path(path).parent.name}/{Path(path).stem}"
-            for cand, old in zip(cands, rows, strict=True):
-                conv = work.convs[(cand.prompt_id, cand.sample_idx)]
-                ids = work.renderer.next_context(conv)
-                if ids != old["prompt_ids"]:
-                    continue  # rendered differently (should not happen under one reuse_key): generate it
-                budget = work.budget(len(ids))
-                if not fits_context(len(ids), budget, work.context) or work.plan.config.trainer.leaves_too_little(
-                    budget
-                ):
-                    continue  # a fresh build skips it, so reuse does too (next_requests records the skip)
-                output = list(old["output_ids"])
-                use = cand.use_for(budget)
-                if use == "continue":
-                    conv.prefix, conv.prefix_from = output, origin  # the engine generates the rest
-                    continue
-                if use == "whole":
-                    result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
-                else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
-                    result = Result(conv.prompt_id, conv.sample_idx, output[:budget], work.ran_out(budget))
-                turn = apply_result(conv, ids, result)
-                turn.reused_from = origin
-                journal.append(journal_row(conv, turn))
-                count += 1
+            if use == "whole":
+                result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, old["stop_token_id"])
+            else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
+                result = Result(conv.prompt_id, conv.sample_idx, output[:budget], work.ran_out(budget))
+            turn = apply_result(conv, ids, result)
+            turn.reused_from = origin
+            journal.append(journal_row(conv, turn))
+            count += 1
         journal.sync()
         if count:
             log.info("%s: %d rows reused from earlier completions", work.label, count)
@@ -80,19 +74,20 @@ def reuse_conversations(work: ShardWork, journal: Journal) -> int:
         return 0
     store = work.plan.config.store
     count = 0
+
+    @functools.cache
+    def tool_settings(gen_key: str) -> Any:
+        """The tool-call settings an earlier row was generated under (its key's recorded components)."""
+        components = planned_components(store, gen_key)
+        return "unknown" if components is None else components.get(keys.TOOL_CALLS)
+
     with RowIndex.open(store, sync=None) as index:
         found = index.lookup(sp.conversation_reuse_key, pending, sp.spec.sampling.max_new_tokens)
-        for path, cands in _by_file(found.values()).items():
-            try:
-                rows = _rows_of(store / path, cands, ["turns", "per_turn", "error"])
-            except (OSError, pa.ArrowException, IndexError) as e:
-                log.warning("index points at unreadable %s (%s): dropping its entries", store / path, e)
-                index.remove_shard(store / path)
-                continue
-            origin = f"{Path(path).parent.name}/{Path(path).stem}"
-            for cand, old in zip(cands, rows, strict=True):
-                conv = work.convs[(cand.prompt_id, cand.sample_idx)]
-                count += _replay_turns(work, conv, old, origin, journal)
+        for cand, old, origin in _earlier_rows(store, index, found.values(), ["turns", "per_turn", "error"]):
+            conv = work.convs[(cand.prompt_id, cand.sample_idx)]
+            if conv.tools and tool_settings(cand.gen_key) != sp.gen_components.get(keys.TOOL_CALLS):
+                continue  # where a tool conversation went on was decided otherwise
+            count += _replay_turns(work, conv, old, origin, journal)
     journal.sync()
     if count:
         log.info("%s: %d conversations reused from earlier completions", work.label, count)
@@ -118,7 +113,7 @@ def _replay_turns(work: ShardWork, conv: Conversation, old: dict[str, Any], orig
             turn["stop_token_id"],
             old["error"] if last and turn["finish_reason"] != R.FINISH_STOP else None,
         )
-        applied = apply_result(conv, ids, result)
+        applied = work.apply(conv, ids, result)
         applied.reused_from = origin if k == 0 else None
         journal.append(journal_row(conv, applied))
     return int(bool(conv.turns))
@@ -136,14 +131,21 @@ def _whole_prompts(row: dict[str, Any]) -> list[list[int]]:
     return prompts
 
 
-def _by_file(cands: Iterable[Any]) -> dict[str, list[Any]]:
-    by_file: dict[str, list[Any]] = {}
-    for cand in cands:
+def _earlier_rows(
+    store: Path, index: RowIndex, found: Iterable[Candidate], columns: list[str]
+) -> Iterator[tuple[Candidate, dict[str, Any], str]]:
+    """(candidate, its row's ``columns``, "gen_key/shard" it comes from), shard by shard; a shard the
+    index names but that cannot be read is dropped from the index (the rows are generated instead)."""
+    by_file: dict[str, list[Candidate]] = {}
+    for cand in found:
         by_file.setdefault(cand.path, []).append(cand)
-    return by_file
-
-
-def _rows_of(path: Path, cands: list[Any], columns: list[str]) -> list[dict[str, Any]]:
-    """The rows the index names in one completion shard, in the candidates' order."""
-    table = pq.read_table(path, columns=columns)
-    return table.take(pa.array([c.row for c in cands], type=pa.int64())).to_pylist()
+    for path, cands in by_file.items():
+        try:
+            table = pq.read_table(store / path, columns=columns)
+            rows = table.take(pa.array([c.row for c in cands], type=pa.int64())).to_pylist()
+        except (OSError, pa.ArrowException, IndexError) as e:
+            log.warning("index points at unreadable %s (%s): dropping its entries", store / path, e)
+            index.remove_shard(store / path)
+            continue
+        origin = f"{Path(path).parent.name}/{Path(path).stem}"
+        yield from ((cand, old, origin) for cand, old in zip(cands, rows, strict=True))

@@ -98,6 +98,13 @@ class ShardWork:
         """New tokens an answer after ``prompt_tokens`` may have (the window's rule: TrainerSpec.budget)."""
         return self.plan.config.trainer.budget(self.spec.sampling.max_new_tokens, prompt_tokens)
 
+    def apply(self, conv: Conversation, context_ids: list[int], result: Result) -> Turn:
+        """Record one answer (:func:`apply_result`); a tool conversation whose calls are not the dataset's
+        ends after it (:meth:`Renderer.end_on_mismatch`)."""
+        turn = apply_result(conv, context_ids, result)
+        self.renderer.end_on_mismatch(conv)
+        return turn
+
     def ran_out(self, budget: int) -> str:
         """How an answer that used up ``budget`` ended: at the trainer's window when the window made the
         budget shorter than max_new_tokens, else truncated."""

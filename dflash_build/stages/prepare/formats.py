@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dflash_build import toolcalls
 from dflash_build.spec import FORMAT_FIELDS, SourceSpec
 from dflash_build.stages.prepare.drops import (
     DROP_EMPTY_CONTENT,
@@ -150,10 +151,14 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
         if role == "assistant":
             if spec.turns == "first":
                 break  # the target model answers from here on
-            # turns: all regenerates this answer; the source's content is never shown to the model
-            messages.append({"role": "assistant", "content": ""})
+            # turns: all regenerates this answer; the source's content is never shown to the model, its
+            # calls are kept: a regenerated turn is compared with them (to_prompt keeps them with tools)
+            calls = toolcalls.dataset_calls(turn.get("tool_calls"), _field(turn, spec, "content", required=False))
+            messages.append({"role": "assistant", "content": "", **({"tool_calls": calls} if calls else {})})
             continue
         content = _field(turn, spec, "content", required=role != "system")
+        if role == "tool" and spec.turns == "all" and isinstance(content, str):
+            content = toolcalls.unwrap_response(content)
         if role == "system" and (content is None or (isinstance(content, str) and not content.strip())):
             continue  # an empty system turn says nothing (Nemotron v2 has one on every row)
         messages.append({"role": role, "content": _text(content)})
@@ -235,6 +240,8 @@ def to_prompt(row: Any, spec: SourceSpec) -> Conversation:
     if not isinstance(row, Mapping):
         raise Drop(DROP_MALFORMED, f"row is {type(row).__name__}, not an object")
     messages, tools = FORMATS[spec.format](row, spec)
+    if tools is None:  # a call no tool declares is nothing a turn can be compared with
+        messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
     if not any(m["role"] == "user" for m in messages):
         raise Drop(DROP_NO_USER_TURN)
     chars = sum(len(m["content"]) for m in messages if m["role"] != "assistant")
