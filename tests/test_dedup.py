@@ -332,6 +332,8 @@ def test_a_prompt_several_sources_hold_is_generated_once_by_the_source_ranked_fi
         for reason, n in json.loads(f.read_text())["dropped"].items():
             dropped[reason] = dropped.get(reason, 0) + n
     assert dropped == {crosssource.CROSS_DUPLICATE: 4, crosssource.CROSS_NEAR_DUPLICATE: 1}
+    generation = manifest["report"]["by_source"]["code_b"]["generation"]
+    assert generation["cross_source"] == 5 and generation["error_rate"] == 0.0, "a skipped copy is no failure"
     card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
     assert "## Removed rows" in card and "cross_source_duplicate 4" in card
     assert (wf.workdir / "dist" / "test-mix" / "plots" / "prompt_removals_by_source.png").exists()

@@ -102,7 +102,8 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         if R.STAT_TURNS in stats:
             turns = _add_turns(turns, stats[R.STAT_TURNS])
         for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED,
-                    R.STAT_REUSED, R.STAT_CONTINUED, R.STAT_GENERATED):  # fmt: skip
+                    R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE, R.STAT_REUSED, R.STAT_CONTINUED,
+                    R.STAT_GENERATED):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
         # a restored shard's sidecar keeps the numbers of the one run that generated it
         seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
@@ -116,9 +117,11 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
             k: total[k]
             for k in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED)
         },
+        # of the skipped rows, those a selection left out (the window, another source's copies): no failure
+        **{k: total[k] for k in (R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE) if total[k]},
         "truncation_rate": round(total[R.STAT_TRUNCATED] / rows, 6) if rows else 0.0,
         "window_rate": round(total[R.STAT_WINDOW] / rows, 6) if rows else 0.0,  # ended at trainer.max_length
-        "error_rate": round((total[R.STAT_ERROR] + total[R.STAT_SKIPPED]) / rows, 6) if rows else 0.0,
+        "error_rate": round(R.failed_rows(total) / rows, 6) if rows else 0.0,
         "reuse_rate": round((total[R.STAT_REUSED] + total[R.STAT_CONTINUED]) / rows, 6) if rows else 0.0,
         "job_hours": round(wall / 3600, 4),
         "gpu_hours": round(wall / 3600 * gpus_per_job, 4),
@@ -168,7 +171,7 @@ def tables(plan: Plan, tally: Tally) -> dict[str, dict[str, dict[str, Any]]]:
             "completion_length": length_stats(lengths),
             "truncation_rate": round(sum(g[R.STAT_TRUNCATED] for g in gens) / rows, 6) if rows else 0.0,
             "window_rate": round(sum(g[R.STAT_WINDOW] for g in gens) / rows, 6) if rows else 0.0,
-            "error_rate": round(sum(g[R.STAT_ERROR] + g[R.STAT_SKIPPED] for g in gens) / rows, 6) if rows else 0.0,
+            "error_rate": round(sum(R.failed_rows(g) for g in gens) / rows, 6) if rows else 0.0,
             "gpu_hours": round(sum(g["gpu_hours"] for g in gens), 4),
         }
     return {"by_source": by_source, "by_category": by_category}

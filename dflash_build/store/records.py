@@ -109,6 +109,14 @@ CROSS_SOURCE_DUPLICATE = "cross_source_duplicate"
 CROSS_SOURCE_NEAR_DUPLICATE = "cross_source_near_duplicate"
 
 
+def failed_rows(stats: dict[str, Any]) -> int:
+    """A generate sidecar's (or a sum of them) rows that could not be generated: errors, aborts and rows
+    skipped over the context; the rows a selection left out (the window, another source's copies) are
+    none of them."""
+    selected_out = stats.get(STAT_OUTSIDE_WINDOW, 0) + stats.get(STAT_CROSS_SOURCE, 0)
+    return int(stats.get(STAT_ERROR, 0) + stats.get(STAT_SKIPPED, 0) - selected_out)
+
+
 def selection_of(finish_reason: str, error: str | None) -> str | None:
     """Which selection left a skipped row out (outside_window, or a cross-source reason), or None for a
     row that was not skipped, or was skipped for another reason (over the context: a failure)."""

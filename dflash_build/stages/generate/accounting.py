@@ -25,10 +25,9 @@ def check_failures(stats: dict[str, Any], max_failed_fraction: float, journal_pa
     context. Rows outside the trainer's window and copies another source keeps are a selection and never
     count."""
     window = stats.get(R.STAT_OUTSIDE_WINDOW, 0)
-    selected_out = window + stats.get(R.STAT_CROSS_SOURCE, 0)
-    rows = stats[R.STAT_INPUT_ROWS] - selected_out
-    over_context = stats[R.STAT_SKIPPED] - selected_out
-    failed = stats[R.STAT_ERROR] + over_context
+    failed = R.failed_rows(stats)
+    rows = stats[R.STAT_INPUT_ROWS] - window - stats.get(R.STAT_CROSS_SOURCE, 0)
+    over_context = failed - stats[R.STAT_ERROR]
     if rows <= 0 or failed / rows <= max_failed_fraction:
         return
     reasons = [
