@@ -271,18 +271,12 @@ def _cross_source(
         elif sp.spec.hf is None or sp.spec.hf.is_local:
             selections[name] = selections.get(name) or select(plan, name)
             prompts[name] = selections[name].selected
-    priority = plan.config.dedup.source_priority(prompts)
     copies = {}
     for name, sp in plan.sources.items():
-        group = [n for n in (*sp.above, name) if n in prompts]
-        if name in prompts and len(group) > 1:
-            part = crosssource.resolve(
-                [n for n in priority if n in group],
-                {n: prompts[n] for n in group},
-                None if bands is None else {n: bands[n] for n in group},
-            )
-            copies[name] = {f"{int(i):016x}" for i in part.dropped[name]}
-    return crosssource.resolve(priority, prompts, bands), copies
+        if name in prompts and any(a in prompts for a in sp.above):
+            skipped = crosssource.against_ranked(plan, name, prompts, bands).dropped[name]
+            copies[name] = {f"{int(i):016x}" for i in skipped}
+    return crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, bands), copies
 
 
 def _cross_source_cost(estimates: list[SourceEstimate], cross: crosssource.CrossSource | None) -> None:

@@ -155,8 +155,27 @@ def skipped_copies(job: Job, shard_ids: list[str]) -> dict[str, str]:
             shards = [layout.shard_file(manifest.parent, s) for s in plan.sources[source].shards]
             prompts[source] = _ids_of(shards)
         prompts[name] = hashing.hex_to_u64(pa.array(sorted(shard_ids)))
-    cross = resolve(plan.config.dedup.source_priority(prompts), prompts, bands, explain=name)
+    cross = against_ranked(plan, name, prompts, bands, explain=True)
     return {pid: cross.reasons[pid] for pid in shard_ids if pid in cross.reasons}
+
+
+def against_ranked(
+    plan: Plan,
+    name: str,
+    prompts: dict[str, np.ndarray],
+    bands: dict[str, np.ndarray] | None,
+    explain: bool = False,
+) -> CrossSource:
+    """The rule for one source against the sources listed before it (``plan.ranked_above``): its
+    ``dropped`` are the prompts its generate jobs skip. ``prompts`` and ``bands`` may hold more sources;
+    a ranked source missing from them (not known yet) is left out. ``explain``: each copy's reason."""
+    group = [n for n in (*plan.sources[name].above, name) if n in prompts]
+    return resolve(
+        plan.config.dedup.source_priority(group),
+        {n: prompts[n] for n in group},
+        None if bands is None else {n: bands[n] for n in group},
+        explain=name if explain else None,
+    )
 
 
 def _ids_of(shards: list[Path]) -> np.ndarray:
