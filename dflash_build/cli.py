@@ -79,6 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     window = plan.config.trainer.max_length if total else None
     if window is not None:
         print(_window_line(window, estimates, hours / tokens if tokens else 0.0))
+    if plan.config.trainer.max_length is not None:
+        print(_outside_window_line(plan.config.trainer.max_length, estimates))
     print(disk.line())
     for line in release.pending(plan.config.dist_folders):
         print(line)
@@ -109,6 +111,19 @@ def _window_line(window: int, estimates: list[estimate.SourceEstimate], hours_pe
         f"skipped; without it {without:.0f} tokens, {without * hours_per_token:.2f} GPU-hours, of which "
         f"{past:.0f} tokens past the window (the trainer cuts them) and {dropped:.0f} rows dropped at "
         "max_new_tokens (truncated: drop)"
+    )
+
+
+def _outside_window_line(window: int, estimates: list[estimate.SourceEstimate]) -> str:
+    """The prepared prompts trainer.max_length leaves out, per source and turn position, rendered before
+    any GPU time."""
+    found = [e.outside_window for e in estimates if e.outside_window is not None]
+    head = f"outside trainer.max_length {window}"
+    if not found:
+        return f"{head}: counted by turn position once a source is prepared"
+    bound = "; + = at least, the target's answers not written yet" if any(w.lower_bound for w in found) else ""
+    return (
+        f"{head} (skipped at turn 0, a conversation ended at a later turn{bound}): {'; '.join(w.line() for w in found)}"
     )
 
 

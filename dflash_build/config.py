@@ -110,6 +110,7 @@ def _source(
         max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
         turn_samples=_turn_samples(raw, key),
         tool_match=_tool_match(raw, key),
+        history=_history(raw, key),
         chat_template_kwargs_from=_kwargs_from(raw["chat_template_kwargs_from"], key),
         languages=_languages(raw["languages"], f"{key}.languages"),
         weight=raw["weight"],
@@ -148,6 +149,20 @@ def _tool_match(raw: Mapping[str, Any], key: str) -> str:
     if "tool_match" in raw and raw["turns"] != "all":
         raise ConfigError(f"{key}.tool_match", "applies to turns: all only (turns: first answers the first turn only)")
     return str(raw.get("tool_match", "arguments"))
+
+
+def _history(raw: Mapping[str, Any], key: str) -> str:
+    if "history" not in raw:
+        return "regenerated"
+    if raw["turns"] != "all":
+        raise ConfigError(f"{key}.history", "applies to turns: all only (turns: first has no history to regenerate)")
+    if raw["history"] == "source" and raw.get("turn_samples") == "sequence":
+        raise ConfigError(
+            f"{key}.turn_samples",
+            "history: source prompts each turn on the dataset's history, so each turn is a sample of its own: "
+            "per_turn or auto",
+        )
+    return str(raw["history"])
 
 
 def _turn_samples(raw: Mapping[str, Any], key: str) -> str:

@@ -167,6 +167,11 @@ CONFIG_FIELDS: dict[str, Decision] = {
         GEN, "how later turns are prompted: the engine's ids in one sequence, or the template's render of the history"
     ),
     "sources.*.tool_match": _d(GEN, "turns: all with a tool_call_parser: whether a tool conversation goes on"),
+    "sources.*.history": _d(
+        PROMPT,
+        "turns: all: source keeps the dataset's answers in the prompts (each turn's history); a gen component "
+        "too, so a conversation is reused only under the same history",
+    ),
     "sources.*.chat_template_kwargs_from": _d(PROMPT, "each row's kwargs are a column of its prompt and in its id"),
     "sources.*.max_samples": _d(PROMPT, "which prompts are kept"),
     "sources.*.weight": _d(None, "how far down its shards a source is generated (mix.generate: as_needed)"),

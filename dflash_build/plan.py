@@ -329,6 +329,9 @@ def _gen_components(
     if spec.turns == "all":
         # how later turns are prompted; absent for turns: first, whose rows it does not change
         gen_components["turn_samples"] = spec.turn_samples
+        if spec.history != "regenerated":
+            # whose answers later turns follow; in the conversations' reuse key, which leaves out the prompts
+            gen_components["history"] = spec.history
         if config.model.tool_call_parser is not None:
             # where a tool conversation goes on; a conversation without tools is reused across it
             gen_components[keys.TOOL_CALLS] = {"parser": config.model.tool_call_parser, "match": spec.tool_match}

@@ -75,6 +75,10 @@ TOOL_MATCHES = ("arguments", "name")
 # next prompt); per_turn: one sample per turn, its prompt the template's own render of the history so
 # far; auto: sequence while the template is prefix-stable for the conversation, else per_turn.
 TURN_SAMPLES = ("auto", "sequence", "per_turn")
+# Whose earlier answers a later turn of ``turns: all`` is prompted on. regenerated: the target's own
+# (a tool conversation goes on while its calls are the dataset's); source: the dataset's, as it has
+# them, so every assistant turn is a sample on its own history, whatever the target answered before.
+HISTORIES = ("regenerated", "source")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class SourceSpec:
     languages: tuple[str, ...] | None = None  # keep only prompts in these languages (dflash_build.language)
     weight: float | None = None  # mix.generate as_needed: share of its category's target (None: by supply)
     tool_match: str = "arguments"  # turns: all with tools: when a regenerated turn's calls are the dataset's
+    history: str = "regenerated"  # turns: all only; see HISTORIES
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -133,6 +138,8 @@ class SourceSpec:
             # turns: all keeps the dataset's tool calls in its answer slots (what a regenerated turn is
             # compared with) and its tool results without their <tool_response> wrapper
             **({"tool_turns": TOOL_TURNS} if self.turns == "all" else {}),
+            # history: source keeps the dataset's answers in the prompts (each later turn's history)
+            **({"history": self.history} if self.history != "regenerated" else {}),
         }
 
 

@@ -264,6 +264,12 @@ def dataset_calls(structured: Any, text: Any) -> list[dict[str, Any]]:
     return calls
 
 
+def answer_text(structured: Any, text: str) -> str:
+    """A dataset's assistant turn's text as history holds it beside its calls: without the
+    ``<tool_call>`` blocks its calls were read from (the template writes the calls themselves)."""
+    return text if isinstance(structured, list) else _ANY_CALL.sub("", text).strip()
+
+
 def _literal(text: str) -> Any:
     """JSON, else a Python literal, else the text itself."""
     try:

@@ -7,7 +7,9 @@ alone and rerun nothing.
 
 # 2: empty system turns no longer drop a row; Hermes tools found past a prose mention of <tools> and in
 # Python-literal blocks; a UTF-8 BOM no longer costs the first row; invalid UTF-8 costs only its row.
-PREP_VERSION = 2
+# 3: tool schemas lose null-valued keys (a dataset stored as Arrow structs writes other tools' property
+# names as null).
+PREP_VERSION = 3
 # The words near-duplicate removal and decontamination compare (stages/words.py), in the prompt key of a
 # source only when one of those filters is on. 2: a character of a script written without spaces (Han,
 # Kana, Thai, ...) is a word of its own. English text splits as before; its keys change once, and the row

@@ -12,6 +12,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ class StandIn:
     faults_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: http.server.ThreadingHTTPServer | None = None
+    respond: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # a scripted answer in place of answer()
 
     @property
     def url(self) -> str:
@@ -86,7 +88,7 @@ class StandIn:
                     return
                 faulty = standin.fault is not None and standin.first <= n and (not standin.last or n <= standin.last)
                 if not faulty:
-                    self._send(200, json.dumps(answer(body)).encode())
+                    self._send(200, json.dumps((standin.respond or answer)(body)).encode())
                     return
                 with standin.lock:
                     standin.faults_sent += 1

@@ -440,3 +440,19 @@ def test_the_trainer_window_keys_generation_only_when_set_and_is_the_exports_def
     assert exports["conversations"].max_length is None
     with pytest.raises(ConfigError, match=r"trainer\.min_new_tokens"):
         build(edit(raw, "trainer", {"max_length": 64, "min_new_tokens": 64}), tmp_path)
+
+
+def test_history_needs_turns_all_and_per_turn_samples(tmp_path: Path) -> None:
+    for source, key in (
+        ({"history": "source"}, "sources.s.history"),
+        ({"turns": "all", "history": "source", "turn_samples": "sequence"}, "sources.s.turn_samples"),
+    ):
+        raw = {
+            "model": {"path": "m"},
+            "sources": {"s": {"category": "c", "format": "messages", "files": ["f.jsonl"], **source}},
+        }
+        raw["mix"] = {"categories": {"c": 1}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+        with pytest.raises(ConfigError) as e:
+            cfg.load(tmp_path / "c.yaml")
+        assert e.value.key == key, e.value

@@ -282,6 +282,7 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "sources.*.sampling": (_source("sampling", {"temperature": 0.33}), keys.GEN),
     "model.tool_call_parser": (_tool_call_parser, keys.GEN),
     "sources.*.tool_match": (_tool_match, keys.GEN),
+    "sources.*.history": (_source("history", "source"), keys.PROMPT),
     "sources.*.chat_template_kwargs": (_source("chat_template_kwargs", {"enable_thinking": True}), keys.GEN),
     "sources.*.max_drop_fraction": (_source("max_drop_fraction", 0.9), None),
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,12 @@ from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.killpoints import KILL_AT_ENV
+from dflash_build.ops import window as turn_window
 from dflash_build.spec import ConfigError
 from dflash_build.stages import export, generate, mix, prepare, tokenize
 from dflash_build.stages.job import planned
-from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, write_jsonl
+from dflash_build.store import records as R
+from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"
 NEMOTRON = REPO / "tests" / "data" / "upstream" / "nemotron-post-training-v2"
@@ -108,6 +111,7 @@ def _plan(
     source: dict[str, Any],
     template: Path = QWEN3_TEMPLATE,
     model_settings: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> plan_mod.Plan:
     tmp_path.mkdir(exist_ok=True)
     raw = {
@@ -118,6 +122,7 @@ def _plan(
         "sources": {"s": {"category": "c", "turns": "all", **source}},
         "mix": {"categories": {"c": 1}},
         "truncated": "drop",
+        **extra,
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))
@@ -455,17 +460,21 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
     from transformers import AutoTokenizer
 
     write_jsonl(tmp_path / "chat.jsonl", SHAREGPT_ROWS)
+    write_jsonl(tmp_path / "tools.jsonl", TOOL_ROWS)
+    tools = {"category": "c", "format": "messages", "files": [str(tmp_path / "tools.jsonl")], "turns": "all"}
 
     def config(root: Path) -> dict[str, Any]:
         return {
             "store": str(root / "store"),
             "logs": str(root / "logs"),
             "dataset": {"name": "mt", "out": str(root / "dist")},
-            "model": {"path": str(gguf_path), "chat_template": str(QWEN3_TEMPLATE)},
+            "model": {"path": str(gguf_path), "chat_template": str(QWEN3_TEMPLATE), "tool_call_parser": "hermes"},
             "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 2, "threads": 2}},
             "sampling": {"max_new_tokens": 48, "temperature": 0.0, "seed": 0},
             "sources": {
                 "s": {"category": "c", "format": "sharegpt", "files": [str(tmp_path / "chat.jsonl")], "turns": "all"},
+                "tools": tools,
+                "tools_source": {**tools, "history": "source"},
             },
             "mix": {"categories": {"c": 1}},
             "truncated": "drop",
@@ -482,11 +491,18 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
     assert [(t["turn"], t["input_ids"], t["loss_mask"]) for t in tokens] == samples
     # the mix and the card count the per-turn samples and the turns per conversation
     manifest = json.loads((tmp_path / "whole" / "dist" / "mt" / "manifest.json").read_text())
-    assert manifest["rows"] == manifest["per_turn_samples"] == 3
     card = (tmp_path / "whole" / "dist" / "mt" / "README.md").read_text()
+    assert manifest["rows"] == manifest["per_turn_samples"], "every sample is one turn of a conversation"
+    # the tool conversations, both histories: no error row; history: source answers every assistant turn
+    for name in ("tools", "tools_source"):
+        for r in pq.read_table(whole.completion_dir(name) / "00000.parquet").to_pylist():
+            assert R.FINISH_ERROR not in [r["finish_reason"], *(t["finish_reason"] for t in r["turns"])]
+            assert r["error"] is None or r["error"].startswith(R.TOOL_CALL_MISMATCH), r["error"]
+            assert name == "tools" or len(r["turns"]) == 3
+    assert "| tools_source | 3 | 9 | 3 |" in card
     retokenized = sum(t["history_retokenized"] for t in row["turns"])
     assert "## Multi-turn conversations" in card
-    assert f"| s | 1 | 3 | 1 | {retokenized} | 0 | – | – | 3 turns: 1 |" in card, "no parser: no tool columns"
+    assert f"| s | 1 | 3 | 1 | {retokenized} | 0 | 0 | 0 | 3 turns: 1 |" in card
 
     root = tmp_path / "resumed"
     root.mkdir()
@@ -538,6 +554,8 @@ class ToolEngine(ThinkingEngine):
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         for r in requests:
+            if self.fail_after is not None and len(self.requests) >= self.fail_after:
+                raise RuntimeError("the engine died")
             self.requests.append(r)
             turn = self.tokenizer.decode(r.prompt_ids).count("<|im_start|>assistant") - 1
             answer = (
@@ -606,3 +624,216 @@ def test_a_tool_conversation_goes_on_while_the_targets_calls_are_the_datasets(
     )
     assert exported[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert exported[2] == {"role": "tool", "content": '{"temperature": 18}'}
+
+
+def test_history_source_regenerates_every_turn_on_the_datasets_own_history(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """history: source: every assistant turn is regenerated on the dataset's history up to it (its
+    answers, calls and results as the dataset has them), one sample per assistant turn, whatever the
+    target called before; a job that dies mid-conversation resumes to the same rows."""
+    write_jsonl(tmp_path / "tools.jsonl", TOOL_ROWS)
+    source = {"format": "messages", "files": [str(tmp_path / "tools.jsonl")], "history": "source"}
+    plan = _plan(tmp_path / "whole", tiny_model, source, model_settings={"tool_call_parser": "hermes"})
+    tok = _tokenizer(tiny_model)
+    engine = ToolEngine(tok)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: engine)
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
+    assert stats["error"] == 0 and stats["ok"] == 3 and stats["turns"]["turns"] == 9
+    assert stats["turns"]["tool_call_mismatch"] == 0, "no conversation ends on the target's calls"
+    assert stats["turns"]["tool_calls_matched"] == 1, "only Paris's first call is the dataset's"
+    prompts = _prompts(plan)
+    for row in _completions(plan):
+        assert row["error"] is None and row["per_turn"] is True and len(row["turns"]) == 3
+        messages = json.loads(prompts[row["prompt_id"]]["messages"])
+        assert messages[3] == {"role": "assistant", "content": "It is 18 degrees."}, "the dataset's answer is kept"
+        slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for k, (turn, sample) in enumerate(zip(row["turns"], tokenize.to_samples(row, "drop"), strict=True)):
+            text = tok.apply_chat_template(
+                messages[: slots[k]], tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
+            )
+            expected = tok(text, add_special_tokens=False)["input_ids"]
+            assert turn["context_ids"] == expected and sample[1] == expected + turn["output_ids"] + [STOP]
+    lyon = next(m for p in prompts.values() if "Lyon" in (m := json.loads(p["messages"]))[0]["content"])
+    assert lyon[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Lyon"}, "Lyon's call stays the dataset's"
+
+    resumed = _plan(tmp_path / "resumed", tiny_model, source, model_settings={"tool_call_parser": "hermes"})
+    dying = ToolEngine(tok, fail_after=4)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: dying)
+    with pytest.raises(RuntimeError, match="the engine died"):
+        generate.run(planned(resumed, "generate", "s", "00000"))
+    rerun = ToolEngine(tok)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: rerun)
+    stats = generate.run(planned(resumed, "generate", "s", "00000"))
+    assert stats["resumed_turns"] == 4 and len(rerun.requests) == 5
+    assert _completions(resumed) == _completions(plan), "resumed = uninterrupted, row for row"
+
+
+def test_a_tool_conversation_killed_mid_way_resumes_to_the_uninterrupted_rows(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """history: regenerated: replaying the journal applies the same match rule, so a conversation that
+    went on after a matched call, and one that ended on a mismatch, come out as without the kill."""
+    write_jsonl(tmp_path / "tools.jsonl", TOOL_ROWS)
+    source = {"format": "messages", "files": [str(tmp_path / "tools.jsonl")]}
+    settings = {"tool_call_parser": "hermes"}
+    tok = _tokenizer(tiny_model)
+    whole = _plan(tmp_path / "whole", tiny_model, source, model_settings=settings)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ToolEngine(tok))
+    generate.run(planned(whole, "generate", "s", "00000"))
+    plan = _plan(tmp_path / "resumed", tiny_model, source, model_settings=settings)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ToolEngine(tok, fail_after=4))
+    with pytest.raises(RuntimeError, match="the engine died"):
+        generate.run(planned(plan, "generate", "s", "00000"))
+    journaled = [json.loads(r) for r in (plan.journal_dir("s", "00000") / "rows.jsonl").read_text().splitlines()]
+    assert [r["turn"] for r in journaled] == [0, 0, 0, 1], "Paris mid-way after its matched call"
+    rerun = ToolEngine(tok)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: rerun)
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
+    assert stats["resumed_turns"] == 4 and len(rerun.requests) == 1
+    assert stats["turns"]["tool_call_mismatch"] == 2 and stats["turns"]["tool_calls_matched"] == 1
+    assert _completions(plan) == _completions(whole)
+
+
+PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _scripted(tok: Any) -> Any:
+    """A server's answers, as ToolEngine's: the first turn calls get_weather for Paris, later turns answer
+    in text (the turn is read from the prompt, so every request stands alone, as on a real server)."""
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body["prompt"]
+        text = tok.decode(prompt) if isinstance(prompt, list) else prompt
+        turn = text.count("<|im_start|>assistant") - 1
+        ids = tok(PARIS_CALL if turn == 0 else f"answer {turn}", add_special_tokens=False)["input_ids"]
+        ids = ids[: int(body["max_tokens"])]
+        return {
+            "choices": [{"token_ids": [*ids, STOP], "finish_reason": "stop"}],
+            "usage": {"completion_tokens": len(ids)},
+        }
+
+    return respond
+
+
+def _turn_prompts(row: dict[str, Any]) -> list[list[int]]:
+    """The whole prompt the server saw at each turn of a completion row, in either sample form."""
+    prompts, sequence = [], []
+    for t in row["turns"]:
+        generated = t["output_ids"] + ([t["stop_token_id"]] if t["stop_token_id"] is not None else [])
+        prompt = t["context_ids"] if row["per_turn"] else sequence + t["context_ids"]
+        prompts.append(prompt)
+        sequence = prompt + generated
+    return prompts
+
+
+@pytest.mark.workflow
+def test_tool_conversations_through_a_server_build_count_and_show_on_the_card(
+    tmp_path: Path, tiny_model: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built by Snakemake through the openai backend against a scripted stand-in server (the engine is not
+    under test): a conversation whose call matches the dataset's gets every turn regenerated, each prompt
+    the template's render of the history with the parsed call and the dataset's result; one whose call
+    differs ends after that turn, counted as tool_call_mismatch; history: source gives one sample per
+    assistant turn; the sidecars, the manifest and the card count them."""
+    from transformers import AutoTokenizer
+
+    from tests.standin_server import StandIn
+
+    write_jsonl(tmp_path / "tools.jsonl", TOOL_ROWS)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = TOOLS_TEMPLATE.read_text()
+    server = StandIn(model_id=str(tiny_model), respond=_scripted(tok)).start()
+    files = [str(tmp_path / "tools.jsonl")]
+    sources = {
+        "agent": {"category": "agent", "format": "messages", "files": files, "turns": "all"},
+        "trajectories": {
+            "category": "agent",
+            "format": "messages",
+            "files": files,
+            "turns": "all",
+            "history": "source",
+        },
+    }
+    config = base_config(tiny_model, sources, dedup={"across_sources": False})
+    config["model"]["tool_call_parser"] = "hermes"
+    config["engine"] = {"backend": "openai", "options": {"urls": [server.url], "concurrency": 2}}
+    config["sampling"].update(max_new_tokens=64)
+    try:
+        Workflow.at(tmp_path / "work", config).build()
+    finally:
+        server.stop()
+    monkeypatch.chdir(tmp_path / "work")
+    plan = plan_mod.build(cfg.load(tmp_path / "work" / "config.yaml"))
+    prompts = {r["prompt_id"]: r for r in pq.read_table(plan.prompt_dir("agent") / "00000.parquet").to_pylist()}
+    rows = {
+        json.loads(prompts[r["prompt_id"]]["messages"])[0]["content"]: r
+        for r in pq.read_table(plan.completion_dir("agent") / "00000.parquet").to_pylist()
+    }
+    paris = rows["Weather in Paris?"]
+    assert [len(rows[q]["turns"]) for q in ("Weather in Paris?", "Weather in Lyon?", "Is it warm in Paris?")] == [
+        3,
+        1,
+        1,
+    ]
+    assert rows["Weather in Lyon?"]["error"].startswith("tool_call_mismatch: turn 0")
+    messages = json.loads(prompts[paris["prompt_id"]]["messages"])
+    called = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    }
+    histories = [messages[:1], [messages[0], called, messages[2]], [messages[0], called, messages[2]]]
+    histories[2] += [{"role": "assistant", "content": "answer 1"}, messages[4]]
+    for history, prompt in zip(histories, _turn_prompts(paris), strict=True):
+        text = tok.apply_chat_template(history, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+        assert tok.decode(prompt) == text
+    assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in tok.decode(_turn_prompts(paris)[1])
+    stats = json.loads((plan.completion_dir("agent") / "00000.stats.json").read_text())["turns"]
+    assert (stats["tool_calls_matched"], stats["tool_call_mismatch"], stats["turns"]) == (1, 2, 5)
+    source_rows = pq.read_table(plan.completion_dir("trajectories") / "00000.parquet").to_pylist()
+    assert [len(r["turns"]) for r in source_rows] == [3, 3, 3] and all(r["error"] is None for r in source_rows)
+    tokens = pq.read_table(plan.token_dir("trajectories") / "00000.parquet").to_pylist()
+    assert len(tokens) == 9, "one sample per assistant turn"
+    manifest = json.loads((tmp_path / "work" / "dist" / "test-mix" / "manifest.json").read_text())
+    card = (tmp_path / "work" / "dist" / "test-mix" / "README.md").read_text()
+    assert manifest["per_turn_samples"] == 3 + 9
+    assert "| agent | 3 | 5 | 1 | 2 | 2 | 1 | 2 | 1 turns: 2, 3 turns: 1 |" in card
+    assert "| trajectories | 3 | 9 | 3 | 6 | 0 | 1 | 0 | 3 turns: 3 |" in card, "none ends on a mismatch"
+
+
+@pytest.mark.parametrize("history", ["source", "regenerated"])
+def test_plan_counts_by_turn_position_the_prompts_the_window_leaves_out_as_generate_does(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, history: str
+) -> None:
+    """Before any GPU time, plan renders each prepared prompt at each answer slot and counts it at the
+    first turn position that leaves fewer than trainer.min_new_tokens of trainer.max_length: exactly what
+    generate then skips (turn 0) or ends (later turns), never a failure; under history: regenerated a
+    later turn's count is a lower bound (the target's answers are not written yet)."""
+    long_question = _weather_row(
+        "Weather in Paris? " * 40, {"role": "assistant", "content": "", "tool_calls": [_call("Paris")]}
+    )
+    write_jsonl(tmp_path / "tools.jsonl", [*TOOL_ROWS, long_question])
+    tok = _tokenizer(tiny_model)
+    rows = [(r["messages"], [i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"]) for r in TOOL_ROWS]
+
+    def rendered(messages: list[dict[str, Any]]) -> int:
+        text = tok.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    first = [rendered(m[: s[0]]) for m, s in rows]
+    window = {"max_length": max(first) + 24 + 8, "min_new_tokens": 8}  # every first turn fits, with max_new_tokens
+    source = {"format": "messages", "files": [str(tmp_path / "tools.jsonl")], "history": history}
+    settings = {"tool_call_parser": "hermes"}
+    plan = _plan(tmp_path / "w", tiny_model, source, model_settings=settings, trainer=window)
+    [counted] = turn_window.turn_windows(plan)
+    assert counted.sampled == counted.rows == 4 and counted.lower_bound == (history == "regenerated")
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ToolEngine(tok))
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
+    assert stats["error"] == 0 and stats["skipped"] == counted.outside[0] == 1, "the long question, not a failure"
+    ended = Counter(len(r["turns"]) for r in _completions(plan) if "trainer.max_length" in (r["error"] or ""))
+    if history == "source":
+        assert counted.outside == ended and sum(ended.values()) >= 1, "what plan counted is what generate ended"
+    else:  # turn 0 is exact; a later turn's count holds for the conversations that get that far
+        assert "+" in counted.line()
+    assert counted.line().startswith("s turn 0: 1") and "of 4 prompts" in counted.line()

@@ -31,6 +31,7 @@ HUB_FIXTURES = {
     "BAAI/Infinity-Instruct": "infinity-instruct",
     "NousResearch/hermes-function-calling-v1": "hermes-function-calling-v1",
     "bigcode/self-oss-instruct-sc2-exec-filter-50k": "self-oss-instruct-sc2-exec-filter-50k",
+    "nebius/SWE-rebench-openhands-trajectories": "swe-rebench-openhands-trajectories",
 }
 # decontaminate's reference sets: stand-ins of the same layout (nothing of the benchmarks ships)
 REFERENCE_FIXTURES = {
@@ -174,6 +175,18 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
     turns = manifest["report"]["by_source"]["hermes-glaive"]["generation"]["turns"]
     assert turns["tool_call_mismatch"] == len(calling) > 0 and turns["tool_calls_matched"] == 0, turns
     assert "| tool calls matched | ended on a tool-call mismatch |" in (dist / "README.md").read_text()
+    # swe-rebench-openhands runs history: source: every assistant step of a trajectory regenerated on its
+    # own history, whatever the tiny model called; the tool schemas as a server sends them (no nulls)
+    trajectories = {
+        r["prompt_id"]: r
+        for p in (wf.workdir / "store" / "prompts" / "swe-rebench-openhands").rglob("0*.parquet")
+        for r in pq.read_table(p).to_pylist()
+    }
+    assert trajectories and all("null" not in r["tools"] for r in trajectories.values())
+    for p in (wf.workdir / "store" / "completions" / "swe-rebench-openhands").rglob("0*.parquet"):
+        for row in pq.read_table(p).to_pylist():
+            messages = json.loads(trajectories[row["prompt_id"]]["messages"])
+            assert len(row["turns"]) == sum(m["role"] == "assistant" for m in messages) >= 2, row["error"]
     ds = datasets.load_dataset(str(dist), split="train")
     assert len(ds) == manifest["rows"]
     from transformers import AutoTokenizer

@@ -94,6 +94,10 @@ def test_the_trainer_window_bounds_every_row_and_a_later_window_continues_or_cut
     assert "truncated  at window" in header, "the card and the summary show the rows that ended at the window"
     card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
     assert f"| {windowed / len(rows):.1%} |" in card
+    assert "| outside window |" in card and f"| {windowed / len(rows):.1%} | 1 | 0.0% |" in card, "never a failure"
+    # plan counted it before any GPU time, by rendering the prepared prompts at each turn position
+    [outside] = [line for line in wf.cli("plan").stdout.splitlines() if line.startswith("outside trainer.max_length")]
+    assert outside.startswith("outside trainer.max_length 56 (") and outside.endswith(": poems turn 0: 1 of 8 prompts")
 
     # a larger window continues the rows that ended at the smaller one; a smaller one cuts them
     for window in (large, smaller):

@@ -11,6 +11,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build.ops import forecast
+from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
 from dflash_build.stages import crosssource, neardup
@@ -48,6 +49,7 @@ class SourceEstimate:
     cross_source_prompts: int = 0  # prompts another source holds too and keeps: the mix leaves them out
     rows_copies_skipped: int = 0  # of the rows in its jobs, copies of a ranked source's: skipped, never generated
     cross_source_gpu_hours: float = 0.0  # what generating those rows would have cost
+    outside_window: TurnWindow | None = None  # prepared prompts trainer.max_length leaves out, by turn position
 
 
 WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
@@ -229,12 +231,18 @@ def estimate_with_disk(
     sidecars = _model_sidecars(plan)
     mean_tokens, rate = _measured(sidecars)
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
+    windows = {w.source: w for w in turn_windows(plan)}
     selections: dict[str, Selection] = {}
     cross, copies = _cross_source(plan, selections)
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selections, copies)
     _cross_source_cost(estimates, cross)
-    prompt_rows = {e.source: e.prompt_rows for e in estimates}
+    for e in estimates:
+        e.outside_window = windows.get(e.source)
+    # a prompt the window skips at its first turn gives the mix nothing
+    prompt_rows = {
+        e.source: e.prompt_rows - round(e.outside_window.scaled(0) if e.outside_window else 0) for e in estimates
+    }
     source_lengths = forecast.source_lengths(plan, sidecars)
     mix = forecast.forecast(plan, prompt_rows, source_lengths, rate or default_tokens_per_second)
     return estimates, disk_need(plan, estimates, sidecars), mix

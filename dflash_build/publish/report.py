@@ -186,12 +186,14 @@ _SIZE_COLUMNS = (
     *((k, lambda n, s, k=k: s["completion_length"][k]) for k in ("mean", "p50", "p90", "max")),
 )
 WINDOW_COLUMN = "at window"
+OUTSIDE_WINDOW_COLUMN = "outside window"  # prompts trainer.max_length left no room for: skipped, never failed
 _SOURCE_COLUMNS = (
     ("source", lambda n, s: n),
     ("category", lambda n, s: s["category"]),
     *_SIZE_COLUMNS,
     ("truncated", lambda n, s: f"{s['generation']['truncation_rate']:.1%}"),
     (WINDOW_COLUMN, lambda n, s: f"{s['generation'].get('window_rate', 0.0):.1%}"),
+    (OUTSIDE_WINDOW_COLUMN, lambda n, s: s["generation"].get(R.STAT_OUTSIDE_WINDOW, 0)),
     ("failed", lambda n, s: f"{s['generation']['error_rate']:.1%}"),
     ("reused", lambda n, s: f"{s['generation']['reuse_rate']:.1%}"),
     ("GPU-h", lambda n, s: f"{s['generation']['gpu_hours']:.2f}"),
@@ -208,9 +210,14 @@ _CATEGORY_COLUMNS = (
 
 
 def _shown(report: dict[str, Any], columns: Any) -> Any:
-    """The columns worth showing: "at window" only in a build with rows that ended at trainer.max_length."""
-    windowed = any(s["generation"].get("window_rate") for s in report["by_source"].values())
-    return columns if windowed else tuple(c for c in columns if c[0] != WINDOW_COLUMN)
+    """The columns worth showing: "at window" only in a build with rows that ended at trainer.max_length,
+    "outside window" only in one with prompts it left no room for."""
+    sources = report["by_source"].values()
+    hidden = {
+        WINDOW_COLUMN: not any(s["generation"].get("window_rate") for s in sources),
+        OUTSIDE_WINDOW_COLUMN: not any(s["generation"].get(R.STAT_OUTSIDE_WINDOW) for s in sources),
+    }
+    return tuple(c for c in columns if not hidden.get(c[0]))
 
 
 def _rows(table: dict[str, dict[str, Any]], columns: Any) -> list[list[str]]:
@@ -530,7 +537,8 @@ def multi_turn(report: dict[str, Any]) -> str:
         "others give one sample each. A conversation ends early when a turn does not stop on its own or its "
         "prompt no longer fits (the completion row's `error` says why). With `model.tool_call_parser`, a tool "
         "conversation goes on while the target's calls are the dataset's (turns whose calls matched) and ends "
-        "after the first turn whose calls are not (`tool_call_mismatch`).",
+        "after the first turn whose calls are not (`tool_call_mismatch`). Under `history: source` every assistant "
+        "turn is regenerated on the dataset's own history up to it, one sample each, and none ends on a mismatch.",
         "",
         "| source | conversations | turns | per-turn conversations | turns with re-tokenized history | ended early "
         "| tool calls matched | ended on a tool-call mismatch | turns per conversation |",

@@ -181,10 +181,11 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
         row_kwargs = json.loads(p["template_kwargs"]) if p.get("template_kwargs") else None
         for idx in range(sampling.samples_per_prompt):
             conv = Conversation(p["prompt_id"], idx, messages, tools, slots, template_kwargs=row_kwargs)
-            conv.per_turn = sp.spec.turn_samples == "per_turn" and len(slots) > 1
+            # history: source: each turn follows the dataset's history, never the sequence before it
+            conv.per_turn = (sp.spec.turn_samples == "per_turn" or sp.spec.history == "source") and len(slots) > 1
             convs[conv.key] = conv
     parser = plan.config.model.tool_call_parser if sp.spec.turns == "all" else None
-    renderer = Renderer(tokenizer, template_kwargs, sp.spec.turn_samples, parser, sp.spec.tool_match)
+    renderer = Renderer(tokenizer, template_kwargs, sp.spec.turn_samples, parser, sp.spec.tool_match, sp.spec.history)
     return ShardWork(
         plan, source, shard, paths, tokenizer, renderer, chat.context_length(plan.config.model), params, convs
     )

@@ -98,9 +98,11 @@ class Renderer:
         turn_samples: str = "auto",
         tool_call_parser: str | None = None,
         tool_match: str = "arguments",
+        history: str = "regenerated",
     ) -> None:
         self.tokenizer, self.kwargs, self.turn_samples = tokenizer, template_kwargs, turn_samples
         self.parser, self.tool_match = tool_call_parser, tool_match
+        self.source_history = history == "source"  # later turns follow the dataset's answers (spec.HISTORIES)
 
     def reads_calls(self, conv: Conversation) -> bool:
         """Whether this conversation's answers are read for tool calls (a parser, and tools declared)."""
@@ -130,6 +132,8 @@ class Renderer:
             turn.tool_calls = "matched" if theirs else None
             return
         turn.tool_calls = "mismatched"
+        if self.source_history:  # the next turn follows the dataset's calls whatever the target called
+            return
         ours = [c.name for c in parsed.calls] or "text"
         wanted = [t["function"]["name"] for t in theirs] or "text"
         conv.finish(
@@ -142,9 +146,12 @@ class Renderer:
         return {**self.kwargs, **(conv.template_kwargs or {})}
 
     def history(self, conv: Conversation) -> list[dict[str, Any]]:
-        """The conversation up to the next answer, with earlier answers replaced by generated ones."""
+        """The conversation up to the next answer, with earlier answers replaced by generated ones (under
+        history: source, the dataset's own)."""
         slot = conv.slots[len(conv.turns)]
         messages = [dict(m) for m in conv.messages[:slot]]
+        if self.source_history:
+            return messages
         for turn, s in zip(conv.turns, conv.slots, strict=False):
             messages[s] = self.answer_message(conv, turn)
         return messages

@@ -101,7 +101,7 @@ class ShardWork:
     def apply(self, conv: Conversation, context_ids: list[int], result: Result) -> Turn:
         """Record one answer (:func:`apply_result`); a tool conversation whose calls are not the dataset's
         ends after it (:meth:`Renderer.end_on_mismatch`)."""
-        turn = apply_result(conv, context_ids, result)
+        turn = apply_result(conv, context_ids, result, self.renderer.source_history)
         self.renderer.end_on_mismatch(conv)
         return turn
 
@@ -135,8 +135,9 @@ def result_of(row: dict[str, Any]) -> Result:
     )
 
 
-def apply_result(conv: Conversation, context_ids: list[int], result: Result) -> Turn:
-    """Record one answer; the conversation ends unless it stopped cleanly and has more slots."""
+def apply_result(conv: Conversation, context_ids: list[int], result: Result, source_history: bool = False) -> Turn:
+    """Record one answer; the conversation ends unless it stopped cleanly and has more slots (or, under
+    history: source, whose later turns do not follow it, ran out of its budget)."""
     drifted = result.engine_output_tokens is not None and result.engine_output_tokens != len(result.output_ids)
     turn = Turn(
         context_ids,
@@ -149,10 +150,11 @@ def apply_result(conv: Conversation, context_ids: list[int], result: Result) -> 
     )
     turn.history_retokenized = conv.per_turn and bool(conv.turns)
     conv.turns.append(turn)
-    if result.finish_reason != R.FINISH_STOP:
+    goes_on = result.finish_reason == R.FINISH_STOP or (source_history and result.finish_reason in R.RAN_OUT)
+    if not goes_on:
         conv.finish(result.finish_reason, result.error)
     elif len(conv.turns) == len(conv.slots):
-        conv.finish(R.FINISH_STOP)
+        conv.finish(result.finish_reason)
     return turn
 
 

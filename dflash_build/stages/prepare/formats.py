@@ -87,8 +87,19 @@ def normalise_tools(value: Any) -> list[dict[str, Any]] | None:
         function = tool.get("function", tool) if tool.get("type", "function") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise Drop(DROP_INVALID_TOOLS, "a tool has no function name")
-        tools.append({"type": "function", "function": function})
+        tools.append({"type": "function", "function": _without_nulls(function)})
     return tools or None
+
+
+def _without_nulls(schema: Any) -> Any:
+    """A tool schema without null-valued keys: a dataset stored as Arrow structs holds every tool's
+    property names in each tool's schema, null where that tool has none (SWE-rebench-openhands), and a
+    server never shows the target those."""
+    if isinstance(schema, dict):
+        return {k: _without_nulls(v) for k, v in schema.items() if v is not None}
+    if isinstance(schema, list):
+        return [_without_nulls(v) for v in schema]
+    return schema
 
 
 def _tools_from_system(text: str) -> list[dict[str, Any]] | None:
@@ -151,10 +162,13 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
         if role == "assistant":
             if spec.turns == "first":
                 break  # the target model answers from here on
-            # turns: all regenerates this answer; the source's content is never shown to the model, its
-            # calls are kept: a regenerated turn is compared with them (to_prompt keeps them with tools)
-            calls = toolcalls.dataset_calls(turn.get("tool_calls"), _field(turn, spec, "content", required=False))
-            messages.append({"role": "assistant", "content": "", **({"tool_calls": calls} if calls else {})})
+            # turns: all regenerates this answer; its calls are kept: a regenerated turn is compared with
+            # them (to_prompt keeps them with tools). Its text is shown only as history: source's history.
+            text = _field(turn, spec, "content", required=False)
+            calls = toolcalls.dataset_calls(turn.get("tool_calls"), text)
+            said = text if isinstance(text, str) else ""  # a turn that only calls may have no text
+            content = toolcalls.answer_text(turn.get("tool_calls"), said) if spec.history == "source" else ""
+            messages.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
             continue
         content = _field(turn, spec, "content", required=role != "system")
         if role == "tool" and spec.turns == "all" and isinstance(content, str):

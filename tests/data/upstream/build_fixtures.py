@@ -537,6 +537,161 @@ def benchmarks() -> None:
     write_parquet(folder / "data" / "train-00000-of-00001.parquet", rows, schema)
 
 
+# -- nebius/SWE-rebench-openhands-trajectories ----------------------------------------------------------
+OPENHANDS_SYSTEM = (
+    "You are OpenHands agent, a helpful AI assistant that can interact with a computer to solve tasks.\n"
+    "<ROLE>Your primary role is to assist users by executing commands, modifying code, and solving technical "
+    "problems effectively.</ROLE>"
+)
+OPENHANDS_TOOLS = [
+    {
+        "function": {
+            "description": "Execute a bash command in the terminal within a persistent shell session.",
+            "name": "execute_bash",
+            "parameters": {
+                "properties": {
+                    "command": {"description": "The bash command to execute.", "type": "string"},
+                    "is_input": {"description": "If True, the command is an input to the running process.",
+                                 "enum": ["true", "false"], "type": "string"},
+                },
+                "required": ["command"],
+                "type": "object",
+            },
+        },
+        "type": "function",
+    },
+    {
+        "function": {
+            "description": "Custom editing tool for viewing, creating and editing files.",
+            "name": "str_replace_editor",
+            "parameters": {
+                "properties": {
+                    "command": {"description": "The command to run.",
+                                "enum": ["view", "create", "str_replace"], "type": "string"},
+                    "path": {"description": "Absolute path to file or directory.", "type": "string"},
+                    "old_str": {"description": "The string in `path` to replace.", "type": "string"},
+                    "new_str": {"description": "The new string.", "type": "string"},
+                },
+                "required": ["command", "path"],
+                "type": "object",
+            },
+        },
+        "type": "function",
+    },
+    {
+        "function": {
+            "description": "Signals the completion of the current task or conversation.",
+            "name": "finish",
+            "parameters": {
+                "properties": {"message": {"description": "Final message to send to the user.", "type": "string"}},
+                "required": ["message"],
+                "type": "object",
+            },
+        },
+        "type": "function",
+    },
+]  # fmt: skip
+
+
+def openhands_call(i: int, k: int, name: str, arguments: dict) -> dict:
+    call = {"arguments": json.dumps(arguments), "name": name}
+    return {"function": call, "id": f"toolu_{uid('openhands', i, k)[:8]}", "type": "function"}
+
+
+def openhands_trajectory(i: int) -> list[dict]:
+    topic = TOPICS[i % len(TOPICS)]
+    module = topic.split()[-1].replace("'", "")
+    path = f"/workspace/repo__{i}/src/{module}.py"
+    steps = [
+        (
+            "I'll start by exploring the repository structure.",
+            "str_replace_editor",
+            {"command": "view", "path": path},
+            f"Here's the result of running `cat -n` on {path}:\n     1\tdef run():\n     2\t    return None",
+        ),
+        (
+            "Let me reproduce the issue first.",
+            "execute_bash",
+            {"command": f"cd /workspace/repo__{i} && python -m pytest -q"},
+            "F.\n1 failed, 1 passed in 0.12s\n[The command completed with exit code 1.]",
+        ),
+        (
+            "",
+            "str_replace_editor",
+            {"command": "str_replace", "path": path, "old_str": "    return None", "new_str": "    return 42"},
+            f"The file {path} has been edited.",
+        ),
+    ]
+    messages = [
+        {"content": OPENHANDS_SYSTEM, "name": None, "role": "system", "tool_call_id": None, "tool_calls": None},
+        {
+            "content": f"<uploaded_files>\n/workspace/repo__{i}\n</uploaded_files>\nI've uploaded a python code "
+            f"repository. Consider the following issue: `run()` in {topic} returns None instead of 42.",
+            "name": None,
+            "role": "user",
+            "tool_call_id": None,
+            "tool_calls": None,
+        },
+    ]
+    for k, (thought, name, arguments, observation) in enumerate(steps[: 1 + i % 3]):
+        call = openhands_call(i, k, name, arguments)
+        messages.append(
+            {"content": thought, "name": None, "role": "assistant", "tool_call_id": None, "tool_calls": [call]}
+        )
+        messages.append(
+            {"content": observation, "name": name, "role": "tool", "tool_call_id": call["id"], "tool_calls": None}
+        )
+    finish = openhands_call(i, 9, "finish", {"message": "The issue is fixed."})
+    messages.append({"content": "", "name": None, "role": "assistant", "tool_call_id": None, "tool_calls": [finish]})
+    return messages
+
+
+def swe_rebench_openhands() -> None:
+    folder = HERE / "swe-rebench-openhands-trajectories"
+    write_card(
+        folder,
+        """
+license: cc-by-4.0
+tags:
+- code
+- synthetic
+- tools
+- agents
+- software
+size_categories:
+- 10K<n<100K
+""",
+        """
+Follows the card and viewer of nebius/SWE-rebench-openhands-trajectories (67,074 trajectories of
+Qwen3-Coder-480B-A35B-Instruct in OpenHands v0.54.0; CC-BY-4.0): one file at the repository's root,
+trajectories.parquet, and no `configs:` in the card, so `datasets` reads it as the train split. Columns
+trajectory_id, instance_id, repo, trajectory (messages: content, name, role system|user|assistant|tool,
+tool_call_id, tool_calls with `function.arguments` as a JSON string, as the card's "How to use" decodes
+it), tools (OpenHands' tool schemas), model_patch, exit_status, resolved, gen_tests_correct,
+pred_passes_gen_tests. The tool schemas are Arrow structs, so each tool's `parameters.properties` holds
+every tool's property names, null where that tool has none. Trajectories here have 2-4 calls and end on
+`finish`; the real ones average about 60 turns.
+""",
+    )
+    rows = [
+        {
+            "trajectory_id": f"chatcmpl-{uid('openhands', i).replace('-', '')}",
+            "instance_id": f"owner__repo{i}-{100 + i}",
+            "repo": f"owner/repo{i}",
+            "trajectory": openhands_trajectory(i),
+            "tools": OPENHANDS_TOOLS,
+            "model_patch": f"diff --git a/src/x{i}.py b/src/x{i}.py\n-    return None\n+    return 42\n",
+            "exit_status": "submit",
+            "resolved": i % 2,
+            "gen_tests_correct": None if i % 3 else 1.0,
+            "pred_passes_gen_tests": None if i % 3 else 1.0,
+        }
+        for i in range(12)
+    ]
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), folder / "trajectories.parquet")  # Arrow infers the structs
+
+
 if __name__ == "__main__":
     nemotron()
     infinity()
@@ -545,3 +700,4 @@ if __name__ == "__main__":
     self_oss()
     gsm8k()
     benchmarks()
+    swe_rebench_openhands()
