@@ -759,6 +759,7 @@ def test_tool_conversations_through_a_server_build_count_and_show_on_the_card(
     config["model"]["tool_call_parser"] = "hermes"
     config["engine"] = {"backend": "openai", "options": {"urls": [server.url], "concurrency": 2}}
     config["sampling"].update(max_new_tokens=64)
+    config["export"] = {"conversations": {}}
     try:
         Workflow.at(tmp_path / "work", config).build()
     finally:
@@ -800,6 +801,20 @@ def test_tool_conversations_through_a_server_build_count_and_show_on_the_card(
     assert manifest["per_turn_samples"] == 3 + 9
     assert "| agent | 3 | 5 | 1 | 2 | 2 | 1 | 2 | 1 turns: 2, 3 turns: 1 |" in card
     assert "| trajectories | 3 | 9 | 3 | 6 | 0 | 1 | 0 | 3 turns: 3 |" in card, "none ends on a mismatch"
+    # the conversations export: a history: source turn is written on the history it was asked on
+    exported = [
+        json.loads(line)
+        for path in sorted((tmp_path / "work" / "dist" / "test-mix-conversations" / "data").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    on_history = {r["id"]: r["conversations"] for r in exported if r["id"].count(":") == 2}
+    assert len(on_history) == 9 and len(exported) == 9 + 3
+    paris_turn_1 = next(c for i, c in on_history.items() if i.endswith(":1") and c[0]["content"] == "Weather in Paris?")
+    assert [m["role"] for m in paris_turn_1] == ["user", "assistant", "tool", "assistant"]
+    assert paris_turn_1[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    ], "the dataset's call, as a server sends it"
+    assert paris_turn_1[3] == {"role": "assistant", "content": "answer 1"}, "the target's answer"
 
 
 @pytest.mark.parametrize("history", ["source", "regenerated"])

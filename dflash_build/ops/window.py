@@ -11,6 +11,7 @@ yet, so the count is a lower bound: rendered with the dataset's answer slots emp
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from dflash_build.stages import chat
 from dflash_build.stages.generate.conversation import answer_slots
 from dflash_build.store import records as R
 
+log = logging.getLogger(__name__)
 SAMPLE_PROMPTS = 2000  # prompts rendered per source, from its first shards (scaled to the source's rows)
 
 
@@ -64,7 +66,10 @@ def turn_window(plan: Plan, source: str, tokenizer: Any, limit: int = SAMPLE_PRO
             tools = json.loads(p["tools"]) if p["tools"] else None
             row_kwargs = {**kwargs, **json.loads(p.get("template_kwargs") or "{}")}
             for turn, slot in enumerate(answer_slots(messages, sp.spec.turns)):
-                prompt = chat.render(tokenizer, messages[:slot], tools, row_kwargs)
+                try:
+                    prompt = chat.render(tokenizer, messages[:slot], tools, row_kwargs)
+                except Exception:  # the template refuses it: generate's error row, not the window's
+                    break
                 if trainer.leaves_too_little(trainer.budget(sp.spec.sampling.max_new_tokens, len(prompt))):
                     counted.outside[turn] += 1
                     break  # a skipped prompt, or a conversation that ends here: no later turn
@@ -75,6 +80,10 @@ def turn_windows(plan: Plan) -> list[TurnWindow]:
     """Every prepared source's prompts outside the window (empty without ``trainer.max_length``)."""
     if plan.config.trainer.max_length is None or not any(plan.prompt_manifest(s).exists() for s in plan.sources):
         return []
-    tokenizer = chat.load_tokenizer(plan.config.model)
+    try:
+        tokenizer = chat.load_tokenizer(plan.config.model)
+    except Exception as e:  # inspection goes on: the model may not be on this machine yet
+        log.warning("the prompts outside trainer.max_length are not counted: the tokenizer did not load (%s)", e)
+        return []
     found = [turn_window(plan, name, tokenizer) for name in plan.sources]
     return [w for w in found if w is not None]

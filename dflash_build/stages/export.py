@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from dflash_build import hashing, toolcalls
 from dflash_build.publish import release
 from dflash_build.spec import ExportSpec
+from dflash_build.stages.generate.conversation import answer_slots
 from dflash_build.stages.job import Job, StageFailure
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
@@ -157,7 +158,8 @@ def run(job: Job) -> dict[str, Any]:
     with release.publish(out_dir, record) as tmp:
         shards = JsonlShards(tmp / DATA_DIR, spec.shard_rows)
         if spec.format == "conversations":
-            counts = _conversations(files, stores, spec, shards)
+            on_source_history = frozenset(n for n, sp in job.plan.sources.items() if sp.spec.history == "source")
+            counts = _conversations(files, stores, spec, shards, on_source_history)
         else:
             counts = _token_rows(files, spec, shards)
         if counts["samples_in"] and not counts["rows"]:
@@ -277,6 +279,32 @@ def conversation(
     return out
 
 
+def turn_on_history(
+    messages: list[dict[str, Any]],
+    turn: int,
+    answer: str,
+    think: tuple[str, str],
+    parser: str | None = None,
+    tools: toolcalls.Tools = None,
+) -> list[dict[str, Any]]:
+    """One turn of a ``history: source`` conversation as it was asked: the source's messages up to that
+    answer (its own earlier answers, their calls as a server sends them), then the regenerated answer."""
+    slot = answer_slots(messages, "all")[turn]
+    history = [_as_sent(m) for m in messages[:slot]]
+    return [*history, assistant_message(answer, think, parser, tools)]
+
+
+def _as_sent(message: dict[str, Any]) -> dict[str, Any]:
+    """A prompt message as a chat API holds it: no empty fields, calls' arguments as JSON strings."""
+    out = {k: v for k, v in message.items() if v is not None}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            toolcalls.ToolCall(c["function"]["name"], c["function"].get("arguments") or {}).as_openai()
+            for c in out["tool_calls"]
+        ]
+    return out
+
+
 def _prompts_and_completions(store: Mapping[str, list[Path]]) -> dict[str, list[tuple[Path, Path]]]:
     """Each source's (prompt shard, completion shard) pairs, in shard order, from its declared manifest
     and completion shards: a prompt shard lies beside its manifest, named as its completion shard."""
@@ -289,10 +317,15 @@ def _prompts_and_completions(store: Mapping[str, list[Path]]) -> dict[str, list[
 
 
 def _conversations(
-    files: list[Path], stores: Mapping[str, list[tuple[Path, Path]]], spec: ExportSpec, out: JsonlShards
+    files: list[Path],
+    stores: Mapping[str, list[tuple[Path, Path]]],
+    spec: ExportSpec,
+    out: JsonlShards,
+    on_source_history: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Shard by shard of each source's prompts and completions (memory holds one shard), the rows of the
-    dataset they hold."""
+    dataset they hold: a conversation each, or, for the sources ``on_source_history`` names
+    (``history: source``), each turn on the history it was asked on."""
     wanted: dict[str, set[tuple[str, int]]] = {}
     for row in _samples(files, ["source", "prompt_id", "sample_idx"]):
         wanted.setdefault(row["source"], set()).add((row["prompt_id"], row["sample_idx"]))
@@ -316,14 +349,25 @@ def _conversations(
                 prompt = prompts[done["prompt_id"]]
                 answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
                 tools = json.loads(prompt["tools"]) if prompt["tools"] else None
-                turns = conversation(json.loads(prompt["messages"]), answers, spec.think, spec.tool_call_parser, tools)
-                out.write({"id": sample_id(*key), "conversations": turns, "tools": tools})
-                counts["rows"] += 1
+                messages = json.loads(prompt["messages"])
+                on_history = source in on_source_history and bool(done["turns"])
+                if on_history:
+                    records = [
+                        (sample_id(*key, k), turn_on_history(messages, k, a, spec.think, spec.tool_call_parser, tools))
+                        for k, a in enumerate(answers)
+                    ]
+                else:
+                    turns = conversation(messages, answers, spec.think, spec.tool_call_parser, tools)
+                    records = [(sample_id(*key), turns)]
                 counts["turns"] += len(answers)
-                counts["with_reasoning"] += any("reasoning_content" in t for t in turns)
-                calls = sum(len(t.get("tool_calls", ())) for t in turns)
-                counts["with_tool_calls"] += bool(calls)
-                counts["tool_calls"] += calls
+                for record_id, turns in records:
+                    out.write({"id": record_id, "conversations": turns, "tools": tools})
+                    counts["rows"] += 1
+                    counts["with_reasoning"] += any("reasoning_content" in t for t in turns)
+                    # the target's calls (a history's earlier calls are the dataset's)
+                    calls = sum(len(t.get("tool_calls", ())) for t in (turns[-1:] if on_history else turns))
+                    counts["with_tool_calls"] += bool(calls)
+                    counts["tool_calls"] += calls
         if todo:
             example = sorted(todo)[0]
             raise ValueError(
