@@ -9,6 +9,7 @@ the template's rewrite is visible); the real transformers engine runs the same c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -852,3 +853,5 @@ def test_plan_counts_by_turn_position_the_prompts_the_window_leaves_out_as_gener
     else:  # turn 0 is exact; a later turn's count holds for the conversations that get that far
         assert "+" in counted.line()
     assert counted.line().startswith("s turn 0: 1") and "of 4 prompts" in counted.line()
+    as_json = json.loads(json.dumps(dataclasses.asdict(counted)))  # plan --json
+    assert as_json["outside"] == {str(k): n for k, n in counted.outside.items()}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +33,11 @@ class TurnWindow:
     source: str
     sampled: int = 0  # prompts rendered
     rows: int = 0  # the source's prepared prompts
-    outside: Counter[int] = field(default_factory=Counter)  # turn position -> prompts, in the sample
+    outside: dict[int, int] = field(default_factory=dict)  # turn position -> prompts, in the sample
     lower_bound: bool = False  # later turns of regenerated history: at least this many
 
     def scaled(self, turn: int) -> float:
-        return self.outside[turn] * self.rows / self.sampled if self.sampled else 0.0
+        return self.outside.get(turn, 0) * self.rows / self.sampled if self.sampled else 0.0
 
     def line(self) -> str:
         where = ", ".join(
@@ -71,7 +70,7 @@ def turn_window(plan: Plan, source: str, tokenizer: Any, limit: int = SAMPLE_PRO
                 except Exception:  # the template refuses it: generate's error row, not the window's
                     break
                 if trainer.leaves_too_little(trainer.budget(sp.spec.sampling.max_new_tokens, len(prompt))):
-                    counted.outside[turn] += 1
+                    counted.outside[turn] = counted.outside.get(turn, 0) + 1
                     break  # a skipped prompt, or a conversation that ends here: no later turn
     return counted
 
