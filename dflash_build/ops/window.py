@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 
 from dflash_build.plan import Plan
 from dflash_build.stages import chat
-from dflash_build.stages.generate.conversation import answer_slots
 from dflash_build.store import records as R
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ def turn_window(plan: Plan, source: str, tokenizer: Any, limit: int = SAMPLE_PRO
             messages = json.loads(p["messages"])
             tools = json.loads(p["tools"]) if p["tools"] else None
             row_kwargs = {**kwargs, **json.loads(p.get("template_kwargs") or "{}")}
-            for turn, slot in enumerate(answer_slots(messages, sp.spec.turns)):
+            for turn, slot in enumerate(chat.answer_slots(messages, sp.spec.turns)):
                 try:
                     prompt = chat.render(tokenizer, messages[:slot], tools, row_kwargs)
                 except Exception:  # the template refuses it: generate's error row, not the window's

@@ -29,6 +29,18 @@ class TemplateError(ValueError):
     pass
 
 
+def answer_slots(messages: list[dict[str, Any]], turns: str) -> list[int]:
+    """Where each answer of a prompt's conversation goes (the message index it takes). ``first``: one
+    answer after the whole prompt; ``all``: each assistant turn, and one after a conversation that does
+    not end with one."""
+    if turns == "first":
+        return [len(messages)]
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not messages or messages[-1]["role"] != "assistant":
+        slots.append(len(messages))
+    return slots
+
+
 def load_tokenizer(model: ModelSpec) -> Any:
     from transformers import AutoTokenizer
 

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from dflash_build import hashing, toolcalls
 from dflash_build.publish import release
 from dflash_build.spec import ExportSpec
-from dflash_build.stages.generate.conversation import answer_slots
+from dflash_build.stages.chat import answer_slots
 from dflash_build.stages.job import Job, StageFailure
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
@@ -316,6 +316,21 @@ def _prompts_and_completions(store: Mapping[str, list[Path]]) -> dict[str, list[
     return pairs
 
 
+def _records(
+    messages: list[dict[str, Any]], done: dict[str, Any], tools: toolcalls.Tools, spec: ExportSpec, on_history: bool
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """A completion row's export records, (id, conversation): its conversation, or under ``history:
+    source`` each turn on the history it was asked on."""
+    key = (done["prompt_id"], done["sample_idx"])
+    answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
+    if on_history:
+        return [
+            (sample_id(*key, k), turn_on_history(messages, k, answer, spec.think, spec.tool_call_parser, tools))
+            for k, answer in enumerate(answers)
+        ]
+    return [(sample_id(*key), conversation(messages, answers, spec.think, spec.tool_call_parser, tools))]
+
+
 def _conversations(
     files: list[Path],
     stores: Mapping[str, list[tuple[Path, Path]]],
@@ -347,19 +362,10 @@ def _conversations(
                     continue
                 todo.discard(key)
                 prompt = prompts[done["prompt_id"]]
-                answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
                 tools = json.loads(prompt["tools"]) if prompt["tools"] else None
-                messages = json.loads(prompt["messages"])
                 on_history = source in on_source_history and bool(done["turns"])
-                if on_history:
-                    records = [
-                        (sample_id(*key, k), turn_on_history(messages, k, a, spec.think, spec.tool_call_parser, tools))
-                        for k, a in enumerate(answers)
-                    ]
-                else:
-                    turns = conversation(messages, answers, spec.think, spec.tool_call_parser, tools)
-                    records = [(sample_id(*key), turns)]
-                counts["turns"] += len(answers)
+                records = _records(json.loads(prompt["messages"]), done, tools, spec, on_history)
+                counts["turns"] += len(done["turns"] or [None])
                 for record_id, turns in records:
                     out.write({"id": record_id, "conversations": turns, "tools": tools})
                     counts["rows"] += 1

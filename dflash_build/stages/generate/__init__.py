@@ -53,7 +53,7 @@ from dflash_build.stages.generate.control import Interrupted as Interrupted
 from dflash_build.stages.generate.control import Progress as Progress
 from dflash_build.stages.generate.control import SignalStop, StallStop
 from dflash_build.stages.generate.conversation import Conversation as Conversation
-from dflash_build.stages.generate.conversation import HistoryRewritten, Turn, answer_slots
+from dflash_build.stages.generate.conversation import HistoryRewritten, Turn
 from dflash_build.stages.generate.conversation import Renderer as Renderer
 from dflash_build.stages.generate.reuse import reuse, reuse_conversations
 from dflash_build.stages.generate.work import SEED_BITS as SEED_BITS
@@ -176,7 +176,7 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
     convs: dict[tuple[str, int], Conversation] = {}
     for p in prompts:
         messages = json.loads(p["messages"])
-        slots = answer_slots(messages, sp.spec.turns)
+        slots = chat.answer_slots(messages, sp.spec.turns)
         tools = json.loads(p["tools"]) if p["tools"] else None
         row_kwargs = json.loads(p["template_kwargs"]) if p.get("template_kwargs") else None
         for idx in range(sampling.samples_per_prompt):

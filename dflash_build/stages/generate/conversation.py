@@ -73,16 +73,6 @@ class Conversation:
         self.finish_reason, self.error = reason, error
 
 
-def answer_slots(messages: list[dict[str, Any]], turns: str) -> list[int]:
-    """Where each answer goes. ``first``: one answer after the whole prompt."""
-    if turns == "first":
-        return [len(messages)]
-    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not messages or messages[-1]["role"] != "assistant":
-        slots.append(len(messages))
-    return slots
-
-
 class HistoryRewritten(ValueError):
     """The template does not write a conversation's history as a prefix of its next prompt."""
 
