@@ -668,9 +668,10 @@ trajectories.parquet, and no `configs:` in the card, so `datasets` reads it as t
 trajectory_id, instance_id, repo, trajectory (messages: content, name, role system|user|assistant|tool,
 tool_call_id, tool_calls with `function.arguments` as a JSON string, as the card's "How to use" decodes
 it), tools (OpenHands' tool schemas), model_patch, exit_status, resolved, gen_tests_correct,
-pred_passes_gen_tests. The tool schemas are Arrow structs, so each tool's `parameters.properties` holds
-every tool's property names, null where that tool has none. Trajectories here have 2-4 calls and end on
-`finish`; the real ones average about 60 turns.
+pred_passes_gen_tests. The viewer shows `tools` as a list of objects; stored as Arrow structs (a table
+written from Python dicts), each tool's `parameters.properties` holds every tool's property names, null
+where that tool has none. That is inferred, not seen in the viewer, and this fixture reproduces it.
+Trajectories here have 2-4 calls and end on `finish`; the real ones average about 60 turns.
 """,
     )
     rows = [
