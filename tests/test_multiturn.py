@@ -549,22 +549,28 @@ TOOL_ROWS = [
 ]
 
 
+PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tool_answer(prompt_text: str) -> str:
+    """The stand-ins' answer to a tool conversation's prompt: at the first turn (read from the prompt's
+    assistant headers) a call of get_weather for Paris, whatever was asked; later turns answer in text."""
+    turn = prompt_text.count("<|im_start|>assistant") - 1
+    return PARIS_CALL if turn == 0 else f"answer {turn}"
+
+
 class ToolEngine(ThinkingEngine):
-    """Stand-in: reasons, then at the first turn calls get_weather for Paris (whatever was asked), later
-    answers in text."""
+    """Stand-in: reasons, then answers as :func:`tool_answer`."""
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         for r in requests:
             if self.fail_after is not None and len(self.requests) >= self.fail_after:
                 raise RuntimeError("the engine died")
             self.requests.append(r)
-            turn = self.tokenizer.decode(r.prompt_ids).count("<|im_start|>assistant") - 1
-            answer = (
-                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-                if turn == 0
-                else f"answer {turn}"
-            )
-            ids = self.tokenizer(f"reasoning {turn}\n</think>\n\n{answer}", add_special_tokens=False)["input_ids"]
+            prompt = self.tokenizer.decode(r.prompt_ids)
+            turn = prompt.count("<|im_start|>assistant") - 1
+            text = f"reasoning {turn}\n</think>\n\n{tool_answer(prompt)}"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             yield Result(r.prompt_id, r.sample_idx, ids, "stop", stop_token_id=STOP)
 
 
@@ -696,19 +702,14 @@ def test_a_tool_conversation_killed_mid_way_resumes_to_the_uninterrupted_rows(
     assert _completions(plan) == _completions(whole)
 
 
-PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
 def _scripted(tok: Any) -> Any:
-    """A server's answers, as ToolEngine's: the first turn calls get_weather for Paris, later turns answer
-    in text (the turn is read from the prompt, so every request stands alone, as on a real server)."""
+    """A server's answers, :func:`tool_answer` without reasoning (the turn is read from the prompt, so every
+    request stands alone, as on a real server)."""
 
     def respond(body: dict[str, Any]) -> dict[str, Any]:
         prompt = body["prompt"]
-        text = tok.decode(prompt) if isinstance(prompt, list) else prompt
-        turn = text.count("<|im_start|>assistant") - 1
-        ids = tok(PARIS_CALL if turn == 0 else f"answer {turn}", add_special_tokens=False)["input_ids"]
-        ids = ids[: int(body["max_tokens"])]
+        text = tool_answer(tok.decode(prompt) if isinstance(prompt, list) else prompt)
+        ids = tok(text, add_special_tokens=False)["input_ids"][: int(body["max_tokens"])]
         return {
             "choices": [{"token_ids": [*ids, STOP], "finish_reason": "stop"}],
             "usage": {"completion_tokens": len(ids)},
