@@ -8,6 +8,7 @@ pinned revisions. Every error names the config key it is about.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import glob
@@ -27,6 +28,7 @@ from dflash_build.spec import (
     FORMAT_FIELDS,
     LOCAL_SUFFIXES,
     SAMPLING_FIELDS,
+    VARIANT_SEPARATOR,
     Checks,
     Config,
     ConfigError,
@@ -43,6 +45,8 @@ from dflash_build.spec import (
     SourceSpec,
     TemplateKwargFrom,
     TrainerSpec,
+    VariantDraw,
+    variant_source_name,
 )
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
@@ -115,6 +119,60 @@ def _source(
         languages=_languages(raw["languages"], f"{key}.languages"),
         weight=raw["weight"],
     )
+
+
+def _sources(
+    name: str,
+    raw: Mapping[str, Any],
+    base_sampling: Mapping[str, Any],
+    variants: Mapping[str, Any],
+    mix: Mapping[str, float],
+    checks: Checks,
+) -> dict[str, SourceSpec]:
+    """A config source as the sources it builds: itself, or one source per sampling variant (its own
+    ``variants``, else the top level's), each with the variant's sampling and template kwargs merged
+    over its own."""
+    own = raw.get("variants")
+    table = own if own is not None else variants
+    if not table:
+        return {name: _source(name, raw, base_sampling, mix, checks)}
+    key = f"sources.{name}.variants" if own is not None else "variants"
+    draw = _draw(table, key)
+    out = {}
+    for variant, settings in sorted(table.items()):
+        merged = {
+            **raw,
+            "sampling": {**raw["sampling"], **settings["sampling"]},
+            "chat_template_kwargs": {**raw["chat_template_kwargs"], **settings["chat_template_kwargs"]},
+        }
+        spec = _source(name, merged, base_sampling, mix, checks)
+        weight = spec.weight
+        if weight is not None and variant in draw.shares:  # as_needed: the variant's part of the source's weight
+            weight *= draw.shares[variant] / sum(draw.shares.values())
+        full = variant_source_name(name, variant)
+        out[full] = dataclasses.replace(
+            spec,
+            name=full,
+            variant=variant,
+            parent=name,
+            draw=draw,
+            weight=weight,
+            variant_tolerance=settings["tolerance"],
+        )
+    return out
+
+
+def _draw(table: Mapping[str, Any], key: str) -> VariantDraw:
+    for variant, settings in table.items():
+        if settings["every"] == ("share" in settings):
+            raise ConfigError(
+                f"{key}.{variant}",
+                "give exactly one of 'share' (the part of the prompts drawn to it) or 'every: true' (every prompt)",
+            )
+        if settings["sampling"].get("top_k", 0) < -1:  # named here: the merged sampling would name the source
+            raise ConfigError(f"{key}.{variant}.sampling.top_k", "must be -1, 0 (disabled) or positive")
+    shares = {v: float(s["share"]) for v, s in table.items() if not s["every"]}
+    return VariantDraw(shares, tuple(sorted(v for v, s in table.items() if s["every"])))
 
 
 def _languages(raw: Any, key: str) -> tuple[str, ...] | None:
@@ -198,10 +256,12 @@ def _hub(h: Mapping[str, Any], key: str) -> HubSpec:
 
 
 def _dedup(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> DedupSpec:
+    names = sorted({s.config_name for s in sources.values()})  # a source with variants is ranked whole
     for i, name in enumerate(raw["prefer"]):
-        if name not in sources:
-            near = difflib.get_close_matches(name, list(sources), n=1)
-            hint = f"; did you mean '{near[0]}'?" if near else f" (sources: {', '.join(sorted(sources))})"
+        if name not in names:
+            parent = name.split(VARIANT_SEPARATOR)[0]
+            near = [parent] if parent in names else difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else f" (sources: {', '.join(names)})"
             raise ConfigError(f"dedup.prefer.{i}", f"'{name}' is not a source{hint}")
     near = raw["near"]
     return DedupSpec(
@@ -315,14 +375,16 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build the typed config from a schema-validated dict with its defaults filled (:func:`validate`):
     every default is the schema's, written nowhere else."""
     _finite(raw, "")
-    _check_rule_names(raw["sources"])
     mix = raw["mix"]
     # Shares are weights: 46/26/11/9/7 sums to 99 and means exactly what it says.
     weights = {str(k): float(v) for k, v in mix["categories"].items()}
     total = sum(weights.values())
     categories = {k: v / total for k, v in weights.items()}
     checks = _checks(raw["checks"], categories)
-    sources = {name: _source(name, s, raw["sampling"], categories, checks) for name, s in raw["sources"].items()}
+    sources: dict[str, SourceSpec] = {}
+    for name, s in raw["sources"].items():
+        sources.update(_sources(name, s, raw["sampling"], raw["variants"], categories, checks))
+    _check_rule_names(sources)
     _check_supplied(categories, sources, checks)
     trainer = TrainerSpec(**raw["trainer"])
     if trainer.max_length is not None and trainer.min_new_tokens >= trainer.max_length:
@@ -355,13 +417,13 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     return config
 
 
-def _check_rule_names(sources: Mapping[str, Any]) -> None:
+def _check_rule_names(sources: Mapping[str, SourceSpec]) -> None:
     rule_names: dict[str, str] = {}
     for name in sources:
         other = rule_names.setdefault(prepare_rule_name(name), name)
         if other != name:
             raise ConfigError(
-                f"sources.{name}",
+                f"sources.{sources[name].config_name}",
                 f"its rule name {prepare_rule_name(name)} is also that of source '{other}'; rename one",
             )
 

@@ -82,6 +82,20 @@ def hex_to_u64(ids: Any) -> Any:
     return np.frombuffer(words, dtype=">u8").astype(np.uint64)
 
 
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: spreads consecutive inputs apart
+
+
+def splitmix64(x: Any) -> Any:
+    """SplitMix64's finaliser over a numpy uint64 array: a bijection of 64-bit integers that spreads
+    every input bit (the mix's ranks, the variant draw)."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def sha256_file(path: str | os.PathLike[str]) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

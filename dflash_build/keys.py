@@ -113,6 +113,12 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sampling.samples_per_prompt": _d(GEN, "how many answers each prompt gets"),
     "trainer.max_length": _d(GEN, "each row's budget: no token past the window (rows reuse across it by prefix)"),
     "trainer.min_new_tokens": _d(GEN, "decides which prompts the window skips (keyed with the window only)"),
+    "variants": _d(
+        PROMPT,
+        "each variant is a source of its own (SOURCE@VARIANT): its name and the draw table (shares, every) "
+        "decide which prompts it holds; its sampling and chat_template_kwargs enter only its own gen key "
+        "(tolerance: in none, a check)",
+    ),
     "shard_size": _d(PROMPT, "fixes the shard count, so which prompts share a shard"),
     "truncated": _d(TOK, "whether truncated answers become samples"),
     "mix.categories": _d(None, _MIX),
@@ -182,6 +188,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sources.*.sampling": _d(GEN, _SAMPLING),
     "sources.*.chat_template_kwargs": _d(GEN, "e.g. enable_thinking changes the prompt"),
     "sources.*.max_drop_fraction": _d(None, _CHECK),
+    "sources.*.variants": _d(PROMPT, "as the top-level variants, for this source's variants only"),
 }
 
 _NUMERICS = "changes the numbers the model computes, so the answers"

@@ -93,6 +93,27 @@ class TemplateKwargFrom:
         return {"field": self.field, "map": None if self.map is None else dict(self.map), "default": self.default}
 
 
+# A source with sampling variants (config ``variants``) is expanded into one source per variant, named
+# PARENT@VARIANT: ``@`` is outside the source-name pattern, so no config source can take that name.
+VARIANT_SEPARATOR = "@"
+
+
+def variant_source_name(parent: str, variant: str) -> str:
+    return f"{parent}{VARIANT_SEPARATOR}{variant}"
+
+
+@dataclass(frozen=True)
+class VariantDraw:
+    """How a source's prompts are split among its variants: ``shares`` (variant -> weight, normalised)
+    draws one variant a prompt; each variant of ``every`` takes every prompt."""
+
+    shares: Mapping[str, float]
+    every: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"shares": dict(sorted(self.shares.items())), "every": sorted(self.every)}
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     name: str
@@ -117,6 +138,16 @@ class SourceSpec:
     weight: float | None = None  # mix.generate as_needed: share of its category's target (None: by supply)
     tool_match: str = "arguments"  # turns: all with tools: when a regenerated turn's calls are the dataset's
     history: str = "regenerated"  # turns: all only; see HISTORIES
+    # a variant source (PARENT@VARIANT): its variant's name, its parent's name, the parent's draw table
+    variant: str | None = None
+    parent: str | None = None
+    draw: VariantDraw | None = None
+    variant_tolerance: float | None = None  # the mix fails when its share of prompts is this far short
+
+    @property
+    def config_name(self) -> str:
+        """The source's name in the config (a variant source's parent)."""
+        return self.parent or self.name
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -140,6 +171,8 @@ class SourceSpec:
             **({"tool_turns": TOOL_TURNS} if self.turns == "all" else {}),
             # history: source keeps the dataset's answers in the prompts (each later turn's history)
             **({"history": self.history} if self.history != "regenerated" else {}),
+            # a variant source keeps the prompts drawn to its variant: the draw table decides which
+            **({"variant": self.variant, "draw": self.draw.as_dict()} if self.draw is not None else {}),
         }
 
 
@@ -264,7 +297,10 @@ class DedupSpec:
     def source_priority(self, sources: Iterable[str]) -> list[str]:
         """The sources in the order that decides which keeps a prompt several hold."""
         names = sorted(sources)
-        return [n for n in self.prefer if n in names] + [n for n in names if n not in self.prefer]
+        # a variant source (PARENT@VARIANT) ranks as its parent, which dedup.prefer names
+        parent = {n: n.split(VARIANT_SEPARATOR)[0] for n in names}
+        ranked = [n for p in self.prefer for n in names if parent[n] == p]
+        return ranked + [n for n in names if parent[n] not in self.prefer]
 
 
 @dataclass(frozen=True)

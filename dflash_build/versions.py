@@ -25,7 +25,8 @@ LANGUAGE_VERSION = 1
 GEN_VERSION = 3
 # 2: samples carry `turn` (per-turn samples of a turns: all conversation; null for a whole row).
 # 3: samples carry `language`, their prompt's (tokenize reads the prompt shard; nothing is generated again).
-TOK_VERSION = 3
+# 4: samples carry `variant`, the sampling variant they were generated under (null without variants).
+TOK_VERSION = 4
 # 2: data file names carry a digest of their content.
 # 3: the folder also holds the report (card recipe and tables, plots/, tables/); in the mix's params, so
 # a dataset built before gets it on the next run.

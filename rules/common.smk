@@ -79,7 +79,7 @@ GENERATE_ENV = (
 
 
 wildcard_constraints:
-    source=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+    source=r"[A-Za-z0-9][A-Za-z0-9_.@-]*",  # PARENT@VARIANT: a source's sampling variant
     key=r"[0-9a-f]{16}",
     shard=r"\d{5}",
     fmt="|".join(CONFIG.exports) or "none",

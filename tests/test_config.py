@@ -385,6 +385,37 @@ def _defaults(raw: dict[str, Any]) -> dict[str, Any]:
     return validated
 
 
+@pytest.mark.parametrize(
+    ("variants", "where", "key"),
+    [
+        ({"x": {"share": 1, "every": True}}, "variants", "variants.x"),
+        ({"x": {}}, "variants", "variants.x"),
+        ({"x": {"share": 1, "sampling": {"top_k": -3}}}, "sources.a.variants", "sources.a.variants.x.sampling.top_k"),
+        ({"x@y": {"share": 1}}, "variants", "variants"),  # @ joins a source and its variant
+    ],
+)
+def test_variant_errors_name_their_key(
+    raw: dict[str, Any], tmp_path: Path, variants: dict[str, Any], where: str, key: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        build(edit(raw, where, variants), tmp_path)
+    assert err.value.key == key
+
+
+def test_a_source_with_variants_is_ranked_and_named_by_its_own_name(raw: dict[str, Any], tmp_path: Path) -> None:
+    raw = {**raw, "variants": {"think": {"share": 2}, "fast": {"share": 1, "sampling": {"temperature": 0.9}}}}
+    raw["sources"]["b"]["variants"] = {}
+    raw["dedup"] = {"prefer": ["a"]}
+    plan = build(raw, tmp_path)
+    assert sorted(plan.sources) == ["a@fast", "a@think", "b"]
+    assert plan.sources["a@fast"].spec.sampling.temperature == 0.9
+    assert plan.sources["a@think"].spec.sampling.temperature == 0.6  # the source's (the default)
+    assert plan.sources["b"].above == ()  # no variant: ranked apart from a's variants
+    with pytest.raises(ConfigError, match="did you mean 'a'") as err:
+        build({**raw, "dedup": {"prefer": ["a@think"]}}, tmp_path)
+    assert err.value.key == "dedup.prefer.0"
+
+
 def test_sources_whose_rule_names_collide_are_refused(raw: dict[str, Any], tmp_path: Path) -> None:
     collide = edit(raw, "sources", {**raw["sources"], "a-b": raw["sources"]["a"], "a_b": raw["sources"]["a"]})
     with pytest.raises(ConfigError, match="prepare_a_b is also that of source 'a-b'") as err:

@@ -294,6 +294,7 @@ def test_the_edit_catalogue_covers_every_keyed_field() -> None:
     keyed -= {"sources.*", "sources.*.category"}  # below
     keyed -= {"model.revision"}  # a hub model: test_a_hub_models_commit_is_its_identity
     keyed -= {"sources.*.filters.max_chars"}  # the same mechanism as min_chars
+    keyed -= {"variants", "sources.*.variants"}  # they rename sources: test_each_variant_edit_re_keys_its_variant_only
     assert keyed <= {e.split(" ")[0] for e in EDITS}
 
 
@@ -322,6 +323,79 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
             if above_before[source] != above_after[source]:  # which of its prompts it skips as copies
                 expected |= {keys.GEN, keys.TOK}
             assert changed == expected, f"edit {name!r} on source {source}: changed {changed}, expected {expected}"
+
+
+def _variant_config(ws: Workspace) -> dict[str, Any]:
+    return {
+        "store": str(ws.root / "store"),
+        "model": {"path": str(ws.model), "chat_template": str(ws.root / "t1.jinja")},
+        "engine": {"backend": "transformers", "options": {"device": "cpu"}},
+        "mix": {"categories": {"x": 1}},
+        "variants": {
+            "think": {"share": 3, "sampling": {"temperature": 0.6}, "chat_template_kwargs": {"enable_thinking": True}},
+            "nothink": {
+                "share": 1,
+                "sampling": {"temperature": 0.7},
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        },
+        "sources": {
+            "a": {"category": "x", "format": "alpaca", "files": [str(ws.root / "a.jsonl")]},
+            "b": {"category": "x", "format": "alpaca", "files": [str(ws.root / "b.jsonl")], "variants": {}},
+        },
+    }
+
+
+# (edit, {source: the first key it changes}); every other source keeps all three keys
+VARIANT_EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], dict[str, str]]] = {
+    "one variant's temperature": (
+        lambda c: c["variants"]["nothink"]["sampling"].update(temperature=0.9),
+        {"a@nothink": keys.GEN},
+    ),
+    "one variant's template kwargs": (
+        lambda c: c["variants"]["think"]["chat_template_kwargs"].update(preserve_thinking=True),
+        {"a@think": keys.GEN},
+    ),
+    "a share (the draw)": (
+        lambda c: c["variants"]["think"].update(share=1),
+        {"a@think": keys.PROMPT, "a@nothink": keys.PROMPT},
+    ),
+    "a tolerance": (lambda c: c["variants"]["think"].update(tolerance=0.3), {}),
+    "the source's own sampling, under both": (
+        lambda c: c["sources"]["a"].update(sampling={"top_p": 0.5}),
+        {"a@think": keys.GEN, "a@nothink": keys.GEN},
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(VARIANT_EDITS))
+def test_each_variant_edit_re_keys_its_variant_only(tmp_path: Path, edit: str) -> None:
+    """A variant is a source of its own: editing one variant's sampling re-keys that variant's rows only,
+    the draw table re-keys the prompts of each variant of the source, and a source that opts out
+    (``variants: {}``) keeps its keys."""
+    ws = Workspace(tmp_path)
+    base = _variant_config(ws)
+    before = ws.keys(base)
+    assert set(before) == {"a@think", "a@nothink", "b"}
+    change, first = VARIANT_EDITS[edit]
+    config = copy.deepcopy(base)
+    change(config)
+    after = ws.keys(config)
+    for source, old in before.items():
+        changed = {k for k, a, b in zip(ORDER, old, after[source], strict=True) if a != b}
+        expected = set(ORDER[ORDER.index(first[source]) :]) if source in first else set()
+        assert changed == expected, f"{edit}: {source} changed {changed}, expected {expected}"
+
+
+def test_a_source_without_variants_keeps_its_keys_when_others_get_them(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    plain = _variant_config(ws)
+    del plain["variants"]
+    del plain["sources"]["b"]["variants"]
+    with_variants = ws.keys(_variant_config(ws))
+    assert ws.keys(plain)["b"] == with_variants["b"]
+    # a's prompts are split by the draw: each variant's prompt key is its own, its gen key its sampling's
+    assert len({with_variants["a@think"][0], with_variants["a@nothink"][0], ws.keys(plain)["a"][0]}) == 3
 
 
 def _above(raw: dict[str, Any], keyed: dict[str, tuple[str, str, str]]) -> dict[str, list[tuple[str, str]]]:

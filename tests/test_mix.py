@@ -17,6 +17,7 @@ from dflash_build import plan as plan_mod
 from dflash_build.publish import report
 from dflash_build.spec import Checks
 from dflash_build.stages import mix
+from dflash_build.stages.mix import variants
 
 
 def _one_at_a_time(lengths: list[int], target: float) -> list[int]:
@@ -162,6 +163,7 @@ def test_length_stats() -> None:
 
 # -- loud failure: the checks run on the real plan of a small config -----------------------------------
 def _plan(tmp_path: Path, **extra: Any) -> plan_mod.Plan:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"gguf")
     data = tmp_path / "in.jsonl"
@@ -236,3 +238,26 @@ def test_a_source_the_trainers_window_emptied_is_named_with_the_window(tmp_path:
     message = str(err.value)
     assert "source 'a2' reaches the mix with no samples (6 completions, tokenize dropped outside_window: 6)" in message
     assert "its prompts leave too little of trainer.max_length 160: raise it or drop the source" in message
+
+
+def test_a_variant_that_loses_its_drawn_share_fails_naming_its_sources_and_tolerance(tmp_path: Path) -> None:
+    """A variant's share of the dataset's prompts is checked against the share drawn to it: losing a
+    quarter of the fast variant's prompts (its answers ran out, say) fails the mix, naming the variant,
+    what each of its sources lost and the key that would allow it."""
+    plan = _plan(tmp_path, variants={"think": {"share": 3}, "fast": {"share": 1}})
+    drawn = Counter({"a1@think": 30, "a1@fast": 10, "a2@think": 29, "a2@fast": 11, "b1@think": 33, "b1@fast": 7})
+    assert variants.missed(plan, drawn, drawn) == []
+    lost = drawn.copy()
+    lost.update({"a1@fast": -6, "a2@fast": -5})  # Counter.update adds
+    (problem,) = variants.missed(plan, drawn, lost)
+    assert problem.startswith("variant 'fast' holds 15.6% of the dataset's prompts, 23.3% were drawn to it")
+    assert "a1@fast 6 of 10, a2@fast 5 of 11, b1@fast 0 of 7" in problem and "variants.fast.tolerance" in problem
+    loose = _plan(tmp_path / "loose", variants={"think": {"share": 3}, "fast": {"share": 1, "tolerance": 0.15}})
+    assert variants.missed(loose, drawn, lost) == []
+    tally = variants.VariantTally()
+    table = pa.table({"n_tokens": [10, 20], "n_loss_tokens": [4, 8], "finish_reason": ["stop", "length"]})
+    tally.add(table, "fast", "a")
+    entry = variants.report(plan, drawn, lost, tally)["fast"]
+    assert entry["configured_share"] == 0.25 and entry["drawn_share"] == round(28 / 120, 6)
+    assert entry["prompts"] == 17 and entry["rows"] == 2 and entry["mean_answer_tokens"] == 6.0
+    assert entry["ran_out_rows"] == 1 and entry["tokens_by_category"] == {"a": 30}

@@ -367,3 +367,58 @@ def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodi
         folded = [{"role": "system", "content": "s"}, {"role": "user", "content": "\u00e9 tab q"}]
         assert prepare.identity.dedup_key(messages, t) == hashing.digest({"messages": folded, "tools": t})
         assert prepare.identity.dedup_key(folded, t)[: hashing.KEY_LENGTH] == prepare.identity.prompt_id(folded, t)
+
+
+def _prepare_variants(tmp_path: Path, rows: list[dict[str, Any]], variants: dict[str, Any]) -> dict[str, list[str]]:
+    """Prepare every variant source of one source: its prompt ids, by variant source."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"gguf")
+    raw = {
+        "store": str(tmp_path / "store"),
+        "shard_size": 8,
+        "model": {"path": str(model)},
+        "variants": variants,
+        "sources": {
+            "s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")], "max_samples": 60}
+        },
+        "mix": {"categories": {"c": 1}},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    plan = plan_mod.build(cfg.load(path))
+    out = {}
+    for name in plan.sources:
+        manifest = prepare.run(planned(plan, "prepare", name))
+        ids = [r["prompt_id"] for p in plan.prompt_shards(name) for r in pq.read_table(p).to_pylist()]
+        assert manifest["rows_out"] == len(ids)
+        assert manifest["rows_in"] == manifest["rows_out"] + sum(manifest["drops"].values())
+        out[name] = ids
+    return out
+
+
+def test_variants_split_the_selection_by_prompt_id_and_every_takes_all(tmp_path: Path) -> None:
+    """Each prompt of the parent's selection goes to the one variant its prompt id draws by share (the
+    others count it as other_variant), every: true takes them all, and the draw is per prompt: adding
+    rows and shuffling them moves no prompt to another variant."""
+    rows = [{"instruction": f"task {i}"} for i in range(90)]
+    variants = {"think": {"share": 3}, "fast": {"share": 1, "sampling": {"temperature": 0.7}}, "all": {"every": True}}
+    first = _prepare_variants(tmp_path / "one", rows, variants)
+    assert set(first) == {"s@think", "s@fast", "s@all"}
+    think, fast, every = set(first["s@think"]), set(first["s@fast"]), set(first["s@all"])
+    assert not think & fast and think | fast == every and len(every) == 60  # max_samples of the parent
+    assert 0.6 < len(think) / len(every) < 0.9  # a 3:1 draw
+    more = rows + [{"instruction": f"another task {i}"} for i in range(40)]
+    random.Random(3).shuffle(more)
+    second = _prepare_variants(tmp_path / "two", more, variants)
+    # the parent's selection changes with the input; a prompt both keep stays under its variant
+    both = set(second["s@all"]) & every
+    assert both and set(second["s@think"]) & both == think & both
+    assert set(second["s@fast"]) & both == fast & both
+
+
+def test_a_variant_the_draw_leaves_empty_fails_naming_the_share(tmp_path: Path) -> None:
+    rows = [{"instruction": f"task {i}"} for i in range(3)]
+    with pytest.raises(prepare.checks.SourceLossError, match=r"other_variant 3 \(variants\.\*\.share"):
+        _prepare_variants(tmp_path, rows, {"big": {"share": 1000}, "tiny": {"share": 0.0001}})

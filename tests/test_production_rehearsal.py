@@ -48,8 +48,27 @@ def production_config() -> dict[str, Any]:
     return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 
 
+def variant_sources(config: dict[str, Any]) -> dict[str, tuple[str, float]]:
+    """The sources the config builds, as docs/configuration.md states the expansion: each source under
+    each of its variants (its own table, else the top level's) as SOURCE@VARIANT, with the variant's
+    part of its prompts (its share over the table's shares); a source without variants as itself."""
+    out = {}
+    for name, source in config["sources"].items():
+        table = source["variants"] if source.get("variants") is not None else config.get("variants") or {}
+        total = sum(v.get("share", 0) for v in table.values())
+        for variant, v in table.items():
+            out[f"{name}@{variant}"] = (name, 1.0 if v.get("every") else v["share"] / total)
+        if not table:
+            out[name] = (name, 1.0)
+    return out
+
+
 def substitute(config: dict[str, Any], model: Path) -> dict[str, Any]:
     config = copy.deepcopy(config)
+    # a few dozen rows a source: the draw's and the mix's cut's noise in a variant's share is several
+    # times production's tolerance, which is sized for thousands of prompts
+    for variant in config.get("variants", {}).values():
+        variant["tolerance"] = 0.5
     for name, source in config["sources"].items():
         hub = source["hf"]["path"]
         assert hub in HUB_FIXTURES, f"source {name}: add an upstream-shaped fixture for {hub}"
@@ -106,15 +125,19 @@ def test_production_config_plans_every_shard_of_every_source(
         path = wf.write_config(config)
         expected = {
             (name, f"{i:05d}")
-            for name, s in config["sources"].items()
-            for i in range(math.ceil(s["max_samples"] / config["shard_size"]) if generate == "all" else 1)
+            for name, (parent, part) in variant_sources(config).items()
+            for i in range(
+                math.ceil(math.ceil(config["sources"][parent]["max_samples"] * part) / config["shard_size"])
+                if generate == "all"
+                else 1
+            )
         }
         jobs = wf.dry_run()
         assert {(j["source"], j["shard"]) for j in jobs["generate"]} == expected, generate
         assert {(j["source"], j["shard"]) for j in jobs["tokenize"]} == expected
         assert ("size_pilot" in jobs) is (generate == "as_needed")
         assert {k for k in jobs if k.startswith("prepare_")} == {
-            f"prepare_{n.replace('-', '_')}" for n in config["sources"]
+            f"prepare_{n.replace('-', '_').replace('@', '_')}" for n in variant_sources(config)
         }
         capsys.readouterr()
         assert cli.main(["--configfile", str(path), "plan", "--jobs"]) == 0
@@ -122,6 +145,13 @@ def test_production_config_plans_every_shard_of_every_source(
         listed = {tuple(line.split()[1].split("/")) for line in out.splitlines() if line.startswith("generate ")}
         assert listed == expected, generate
         assert "binding:" in out and "would be left out by the mix" in out
+        assert "sampling variants, still to generate: (no variant) " in out and "; thinking " in out
+
+
+def _shards(wf: Workflow, stage: str, parent: str) -> list[Path]:
+    """The shards of a source under every variant it has."""
+    folders = [p for p in (wf.workdir / "store" / stage).iterdir() if p.name.split("@")[0] == parent]
+    return [p for folder in folders for p in folder.rglob("0*.parquet")]
 
 
 def test_rehearsal_dry_run_lists_every_shard(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
@@ -133,7 +163,7 @@ def test_rehearsal_dry_run_lists_every_shard(rehearsal: tuple[Workflow, dict[str
     plan = plan_mod.build(config_mod.load(wf.workdir / "config.yaml"))
     expected = {(name, shard) for name, sp in plan.sources.items() for shard in sp.shards}
     assert {(j["source"], j["shard"]) for j in jobs["generate"]} == expected
-    assert {s for s, _ in expected} == set(config["sources"])
+    assert {s for s, _ in expected} == set(variant_sources(config))
 
 
 def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
@@ -143,13 +173,14 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
     wf.build()
     dist = wf.workdir / config["dataset"]["out"] / config["dataset"]["name"]
     manifest = json.loads((dist / "manifest.json").read_text())
-    for name in config["sources"]:
+    for name, (parent, _) in variant_sources(config).items():
         prepared = json.loads(next((wf.workdir / "store" / "prompts" / name).rglob("manifest.json")).read_text())
         # No defect drops. The one planted benchmark question (gsm8k's stand-in holds a Nemotron math prompt)
         # goes, no other row does; the fixtures' templated prompts are near-copies of one another in part.
         drops = prepared["drops"]
-        assert prepared["rows_out"] > 0 and set(drops) <= {"near_duplicate", "contaminated"}, (name, drops)
-        assert drops.get("contaminated", 0) == (1 if name == "nemotron-math" else 0), (name, drops)
+        # (each variant of a source runs its selection and keeps the prompts drawn to it)
+        assert prepared["rows_out"] > 0 and set(drops) <= {"near_duplicate", "contaminated", "other_variant"}, drops
+        assert drops.get("contaminated", 0) == (1 if parent == "nemotron-math" else 0), (name, drops)
         assert all(": near-copy of " in e for e in prepared["drop_examples"].get("near_duplicate", []))
         assert set(prepared["references"]) == set(config["decontaminate"]["references"])
         tokenized = sum(
@@ -161,11 +192,7 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
     assert {c for c, cat in manifest["mix"]["categories"].items() if cat["rows"]} == set(config["mix"]["categories"])
     # tool rows carry their schemas, and the template showed them to the model
     for name in ("hermes-function-calling", "hermes-glaive"):
-        prompts = [
-            r
-            for p in (wf.workdir / "store" / "prompts" / name).rglob("0*.parquet")
-            for r in pq.read_table(p).to_pylist()
-        ]
+        prompts = [r for p in _shards(wf, "prompts", name) for r in pq.read_table(p).to_pylist()]
         with_tools = [r for r in prompts if r["tools"]]
         assert len(with_tools) >= 9
         for r in with_tools:
@@ -174,12 +201,15 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
     # whose dataset called at its first turn ends there, counted; the card says so
     calling = [
         r
-        for p in (wf.workdir / "store" / "prompts" / "hermes-glaive").rglob("0*.parquet")
+        for p in _shards(wf, "prompts", "hermes-glaive")
         for r in pq.read_table(p).to_pylist()
         if r["tools"] and json.loads(r["messages"])[1].get("tool_calls")
     ]
-    turns = manifest["report"]["by_source"]["hermes-glaive"]["generation"]["turns"]
-    assert turns["tool_call_mismatch"] == len(calling) > 0 and turns["tool_calls_matched"] == 0, turns
+    turns = [
+        s["generation"]["turns"] for n, s in manifest["report"]["by_source"].items() if n.startswith("hermes-glaive@")
+    ]
+    assert len(turns) == 2 and sum(t["tool_call_mismatch"] for t in turns) == len(calling) > 0, turns
+    assert sum(t["tool_calls_matched"] for t in turns) == 0
     assert "| tool calls matched | ended on a tool-call mismatch |" in (dist / "README.md").read_text()
     # swe-rebench-openhands runs history: source: every assistant step of a trajectory regenerated on its
     # own history, whatever the tiny model called; the tool schemas as a server sends them (no nulls)
@@ -198,7 +228,11 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(config["model"]["path"])
-    agent_rows = [r for r in ds if r["source"] == "hermes-function-calling"]
+    # every row of a source with variants says which; the thinking-only agent source's say none
+    assert set(manifest["variants"]) == {"thinking", "direct"}
+    assert {r["variant"] for r in ds if "@" in r["source"]} == {"thinking", "direct"}
+    assert all(r["variant"] is None for r in ds if "@" not in r["source"])
+    agent_rows = [r for r in ds if r["source"].startswith("hermes-function-calling@")]
     assert agent_rows and all("<tools>" in tok.decode(r["input_ids"]) for r in agent_rows)
     tolerance = config["checks"]["share_tolerance"]
     total_share = sum(config["mix"]["categories"].values())

@@ -50,6 +50,7 @@ class SourceEstimate:
     rows_copies_skipped: int = 0  # of the rows in its jobs, copies of a ranked source's: skipped, never generated
     cross_source_gpu_hours: float = 0.0  # what generating those rows would have cost
     outside_window: TurnWindow | None = None  # prepared prompts trainer.max_length leaves out, by turn position
+    variant: str | None = None  # the sampling variant (config variants) the source generates under
 
 
 WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
@@ -132,6 +133,16 @@ def _measured(sidecars: list[tuple[Path, dict[str, Any]]]) -> tuple[float | None
             if stats.get(R.STAT_OUTPUT_TOK_PER_S):
                 rates.append(stats[R.STAT_OUTPUT_TOK_PER_S])
     return (tokens / rows if rows else None), (sum(rates) / len(rates) if rates else None)
+
+
+def _variant_means(sidecars: list[tuple[Path, dict[str, Any]]]) -> dict[str | None, float | None]:
+    """Mean output tokens per row under each sampling variant whose shards are in the store (a thinking
+    variant's answers run longer than the model's mean)."""
+    by_variant: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for path, stats in sidecars:
+        if stats.get("variant") is not None:
+            by_variant.setdefault(stats["variant"], []).append((path, stats))
+    return {variant: _measured(found)[0] for variant, found in by_variant.items()}
 
 
 # Bytes the store gains per generated output token (its journal line, completion and token shards, the
@@ -235,7 +246,8 @@ def estimate_with_disk(
     selections: dict[str, Selection] = {}
     cross, copies = _cross_source(plan, selections)
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
-        estimates = _estimate(plan, index, mean_tokens, rate, default_tokens_per_second, lengths, selections, copies)
+        means = {None: mean_tokens, **_variant_means(sidecars)}
+        estimates = _estimate(plan, index, means, rate, default_tokens_per_second, lengths, selections, copies)
     _cross_source_cost(estimates, cross)
     for e in estimates:
         e.outside_window = windows.get(e.source)
@@ -284,7 +296,7 @@ def _cross_source(
         if name in prompts and any(a in prompts for a in sp.above):
             skipped = crosssource.against_ranked(plan, name, prompts, bands).dropped[name]
             copies[name] = {f"{int(i):016x}" for i in skipped}
-    return crosssource.resolve(plan.config.dedup.source_priority(prompts), prompts, bands), copies
+    return crosssource.resolve_within_variants(plan, prompts, bands), copies
 
 
 def _cross_source_cost(estimates: list[SourceEstimate], cross: crosssource.CrossSource | None) -> None:
@@ -299,7 +311,7 @@ def _cross_source_cost(estimates: list[SourceEstimate], cross: crosssource.Cross
 def _estimate(
     plan: Plan,
     index: RowIndex,
-    mean_tokens: float | None,
+    means: dict[str | None, float | None],
     rate: float | None,
     default_tokens_per_second: float,
     lengths: list[tuple[int, int]],
@@ -307,7 +319,8 @@ def _estimate(
     copies: dict[str, set[str]],
 ) -> list[SourceEstimate]:
     """``selections``: prepare's selection of sources not prepared yet, run once (shared with the
-    cross-source count); ``copies``: each source's prompts a source ranked above keeps (skipped)."""
+    cross-source count); ``copies``: each source's prompts a source ranked above keeps (skipped);
+    ``means``: output tokens per row, the model's (None) and under each sampling variant measured."""
     out = []
     sized = wanted_shards(plan)
     for name, sp in plan.sources.items():
@@ -321,6 +334,7 @@ def _estimate(
             shards=sp.n_shards,
             completions_built=sum(p.exists() for p in plan.completion_shards(name)),
             tokens_built=sum(p.exists() for p in plan.token_shards(name)),
+            variant=sp.spec.variant,
         )
         ids_of = _ShardIds(plan, name, est, selections)
         wanted = sized.get(name, sp.n_shards)
@@ -328,6 +342,7 @@ def _estimate(
             if not path.exists():
                 est.generate_jobs.append(f"{name}/{shard}")
                 _count_rows(plan, index, name, shard, ids_of(shard), est, copies.get(name, set()))
+        mean_tokens = means.get(sp.spec.variant) or means[None]
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)
         drop = plan.config.truncated == "drop"

@@ -70,6 +70,36 @@ def use_table(manifest: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variants_section(manifest: dict[str, Any]) -> str:
+    """The card's table of sampling variants; empty without variants."""
+    variants = manifest.get("variants") or {}
+    if not variants:
+        return ""
+
+    def share(value: float | None) -> str:
+        return "every prompt" if value is None else f"{value:.1%}"
+
+    lines = [
+        "## Sampling variants",
+        "",
+        "Each prompt is generated under the variant its prompt id draws by share (and under every variant "
+        "with `every: true`). Shares are of prompts: configured, drawn at prepare, and held by the dataset; "
+        "a variant that ends more than its tolerance below its drawn share fails the build. Answer tokens "
+        "are the loss tokens per sample; ran out: samples whose answer hit max_new_tokens or the window.",
+        "",
+        "| variant | sources | configured | drawn | in the dataset | prompts | samples | tokens | mean answer tokens "
+        "| ran out |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in variants.items():
+        lines.append(
+            f"| {name} | {', '.join(v['sources'])} | {share(v['configured_share'])} | {share(v['drawn_share'])} "
+            f"| {share(v['achieved_share'])} | {v['prompts']} of {v['drawn_prompts']} | {v['rows']} | {v['tokens']} "
+            f"| {v['mean_answer_tokens']} | {v['ran_out_rows']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def dataset_card(manifest: dict[str, Any]) -> str:
     sources = "\n".join(
         f"| {name} | {s['category']} | {s['rows']} | {s['tokens']} | `{s['gen_key']}` |"
@@ -90,6 +120,7 @@ only. Content keys of every input shard are in `{layout.MANIFEST}`.
 {sources}
 
 {use_table(manifest)}
+{variants_section(manifest)}
 Shortfalls:
 {shortfalls}
 

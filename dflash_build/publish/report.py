@@ -25,7 +25,9 @@ from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 
 PLOTS = {
-    "category_mix.png": "Tokens per category: achieved share against the target share.",
+    "category_mix.png": (
+        "Tokens per category: achieved share against the target share (split by sampling variant, with variants)."
+    ),
     "completion_length_by_category.png": "Completion length (generated tokens per sample) per category, mean and P90.",
     "finish_reasons_by_source.png": "How each source's generated rows ended (from the generation sidecars).",
     "prompt_vs_completion_by_source.png": "Mean prompt and completion tokens per sample, per source.",
@@ -352,7 +354,17 @@ def _category_mix(plt: Any, manifest: dict[str, Any], tally: Tally) -> Any:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(names)), 4))
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [100 * categories[c]["target_share"] for c in names], 0.4, label="target")
-    ax.bar([i + 0.2 for i in x], [100 * categories[c]["achieved_share"] for c in names], 0.4, label="achieved")
+    variants = manifest.get("variants") or {}
+    if not variants:
+        ax.bar([i + 0.2 for i in x], [100 * categories[c]["achieved_share"] for c in names], 0.4, label="achieved")
+    bottom = [0.0] * len(names)
+    for variant, v in variants.items():  # the achieved bar split by sampling variant
+        heights = [100 * v["tokens_by_category"].get(c, 0) / max(manifest["tokens"], 1) for c in names]
+        ax.bar([i + 0.2 for i in x], heights, 0.4, bottom=bottom, label=f"achieved: {variant}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    rest = [max(0.0, 100 * categories[c]["achieved_share"] - b) for c, b in zip(names, bottom, strict=True)]
+    if variants and any(r > 0.05 for r in rest):  # sources without variants
+        ax.bar([i + 0.2 for i in x], rest, 0.4, bottom=bottom, label="achieved: no variant")
     ax.set_xticks(list(x), names, rotation=20, ha="right")
     ax.set_ylabel("share of tokens (%)")
     ax.set_title(f"{manifest['dataset']}: category mix ({manifest['tokens']:,} tokens)")

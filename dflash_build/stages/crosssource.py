@@ -10,7 +10,9 @@ skips the prompts of the listed sources before it (:func:`skipped_copies`: each 
 error names the source that keeps it), and their prompt keys are part of its gen key
 (``plan.ranked_above``). Sources the list does not name settle nothing between them, so adding one
 re-keys no other source; the mix applies the whole rule to what it takes, and its manifest counts every
-copy."""
+copy. Copies are settled within a sampling variant (config ``variants``): a prompt two sources hold under
+one variant is generated once, and one prompt under two variants is two samples.
+"""
 
 from __future__ import annotations
 
@@ -124,7 +126,27 @@ def load(plan: Plan) -> CrossSource | None:
             prompts[name], bands[name] = neardup.read_bands(plan.prompt_bands(name))
         else:
             prompts[name] = prompt_ids(plan, name)
-    return resolve(dedup.source_priority(plan.sources), prompts, bands)
+    return resolve_within_variants(plan, prompts, bands)
+
+
+def resolve_within_variants(
+    plan: Plan, prompts: dict[str, np.ndarray], bands: dict[str, np.ndarray] | None
+) -> CrossSource:
+    """:func:`resolve` over ``prompts``' sources, each sampling variant apart (sources without variants
+    are one group): one prompt under two variants is two samples by design."""
+    out = CrossSource()
+    variant_of = {n: plan.sources[n].spec.variant or "" for n in prompts}
+    for variant in sorted(set(variant_of.values())):
+        group = [n for n in prompts if variant_of[n] == variant]
+        part = resolve(
+            plan.config.dedup.source_priority(group),
+            {n: prompts[n] for n in group},
+            None if bands is None else {n: bands[n] for n in group},
+        )
+        out.dropped.update(part.dropped)
+        out.counts.update(part.counts)
+        out.examples.update(part.examples)
+    return out
 
 
 def prompt_ids(plan: Plan, source: str) -> np.ndarray:

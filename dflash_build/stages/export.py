@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import hashing, toolcalls
 from dflash_build.publish import release
-from dflash_build.spec import ExportSpec
+from dflash_build.spec import ExportSpec, SourceSpec
 from dflash_build.stages.chat import answer_slots
 from dflash_build.stages.job import Job, StageFailure
 from dflash_build.store import atomic, layout
@@ -55,9 +55,11 @@ class ExportEmptyError(StageFailure):
     """Every sample of the dataset would be left out of an export: it fails instead of writing nothing."""
 
 
-def sample_id(prompt_id: str, sample_idx: int, turn: int | None = None) -> str:
-    """A sample's id in an export: ``prompt:sample``, and ``:turn`` for one turn of a conversation."""
-    return f"{prompt_id}:{sample_idx}" if turn is None else f"{prompt_id}:{sample_idx}:{turn}"
+def sample_id(prompt_id: str, sample_idx: int, turn: int | None = None, variant: str | None = None) -> str:
+    """A sample's id in an export: ``prompt:sample``, ``:turn`` for one turn of a conversation, and
+    ``@variant`` for a sampling variant's (one prompt under two variants is two samples)."""
+    base = f"{prompt_id}:{sample_idx}" if turn is None else f"{prompt_id}:{sample_idx}:{turn}"
+    return base if variant is None else f"{base}@{variant}"
 
 
 def shape(ids: Sequence[int], mask: Sequence[int], spec: ExportSpec) -> tuple[list[tuple[int, int]], str | None]:
@@ -158,8 +160,8 @@ def run(job: Job) -> dict[str, Any]:
     with release.publish(out_dir, record) as tmp:
         shards = JsonlShards(tmp / DATA_DIR, spec.shard_rows)
         if spec.format == "conversations":
-            on_source_history = frozenset(n for n, sp in job.plan.sources.items() if sp.spec.history == "source")
-            counts = _conversations(files, stores, spec, shards, on_source_history)
+            specs = {n: sp.spec for n, sp in job.plan.sources.items()}
+            counts = _conversations(files, stores, spec, shards, specs)
         else:
             counts = _token_rows(files, spec, shards)
         if counts["samples_in"] and not counts["rows"]:
@@ -197,7 +199,7 @@ def _samples(files: list[Path], columns: list[str]) -> Iterator[dict[str, Any]]:
 def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
-    for row in _samples(files, ["input_ids", "loss_mask", "prompt_id", "sample_idx", "turn"]):
+    for row in _samples(files, ["input_ids", "loss_mask", "prompt_id", "sample_idx", "turn", "variant"]):
         ids, mask = row["input_ids"], row["loss_mask"]
         counts["samples_in"] += 1
         counts["loss_tokens_in"] += sum(mask)
@@ -209,7 +211,7 @@ def _token_rows(files: list[Path], spec: ExportSpec, out: JsonlShards) -> dict[s
             counts["dropped_loss_tokens"] += sum(mask)
             continue
         counts["long_kept"] += long
-        base = sample_id(row["prompt_id"], row["sample_idx"], row["turn"])
+        base = sample_id(row["prompt_id"], row["sample_idx"], row["turn"], row["variant"])
         for k, (start, end) in enumerate(spans):
             piece_id = base if len(spans) == 1 and start == 0 else f"{base}#{k}"
             out.write({"id": piece_id, "input_ids": ids[start:end], "loss_mask": mask[start:end]})
@@ -317,18 +319,24 @@ def _prompts_and_completions(store: Mapping[str, list[Path]]) -> dict[str, list[
 
 
 def _records(
-    messages: list[dict[str, Any]], done: dict[str, Any], tools: toolcalls.Tools, spec: ExportSpec, on_history: bool
+    messages: list[dict[str, Any]],
+    done: dict[str, Any],
+    tools: toolcalls.Tools,
+    spec: ExportSpec,
+    on_history: bool,
+    variant: str | None = None,
 ) -> list[tuple[str, list[dict[str, Any]]]]:
     """A completion row's export records, (id, conversation): its conversation, or under ``history:
     source`` each turn on the history it was asked on."""
     key = (done["prompt_id"], done["sample_idx"])
+    parser = spec.tool_call_parser
     answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
     if on_history:
         return [
-            (sample_id(*key, k), turn_on_history(messages, k, answer, spec.think, spec.tool_call_parser, tools))
+            (sample_id(*key, k, variant), turn_on_history(messages, k, answer, spec.think, parser, tools))
             for k, answer in enumerate(answers)
         ]
-    return [(sample_id(*key), conversation(messages, answers, spec.think, spec.tool_call_parser, tools))]
+    return [(sample_id(*key, variant=variant), conversation(messages, answers, spec.think, parser, tools))]
 
 
 def _conversations(
@@ -336,11 +344,11 @@ def _conversations(
     stores: Mapping[str, list[tuple[Path, Path]]],
     spec: ExportSpec,
     out: JsonlShards,
-    on_source_history: frozenset[str] = frozenset(),
+    sources: Mapping[str, SourceSpec],
 ) -> dict[str, Any]:
     """Shard by shard of each source's prompts and completions (memory holds one shard), the rows of the
-    dataset they hold: a conversation each, or, for the sources ``on_source_history`` names
-    (``history: source``), each turn on the history it was asked on."""
+    dataset they hold: a conversation each, or, for a ``history: source`` source, each turn on the
+    history it was asked on; a sampling variant's ids end with it."""
     wanted: dict[str, set[tuple[str, int]]] = {}
     for row in _samples(files, ["source", "prompt_id", "sample_idx"]):
         wanted.setdefault(row["source"], set()).add((row["prompt_id"], row["sample_idx"]))
@@ -363,8 +371,9 @@ def _conversations(
                 todo.discard(key)
                 prompt = prompts[done["prompt_id"]]
                 tools = json.loads(prompt["tools"]) if prompt["tools"] else None
-                on_history = source in on_source_history and bool(done["turns"])
-                records = _records(json.loads(prompt["messages"]), done, tools, spec, on_history)
+                on_history = sources[source].history == "source" and bool(done["turns"])
+                variant = sources[source].variant
+                records = _records(json.loads(prompt["messages"]), done, tools, spec, on_history, variant)
                 counts["turns"] += len(done["turns"] or [None])
                 for record_id, turns in records:
                     out.write({"id": record_id, "conversations": turns, "tools": tools})

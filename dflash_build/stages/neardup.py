@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import rensa
 
-from dflash_build import lsh
+from dflash_build import hashing, lsh
 from dflash_build.spec import NearSpec
 from dflash_build.stages import words as W
 from dflash_build.store import atomic
@@ -58,7 +58,7 @@ def band_keys(row_of_text: np.ndarray, found: W.Words, n_rows: int, spec: NearSp
     with np.errstate(over="ignore"):
         keys = (digest * _band_powers(rows)).sum(axis=2, dtype=np.uint64)
         keys ^= np.arange(bands, dtype=np.uint64) * _BAND_SALT
-    return W.mix64(keys), has_words
+    return hashing.splitmix64(keys), has_words
 
 
 def _band_powers(rows: int) -> np.ndarray:

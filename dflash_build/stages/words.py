@@ -19,7 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+from dflash_build import hashing
+
+_SPLITMIX_GAMMA = np.uint64(hashing.SPLITMIX_GAMMA)
 _NGRAM_MULTIPLIER = np.uint64(0x100000001B3)
 _WORD_BYTE = np.zeros(256, dtype=bool)
 _WORD_BYTE[[*range(ord("0"), ord("9") + 1), *range(ord("a"), ord("z") + 1), *range(ord("A"), ord("Z") + 1)]] = True
@@ -38,14 +40,6 @@ SPACELESS = np.array(
     dtype=np.int64,
 )
 _CASE_BITS = np.uint64(0x2020202020202020)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _SPLITMIX[1]
-        x = (x ^ (x >> np.uint64(27))) * _SPLITMIX[2]
-    return x ^ (x >> np.uint64(31))
 
 
 class Words:
@@ -82,8 +76,8 @@ class Words:
                 np.cumsum(self.hashes * inverse[:total], out=self._prefix[1:])
         with np.errstate(over="ignore"):
             combined = (self._prefix[ends] - self._prefix[starts]) * power[ends - 1]
-            combined ^= (ends - starts).astype(np.uint64) * _SPLITMIX[0]
-        return mix64(combined), self._text_of[starts]
+            combined ^= (ends - starts).astype(np.uint64) * _SPLITMIX_GAMMA
+        return hashing.splitmix64(combined), self._text_of[starts]
 
 
 _POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
@@ -176,7 +170,7 @@ def _hash_spans(raw: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
     with np.errstate(over="ignore"):
         first = np.minimum(lengths, 8).astype(np.uint64)
         drop = (np.uint64(8) - first) * np.uint64(8)
-        hashes = (lengths.astype(np.uint64) * _SPLITMIX[0]) ^ ((_lowered(at_byte[starts]) << drop) >> drop)
+        hashes = (lengths.astype(np.uint64) * _SPLITMIX_GAMMA) ^ ((_lowered(at_byte[starts]) << drop) >> drop)
     todo = np.flatnonzero(lengths > 8)
     chunk = 1
     while len(todo):
@@ -188,4 +182,4 @@ def _hash_spans(raw: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
             hashes[todo] = hashes[todo] * _NGRAM_MULTIPLIER + word
         chunk += 1
         todo = todo[lengths[todo] > 8 * chunk]
-    return mix64(hashes)
+    return hashing.splitmix64(hashes)

@@ -60,6 +60,9 @@ COMPLETION_SCHEMA = pa.schema(
                 )
             ),
         ),
+        # the sampling variant the row was generated under (config variants); null without variants and in
+        # shards written before the column
+        ("variant", pa.string()),
     ]
 )
 
@@ -73,6 +76,7 @@ SAMPLE_SCHEMA = pa.schema(
         ("prompt_id", pa.string()),
         ("sample_idx", pa.int32()),
         ("turn", pa.int32()),  # a per-turn sample's turn of its conversation; null for a whole row
+        ("variant", pa.string()),  # the sampling variant it was generated under (config variants), else null
         ("finish_reason", pa.string()),
         ("n_tokens", pa.int32()),
         ("n_loss_tokens", pa.int32()),

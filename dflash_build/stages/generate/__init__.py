@@ -418,7 +418,7 @@ def publish(
     """
     sampling = work.plan.sources[work.source].spec.sampling
     convs = work.convs.values()
-    rows = [completion_row(conv, work.renderer, sampling.seed) for conv in convs]
+    rows = [{**completion_row(conv, work.renderer, sampling.seed), "variant": work.spec.variant} for conv in convs]
     stats = shard_stats(work.plan, work.source, work.shard, rows, resumed, lease, wall, engine_run.engine_tokens)
     turns = [t for conv in convs for t in conv.turns]
     retokenized = sum(t.retokenized for t in turns)

@@ -92,6 +92,7 @@ def shard_stats(
         "stage": "generate",
         "source": source,
         "shard": shard,
+        "variant": sp.spec.variant,
         "gen_key": sp.gen_key,
         "components": sp.gen_components,
         "model_fingerprint": plan.model_fingerprint,

@@ -29,6 +29,7 @@ from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
 from dflash_build.stages import crosssource
 from dflash_build.stages.job import Job
+from dflash_build.stages.mix import variants
 from dflash_build.stages.mix.checks import check, missed_floors, shortfalls
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
@@ -104,16 +105,6 @@ def take_to_target(n_tokens: np.ndarray, target: float) -> np.ndarray:
 _VECTOR_ROUNDS = 64
 
 
-_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
-    x = (x ^ (x >> np.uint64(30))) * _SPLITMIX[1]
-    x = (x ^ (x >> np.uint64(27))) * _SPLITMIX[2]
-    return x ^ (x >> np.uint64(31))
-
-
 def sample_ranks(
     seed: int, prompt_ids: pa.ChunkedArray | pa.Array, sample_idx: np.ndarray, turn: np.ndarray | None = None
 ) -> np.ndarray:
@@ -123,8 +114,8 @@ def sample_ranks(
     if turn is not None:
         sample = sample + (np.asarray(turn, dtype=np.uint64) << np.uint64(32))
     seeds = np.full(len(sample), seed & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)  # arrays wrap silently; scalars warn
-    salt = _mix64(seeds * _SPLITMIX[0] + sample)
-    return _mix64(hashing.hex_to_u64(prompt_ids) ^ salt)
+    salt = hashing.splitmix64(seeds * np.uint64(hashing.SPLITMIX_GAMMA) + sample)
+    return hashing.splitmix64(hashing.hex_to_u64(prompt_ids) ^ salt)
 
 
 @dataclass
@@ -219,6 +210,8 @@ class _Choice:
     generated: dict[str, Counter[str]]  # tokens of every sample that reached the mix, by category and by source
     cross: crosssource.CrossSource | None
     floors: dict[str, dict[str, dict[str, Any]]]  # mix.languages: category -> language -> what it got
+    drawn: Counter[str]  # variant sources: prompts drawn to each that reached the mix (variants)
+    taken: Counter[str]  # variant sources: distinct prompts the dataset takes of each
 
 
 def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
@@ -254,9 +247,14 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
         "category": cand.available(cand.category, categories, every),
         "source": cand.available(cand.source, names, every),
     }
-    missed = missed_floors(plan, reached, targets)
+    drawn, taken = Counter[str](), Counter[str]()
+    if variants.has_variants(plan):
+        drawn = variants.drawn_prompts(plan)
+        drawn.subtract({n: len(cross.dropped.get(n, ())) for n in drawn} if cross is not None else {})
+        taken = variants.prompts_taken(cand.prompt_id, cand.source, chosen, names)
+    missed = missed_floors(plan, reached, targets) + variants.missed(plan, drawn, taken)
     check(plan, shards, shares, targets, chosen_tokens, available, by_source, cross, missed)
-    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached)
+    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached, drawn, taken)
 
 
 def _fill(cand: _Candidates, by_rank: np.ndarray, target: float, floors: dict[str, float] | None) -> np.ndarray:
@@ -315,9 +313,10 @@ class _Written:
         default_factory=lambda: {"source": defaultdict(Counter), "category": defaultdict(Counter)}
     )
     tally: report.Tally = field(default_factory=report.Tally)
+    variants: variants.VariantTally = field(default_factory=variants.VariantTally)
     files: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, table: pa.Table, source: str, category: str) -> None:
+    def add(self, table: pa.Table, source: str, category: str, variant: str | None) -> None:
         n_tokens = table.column("n_tokens").to_numpy()
         n_loss = table.column("n_loss_tokens").to_numpy()
         reasons = Counter(table.column("finish_reason").to_pylist())
@@ -333,6 +332,8 @@ class _Written:
         for col, name in (("source", source), ("category", category)):
             self.languages[col][name].update(by_language)
         self.tally.add_rows(source, category, n_tokens, n_loss, reasons)
+        if variant is not None:
+            self.variants.add(table, variant, category)
 
 
 def run(job: Job) -> dict[str, Any]:
@@ -368,7 +369,8 @@ def _write(plan: Plan, choice: _Choice, folder: Path) -> _Written:
         if not len(rows):
             continue
         table = pq.read_table(path).take(pa.array(rows, type=pa.int64()))
-        written.add(table, source, plan.sources[source].spec.category)
+        spec = plan.sources[source].spec
+        written.add(table, source, spec.category, spec.variant)
         writer.write(table)
         del table
     written.files = writer.close()
@@ -414,6 +416,8 @@ def _manifest(
             for col in ("category", "source")
         },
         "use": _use(choice, written),
+        # sampling variants (config variants): drawn, held, and their samples; absent without variants
+        **({"variants": variants.report(plan, choice.drawn, choice.taken, written.variants)} if choice.drawn else {}),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
         "prompts": _prompt_summaries(manifests),
         "shortfalls": shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),

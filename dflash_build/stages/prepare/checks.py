@@ -67,8 +67,9 @@ def check_losses(spec: SourceSpec, selection: Selection) -> None:
     rows_out = selection.rows_out
     defects = {r: n for r, n in drops.counts.items() if r not in INTENDED_DROPS}
     lost = sum(defects.values())
-    key = f"sources.{spec.name}"
-    where = f"{key} ({', '.join(spec.files) if spec.hf is None else spec.hf.path})"
+    key = f"sources.{spec.config_name}"
+    variant = f", variant {spec.variant}" if spec.variant is not None else ""
+    where = f"{key} ({', '.join(spec.files) if spec.hf is None else spec.hf.path}{variant})"
     if selection.rows_in == 0:
         raise SourceLossError(f"{where}: the input has no rows; check {key}.files / {key}.hf (path, name, split)")
     intended = {r: n for r, n in drops.counts.items() if r in INTENDED_DROPS}

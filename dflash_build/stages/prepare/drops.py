@@ -21,6 +21,7 @@ DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
 DROP_TEMPLATE_KWARG = "template_kwarg"  # a value chat_template_kwargs_from has no mapping for
 DROP_LANGUAGE = "language"  # not in the source's languages
+DROP_OTHER_VARIANT = "other_variant"  # drawn to another sampling variant of the source (config variants)
 EXAMPLES_PER_REASON = 5
 
 
@@ -34,6 +35,7 @@ INTENDED_DROPS = frozenset(
         DROP_CONTAMINATED,
         DROP_NEAR_DUPLICATE,
         DROP_LANGUAGE,
+        DROP_OTHER_VARIANT,
     }
 )
 
@@ -47,6 +49,7 @@ DROP_SETTINGS = {
     DROP_CONTAMINATED: "decontaminate.references",
     DROP_NEAR_DUPLICATE: "dedup.near.threshold",
     DROP_LANGUAGE: "languages",
+    DROP_OTHER_VARIANT: "variants.*.share",
 }
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_build import hashing
+from dflash_build.spec import VariantDraw
 from dflash_build.stages.prepare import columnar
 
 
@@ -58,6 +59,26 @@ def selection_ranks(seed: int, pids: Any) -> bytes:
     offsets = pa.py_buffer(np.arange(0, width * len(pids) + 1, width, dtype=np.int64).tobytes())
     texts = pa.LargeStringArray.from_buffers(len(pids), offsets, pa.py_buffer(bodies.tobytes()))
     return columnar.digests(texts, 16)
+
+
+# Set apart from the mix's ranks, which also hash prompt ids: a variant draw does not track a rank.
+_DRAW_SALT = np.uint64(0x76617269616E7473)  # "variants"
+
+
+def drawn_variant(pids: Any, draw: VariantDraw) -> np.ndarray:
+    """The variant each prompt (64-bit prompt ids) is generated under, by ``draw``'s shares: a uniform
+    value from SplitMix64 of the prompt id against the cumulative shares in variant-name order. It
+    depends on the prompt id alone: the same in any row order, for every source that holds the prompt,
+    and unchanged for the other prompts when prompts are added or removed. Names of ``draw.every`` are
+    never drawn (they take every prompt)."""
+    names = sorted(draw.shares)
+    weights = np.array([draw.shares[n] for n in names], dtype=np.float64)
+    bounds = np.cumsum(weights / weights.sum())
+    uniform = (hashing.splitmix64(np.asarray(pids, dtype=np.uint64) ^ _DRAW_SALT) >> np.uint64(11)).astype(
+        np.float64
+    ) / float(1 << 53)
+    at = np.minimum(np.searchsorted(bounds, uniform, side="right"), len(names) - 1)
+    return np.array(names, dtype=object)[at]
 
 
 def shard_bounds(n_rows: int, n_shards: int) -> list[tuple[int, int]]:

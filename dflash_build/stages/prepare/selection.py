@@ -21,13 +21,20 @@ from dflash_build.stages.prepare import columnar
 from dflash_build.stages.prepare.drops import (
     DROP_DUPLICATE,
     DROP_LANGUAGE,
+    DROP_OTHER_VARIANT,
     DROP_OVER_MAX_SAMPLES,
     EXAMPLES_PER_REASON,
     Drop,
     DropCounter,
 )
 from dflash_build.stages.prepare.formats import role_map, row_template_kwargs, to_prompt
-from dflash_build.stages.prepare.identity import dedup_key, prompt_id, selection_ranks, shard_bounds
+from dflash_build.stages.prepare.identity import (
+    dedup_key,
+    drawn_variant,
+    prompt_id,
+    selection_ranks,
+    shard_bounds,
+)
 from dflash_build.stages.prepare.read import RowBatch, batches
 from dflash_build.stages.prepare.spill import SPILL_SCHEMA, Spill
 
@@ -203,6 +210,7 @@ class _Scanned:
             drops.counts[DROP_OVER_MAX_SAMPLES] += len(over)
             drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(kept[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
             selected = np.sort(kept[by_rank[: spec.max_samples]])
+        selected = _drawn_to_variant(spec, selected, drops)
         for reason in (DROP_DUPLICATE, DROP_LANGUAGE):
             if not drops.counts[reason]:
                 del drops.counts[reason]
@@ -211,6 +219,19 @@ class _Scanned:
             bands = self.filters.bands(filtered.rows[np.searchsorted(kept, selected)])
         references = self.filters.references.summary if self.filters.references is not None else None
         return Selection(selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references)
+
+
+def _drawn_to_variant(spec: SourceSpec, selected: Any, drops: DropCounter) -> Any:
+    """Of the parent's selection, the prompts a variant source generates: those drawn to its variant
+    (all of them for a variant that takes every prompt); the rest are counted as ``other_variant``."""
+    if spec.draw is None or spec.variant in spec.draw.every:
+        return selected
+    mine = drawn_variant(selected, spec.draw) == spec.variant
+    others = selected[~mine]
+    if len(others):
+        drops.counts[DROP_OTHER_VARIANT] += len(others)
+        drops.examples[DROP_OTHER_VARIANT] = [f"prompt {int(p):016x}" for p in others[:EXAMPLES_PER_REASON]]
+    return selected[mine]
 
 
 def group_firsts(keys: Any, pids: Any) -> Any:
