@@ -164,3 +164,30 @@ def test_editing_one_variants_temperature_regenerates_that_variant_only(
     for name, data in think_bytes.items():
         assert after.completion_dir(name) == before.completion_dir(name)
         assert [p.read_bytes() for p in after.completion_shards(name)] == data
+
+
+def test_a_new_draw_generates_only_the_prompts_that_moved_and_reuses_the_rest(
+    built: tuple[Workflow, dict[str, Any], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shares are a config edit: the variants' prompt sets change, and a prompt that stays under its
+    variant keeps its rows (the row index reuses rows across configs that sample alike), so only the
+    prompts drawn to another variant than before are generated."""
+    wf = built[0].copy_to(tmp_path / "copy")
+    monkeypatch.chdir(wf.workdir)
+    before = plan_mod.build(cfg.load(wf.workdir / "config.yaml"))
+    old = {n: {r["prompt_id"] for r in _completions(before, n)} for n in ("a@think", "a@fast")}
+    config = copy.deepcopy(built[1])
+    config["variants"]["think"]["share"] = 4
+    wf.write_config(config)
+    wf.build()
+    after = plan_mod.build(cfg.load(wf.workdir / "config.yaml"))
+    moved = 0
+    for name in ("a@think", "a@fast"):
+        assert after.sources[name].prompt_key != before.sources[name].prompt_key
+        rows = _completions(after, name)
+        stats = _stats(after, name)
+        stayed = {r["prompt_id"] for r in rows} & old[name]
+        assert stats["reused"] == len(stayed) and stats["generated"] == len(rows) - len(stayed)
+        moved += stats["generated"]
+    assert moved > 0  # prompts moved from fast to think; think grew
+    assert len(_completions(after, "a@think")) > len(old["a@think"])
