@@ -177,7 +177,7 @@ def test_a_new_draw_generates_only_the_prompts_that_moved_and_reuses_the_rest(
     before = plan_mod.build(cfg.load(wf.workdir / "config.yaml"))
     old = {n: {r["prompt_id"] for r in _completions(before, n)} for n in ("a@think", "a@fast")}
     config = copy.deepcopy(built[1])
-    config["variants"]["think"]["share"] = 4
+    config["variants"]["think"]["share"] = 2
     wf.write_config(config)
     wf.build()
     after = plan_mod.build(cfg.load(wf.workdir / "config.yaml"))
