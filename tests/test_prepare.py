@@ -138,20 +138,28 @@ def test_extra_role_names_from_config() -> None:
     assert prepare.formats.to_prompt(row, spec("sharegpt", roles={"narrator": "user"}))[0][0]["role"] == "user"
 
 
-def _build_source(tmp_path: Path, files: list[str], **source: Any) -> tuple[plan_mod.Plan, dict[str, Any]]:
+def _plan_source(tmp_path: Path, files: list[str], shard_size: int = 4, **extra: Any) -> plan_mod.Plan:
+    """The plan of one alpaca source ``s`` over ``files``; ``extra``: its settings, or top-level keys
+    (``variants``) by name."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"gguf")
+    top = {k: extra.pop(k) for k in ("variants",) if k in extra}
     raw = {
         "store": str(tmp_path / "store"),
-        "shard_size": 4,
+        "shard_size": shard_size,
         "model": {"path": str(model)},
-        "sources": {"s": {"category": "c", "format": "alpaca", "files": files, **source}},
+        "sources": {"s": {"category": "c", "format": "alpaca", "files": files, **extra}},
         "mix": {"categories": {"c": 1}},
+        **top,
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
-    plan = plan_mod.build(cfg.load(path))
+    return plan_mod.build(cfg.load(path))
+
+
+def _build_source(tmp_path: Path, files: list[str], **source: Any) -> tuple[plan_mod.Plan, dict[str, Any]]:
+    plan = _plan_source(tmp_path, files, **source)
     return plan, prepare.run(planned(plan, "prepare", "s"))
 
 
@@ -371,23 +379,8 @@ def test_prompt_ids_and_dedup_keys_are_the_content_keys_of_their_documented_bodi
 
 def _prepare_variants(tmp_path: Path, rows: list[dict[str, Any]], variants: dict[str, Any]) -> dict[str, list[str]]:
     """Prepare every variant source of one source: its prompt ids, by variant source."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
     write_jsonl(tmp_path / "in.jsonl", rows)
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"gguf")
-    raw = {
-        "store": str(tmp_path / "store"),
-        "shard_size": 8,
-        "model": {"path": str(model)},
-        "variants": variants,
-        "sources": {
-            "s": {"category": "c", "format": "alpaca", "files": [str(tmp_path / "in.jsonl")], "max_samples": 60}
-        },
-        "mix": {"categories": {"c": 1}},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    plan = plan_mod.build(cfg.load(path))
+    plan = _plan_source(tmp_path, [str(tmp_path / "in.jsonl")], 8, variants=variants, max_samples=60)
     out = {}
     for name in plan.sources:
         manifest = prepare.run(planned(plan, "prepare", name))
