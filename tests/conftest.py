@@ -18,6 +18,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS_TEMPLATE = REPO / "config" / "templates" / "chatml-tools.jinja"
+# Whether the test being set up or run carries the workflow marker: the unit tier runs no Snakemake.
+_IN_WORKFLOW_TIER = {"now": True}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test (a module's built workdir included) is set up."""
+    _IN_WORKFLOW_TIER["now"] = item.get_closest_marker("workflow") is not None
 
 
 def smollm2_gguf() -> Path:
@@ -158,6 +165,10 @@ class Workflow:
         self, *args: str, cores: int = 2, env_extra: dict[str, str] | None = None
     ) -> tuple[list[str], dict[str, str]]:
         """The snakemake command line of this workflow, and its environment."""
+        if not _IN_WORKFLOW_TIER["now"]:
+            raise AssertionError(
+                "a test without @pytest.mark.workflow launched Snakemake: mark it (the unit tier builds nothing)"
+            )
         env = {**os.environ, **(env_extra or {})}
         if self.pythonpath is not None:
             env["PYTHONPATH"] = f"{self.pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
