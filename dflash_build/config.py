@@ -28,7 +28,6 @@ from dflash_build.spec import (
     FORMAT_FIELDS,
     LOCAL_SUFFIXES,
     SAMPLING_FIELDS,
-    VARIANT_SEPARATOR,
     Checks,
     Config,
     ConfigError,
@@ -46,6 +45,7 @@ from dflash_build.spec import (
     TemplateKwargFrom,
     TrainerSpec,
     VariantDraw,
+    parent_name,
     variant_source_name,
 )
 
@@ -146,9 +146,9 @@ def _sources(
             "chat_template_kwargs": {**raw["chat_template_kwargs"], **settings["chat_template_kwargs"]},
         }
         spec = _source(name, merged, base_sampling, mix, checks)
-        weight = spec.weight
-        if weight is not None and variant in draw.shares:  # as_needed: the variant's part of the source's weight
-            weight *= draw.shares[variant] / sum(draw.shares.values())
+        weight, share = spec.weight, draw.share(variant)
+        if weight is not None and share is not None:  # as_needed: the variant's part of the source's weight
+            weight *= share
         full = variant_source_name(name, variant)
         out[full] = dataclasses.replace(
             spec,
@@ -259,7 +259,7 @@ def _dedup(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> DedupSp
     names = sorted({s.config_name for s in sources.values()})  # a source with variants is ranked whole
     for i, name in enumerate(raw["prefer"]):
         if name not in names:
-            parent = name.split(VARIANT_SEPARATOR)[0]
+            parent = parent_name(name)
             near = [parent] if parent in names else difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean '{near[0]}'?" if near else f" (sources: {', '.join(names)})"
             raise ConfigError(f"dedup.prefer.{i}", f"'{name}' is not a source{hint}")

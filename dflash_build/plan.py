@@ -404,9 +404,9 @@ def _prepared(
     spec = config.sources[name]
     files, identity, raw_rows = _source_input(f"sources.{name}", spec.files, spec.hf, cache)
     rows = raw_rows if spec.max_samples is None else min(spec.max_samples, raw_rows or spec.max_samples)
-    if rows is not None and spec.draw is not None and spec.variant in spec.draw.shares:
+    if rows is not None and spec.drawn_share is not None:
         # the variant's part of the parent's selection (the draw is uniform over prompt ids)
-        rows = math.ceil(rows * spec.draw.shares[spec.variant] / sum(spec.draw.shares.values()))
+        rows = math.ceil(rows * spec.drawn_share)
     if rows is None:
         raise ConfigError(
             f"sources.{name}.max_samples",

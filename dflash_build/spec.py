@@ -102,6 +102,11 @@ def variant_source_name(parent: str, variant: str) -> str:
     return f"{parent}{VARIANT_SEPARATOR}{variant}"
 
 
+def parent_name(source: str) -> str:
+    """The config source a source name belongs to: PARENT of PARENT@VARIANT, else the name itself."""
+    return source.split(VARIANT_SEPARATOR)[0]
+
+
 @dataclass(frozen=True)
 class VariantDraw:
     """How a source's prompts are split among its variants: ``shares`` (variant -> weight, normalised)
@@ -112,6 +117,10 @@ class VariantDraw:
 
     def as_dict(self) -> dict[str, Any]:
         return {"shares": dict(sorted(self.shares.items())), "every": sorted(self.every)}
+
+    def share(self, variant: str) -> float | None:
+        """The part of the prompts drawn to ``variant``; None for a variant that takes every prompt."""
+        return self.shares[variant] / sum(self.shares.values()) if variant in self.shares else None
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,12 @@ class SourceSpec:
     def config_name(self) -> str:
         """The source's name in the config (a variant source's parent)."""
         return self.parent or self.name
+
+    @property
+    def drawn_share(self) -> float | None:
+        """A variant source's part of its parent's prompts, drawn by share; None without variants and for
+        a variant that takes every prompt."""
+        return None if self.draw is None or self.variant is None else self.draw.share(self.variant)
 
     def content_spec(self) -> dict[str, Any]:
         """What in this source's config changes the prompts (goes into prompt_key)."""
@@ -298,7 +313,7 @@ class DedupSpec:
         """The sources in the order that decides which keeps a prompt several hold."""
         names = sorted(sources)
         # a variant source (PARENT@VARIANT) ranks as its parent, which dedup.prefer names
-        parent = {n: n.split(VARIANT_SEPARATOR)[0] for n in names}
+        parent = {n: parent_name(n) for n in names}
         ranked = [n for p in self.prefer for n in names if parent[n] == p]
         return ranked + [n for n in names if parent[n] not in self.prefer]
 

@@ -417,7 +417,11 @@ def _manifest(
         },
         "use": _use(choice, written),
         # sampling variants (config variants): drawn, held, and their samples; absent without variants
-        **({"variants": variants.report(plan, choice.drawn, choice.taken, written.variants)} if choice.drawn else {}),
+        **(
+            {"variants": variants.report(plan, choice.drawn, choice.taken, written.variants)}
+            if variants.has_variants(plan)
+            else {}
+        ),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
         "prompts": _prompt_summaries(manifests),
         "shortfalls": shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),

@@ -70,8 +70,7 @@ def _drawn_shares(plan: Plan, prompts: Counter[str]) -> dict[str, float]:
     """Each drawn variant's share of ``prompts`` (by source) over every source's drawn variants."""
     by_variant: Counter[str] = Counter()
     for name, sp in plan.sources.items():
-        draw = sp.spec.draw
-        if draw is not None and sp.spec.variant in draw.shares:
+        if sp.spec.drawn_share is not None:
             by_variant[str(sp.spec.variant)] += prompts[name]
     total = sum(by_variant.values())
     return {v: n / total if total else 0.0 for v, n in sorted(by_variant.items())}
@@ -79,21 +78,13 @@ def _drawn_shares(plan: Plan, prompts: Counter[str]) -> dict[str, float]:
 
 def _configured_shares(plan: Plan, drawn: Counter[str]) -> dict[str, float]:
     """Each drawn variant's configured share, weighted by its sources' drawn prompts when their tables differ."""
-    weighted: Counter[str] = Counter()
+    drawn_sources = [sp.spec for sp in plan.sources.values() if sp.spec.drawn_share is not None]
     parents: Counter[str] = Counter()
-    for name, sp in plan.sources.items():
-        draw = sp.spec.draw
-        if draw is not None and sp.spec.variant in draw.shares:
-            parents[sp.spec.config_name] += drawn[name]
-    seen = set()
-    for sp in plan.sources.values():
-        draw = sp.spec.draw
-        if draw is None or not draw.shares or sp.spec.config_name in seen:
-            continue
-        seen.add(sp.spec.config_name)
-        total = sum(draw.shares.values())
-        for variant, share in draw.shares.items():
-            weighted[variant] += parents[sp.spec.config_name] * share / total
+    for spec in drawn_sources:
+        parents[spec.config_name] += drawn[spec.name]
+    weighted: Counter[str] = Counter()
+    for spec in drawn_sources:
+        weighted[str(spec.variant)] += parents[spec.config_name] * float(spec.drawn_share or 0.0)
     total = sum(parents.values())
     return {v: w / total if total else 0.0 for v, w in sorted(weighted.items())}
 
@@ -105,9 +96,7 @@ def _tolerance(plan: Plan, variant: str) -> float:
 
 def missed(plan: Plan, drawn: Counter[str], taken: Counter[str]) -> list[str]:
     """Each drawn variant whose share of the dataset's prompts ends more than its tolerance below the share
-    drawn to it, with where it was lost and what to change."""
-    if not has_variants(plan):
-        return []
+    drawn to it, with where it was lost and what to change (none without variants)."""
     want, got = _drawn_shares(plan, drawn), _drawn_shares(plan, taken)
     problems = []
     for variant, share in want.items():
@@ -128,8 +117,6 @@ def missed(plan: Plan, drawn: Counter[str], taken: Counter[str]) -> list[str]:
 
 def report(plan: Plan, drawn: Counter[str], taken: Counter[str], tally: VariantTally) -> dict[str, Any]:
     """The manifest's ``variants``: per variant, what was drawn, what the dataset holds, and its samples."""
-    if not has_variants(plan):
-        return {}
     want, got, configured = _drawn_shares(plan, drawn), _drawn_shares(plan, taken), _configured_shares(plan, drawn)
     by_variant: dict[str, list[str]] = defaultdict(list)
     for name, sp in plan.sources.items():
@@ -137,7 +124,7 @@ def report(plan: Plan, drawn: Counter[str], taken: Counter[str], tally: VariantT
             by_variant[sp.spec.variant].append(name)
     out = {}
     for variant, sources in sorted(by_variant.items()):
-        every = all(variant in (plan.sources[s].spec.draw.every if plan.sources[s].spec.draw else ()) for s in sources)
+        every = all(plan.sources[s].spec.drawn_share is None for s in sources)
         rows = tally.rows[variant]
         out[variant] = {
             "sources": sources,

@@ -224,7 +224,7 @@ class _Scanned:
 def _drawn_to_variant(spec: SourceSpec, selected: Any, drops: DropCounter) -> Any:
     """Of the parent's selection, the prompts a variant source generates: those drawn to its variant
     (all of them for a variant that takes every prompt); the rest are counted as ``other_variant``."""
-    if spec.draw is None or spec.variant in spec.draw.every:
+    if spec.drawn_share is None:
         return selected
     mine = drawn_variant(selected, spec.draw) == spec.variant
     others = selected[~mine]
