@@ -12,7 +12,9 @@ import functools
 import json
 import math
 import os
+import platform
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,13 @@ class Plan:
 
     def completion_dir(self, source: str) -> Path:
         return layout.stage_dir(self.config.store, layout.COMPLETIONS, source, self.sources[source].gen_key)
+
+    def tokenizer_cache(self) -> Path:
+        """The loaded tokenizer's cache: keyed by its files and template and by the versions of the
+        libraries whose objects the pickle holds."""
+        versions = {name: metadata.version(name) for name in ("transformers", "tokenizers")}
+        components = {"template": self.template_fingerprint["digest"], "python": platform.python_version(), **versions}
+        return layout.tokenizer_cache_file(hashing.content_key(components))
 
     def token_dir(self, source: str) -> Path:
         return layout.stage_dir(self.config.store, layout.TOKENS, source, self.sources[source].tok_key)

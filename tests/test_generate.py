@@ -419,3 +419,63 @@ def test_rows_outside_the_trainers_window_are_a_selection_and_never_fail_a_shard
     assert "4 of 4 rows could not be generated (0 error/abort, 4 skipped over the context; 2 more outside" in message
     assert "raise model.context_length" in message and "template errors" not in message
     assert "rows.jsonl" not in message and window not in message
+
+
+_CACHED_TOKENIZER_IDS = """
+import json, sys
+from pathlib import Path
+from dflash_build.spec import ModelSpec
+from dflash_build.stages import chat, generate
+model, cache, conversations = json.loads(sys.argv[1])
+tok = chat.load_tokenizer(ModelSpec(model, None, None, cache["template"], {}), Path(cache["file"]))
+ids = [generate.Renderer(tok, {}).next_context(generate.Conversation("p", 0, m, t, [len(m)])) for m, t in conversations]
+print(json.dumps({"ids": ids, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_cached_tokenizer_gives_the_very_ids_without_torch_and_a_damaged_cache_is_replaced(
+    tmp_path: Path, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The generate job's tokenizer from the user's cache (SmolLM2's real tokenizer): the ids of real
+    multilingual prompts with tools equal a fresh AutoTokenizer's, in a new process without torch."""
+    import subprocess
+    import sys
+
+    from dflash_build.spec import ModelSpec
+    from dflash_build.stages import chat
+    from tests import multilingual
+
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look up a word.", "parameters": {}}}]
+    conversations = [
+        ([{"role": "user", "content": multilingual.MGSM_ITEM_0[lang]}], None) for lang in ("zh", "ja", "th")
+    ]
+    conversations.append(([{"role": "user", "content": multilingual.GSM8K_QUESTION}], tools))
+    model = ModelSpec(str(tokenizer_dir), None, None, str(TOOLS_TEMPLATE), {})
+    fresh = chat.load_tokenizer(model)
+    expected = [
+        generate.Renderer(fresh, {}).next_context(generate.Conversation("p", 0, m, t, [len(m)]))
+        for m, t in conversations
+    ]
+    cache = tmp_path / "cache" / "tokenizers" / "k.pickle"
+
+    def in_a_new_process() -> dict[str, Any]:
+        arg = json.dumps([str(tokenizer_dir), {"template": str(TOOLS_TEMPLATE), "file": str(cache)}, conversations])
+        run = subprocess.run([sys.executable, "-c", _CACHED_TOKENIZER_IDS, arg], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.splitlines()[-1])
+
+    made = in_a_new_process()
+    assert cache.exists() and made["ids"] == expected, "the first job loads it and writes the cache"
+    cached = in_a_new_process()
+    assert cached == {"ids": expected, "torch": False}, "later jobs load the cache: the same ids, no torch"
+
+    cache.write_bytes(b"\x80\x05not a pickle")
+    with caplog.at_level("WARNING"):
+        assert (
+            generate.Renderer(chat.load_tokenizer(model, cache), {}).next_context(
+                generate.Conversation("p", 0, *conversations[0], [1])
+            )
+            == expected[0]
+        )
+    assert f"tokenizer cache {cache} does not load" in caplog.text
+    assert in_a_new_process() == {"ids": expected, "torch": False}, "the damaged cache was replaced"

@@ -549,7 +549,11 @@ class ServedEngine:
         if state is None:
             return PoolChange()
         self.identity.setdefault("lost", []).append({**_described(state), "stalled": stalled, "why": why[:300]})
-        if stalled and read_state(self.spec.lock_dir, state["slot"]) == state:  # nobody replaced it yet
+        replacing = state["slot"] == self.spec.slot and not (self.replaced or self.closed)
+        # nobody replaced it yet: a stalled server is stopped, and so is one that does not answer when we are
+        # about to replace it (a stall, as far as this job can tell; else the replacement would find its
+        # host still up, while another job stops it, and join it again)
+        if (stalled or replacing) and read_state(self.spec.lock_dir, state["slot"]) == state:
             log.warning(
                 "stopping the stalled engine on %s (host pid %d, server pid %s, log %s)",
                 state["slot"],

@@ -79,7 +79,7 @@ def turn_windows(plan: Plan) -> list[TurnWindow]:
     if plan.config.trainer.max_length is None or not any(plan.prompt_manifest(s).exists() for s in plan.sources):
         return []
     try:
-        tokenizer = chat.load_tokenizer(plan.config.model)
+        tokenizer = chat.load_tokenizer(plan.config.model, plan.tokenizer_cache())
     except Exception as e:  # inspection goes on: the model may not be on this machine yet
         log.warning("the prompts outside trainer.max_length are not counted: the tokenizer did not load (%s)", e)
         return []

@@ -164,9 +164,18 @@ def fingerprint_cache_file(store: Path) -> Path:
     return Path(store) / CACHE / "fingerprints.json"
 
 
+def user_cache_dir() -> Path:
+    """The user's cache folder for dflash-build: what is kept per machine and user, not per store."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-build"
+
+
 def user_fingerprint_cache_file(store: Path) -> Path:
     """Where the file-digest cache goes when the store cannot take it (read-only, full): the user's cache
     folder, one file per store."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     store_id = hashlib.sha256(os.path.realpath(store).encode()).hexdigest()[:16]
-    return root / "dflash-build" / "fingerprints" / f"{store_id}.json"
+    return user_cache_dir() / "fingerprints" / f"{store_id}.json"
+
+
+def tokenizer_cache_file(key: str) -> Path:
+    """A loaded tokenizer, pickled: in the user's cache, shared by every store (its key is its content)."""
+    return user_cache_dir() / "tokenizers" / f"{key}.pickle"

@@ -169,7 +169,7 @@ def open_shard(plan: Plan, source: str, shard: str, paths: ShardPaths) -> ShardW
     sampling = sp.spec.sampling
     template_kwargs = dict(sp.gen_components["chat_template_kwargs"])
     prompts = pq.read_table(paths.prompts).to_pylist()
-    tokenizer = chat.load_tokenizer(plan.config.model)
+    tokenizer = chat.load_tokenizer(plan.config.model, plan.tokenizer_cache())
     if any(p["tools"] for p in prompts):
         chat.check_renders_tools(tokenizer, template_kwargs)
     params = SamplingParams.of(sampling)
