@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -9,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,14 @@ _IN_WORKFLOW_TIER = {"now": True}
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before any fixture of the test (a module's built workdir included) is set up."""
     _IN_WORKFLOW_TIER["now"] = item.get_closest_marker("workflow") is not None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """This worker's shared engines end with it (a killed session's are replaced by the next one's)."""
+    from dflash_build.engines import host
+
+    for lock_dir in _engine_locks().glob("model-*"):
+        host.stop_idle(lock_dir)
 
 
 def smollm2_gguf() -> Path:
@@ -95,6 +107,89 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
     return path
 
 
+_ENGINE_SLOTS: dict[str, int] = {}  # this worker's engine slot (lock folder and ports) per model and options
+
+
+def _worker() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+
+
+def _engine_locks() -> Path:
+    """This worker's engine lock folders (one per model and options) and their engines' logs. The same in every
+    session: an engine a killed session left behind is found there, and replaced or reused."""
+    return Path(tempfile.gettempdir()) / "dflash-build-test-engines" / f"gw{_worker()}"
+
+
+def shared_engine(model: Path, **options: Any) -> dict[str, Any]:
+    """The tiny models' engine: in the workflow tier as production runs it (``engine.shared``), a
+    long-lived server; in the unit tier, which starts no server, in the job.
+
+    :meth:`Workflow.command` starts the server before a build (:func:`warm_engine`), so it serves every
+    build of its model in this pytest worker, as a user's engine serves consecutive builds: a generate
+    job loads neither torch nor the model (about 5 s a job here). A test of the engine in the job sets
+    ``shared: false``; a test of the engine's own lifetime gives it its own lock folder (:func:`own_engines`).
+    """
+    options = {"device": "cpu", "batch_size": 4, "threads": 1, **options}
+    if not _IN_WORKFLOW_TIER["now"]:
+        return {"backend": "transformers", "options": options}
+    slot = _ENGINE_SLOTS.setdefault(json.dumps([str(model), options], sort_keys=True), len(_ENGINE_SLOTS))
+    return {
+        "backend": "transformers",
+        "options": options,
+        "shared": True,
+        "lock_dir": str(_engine_locks() / f"model-{slot}"),
+        "base_port": 30000 + 200 * _worker() + 10 * slot,  # below the default 31000 and the ephemeral range
+        "idle_timeout": 300,
+    }
+
+
+def own_engines(config: dict[str, Any], lock_dir: Path, **engine: Any) -> None:
+    """For a test of the engines' own lifetime (start, reuse, stop, GPU locks): its own lock folder, the
+    default ports and timeouts, and the engine in the job unless ``shared`` says otherwise; nothing of
+    the worker's engine (:func:`shared_engine`)."""
+    config["engine"] = {"backend": "transformers", "options": config["engine"]["options"], "lock_dir": str(lock_dir)}
+    config["engine"].update(engine)
+
+
+# Snakemake options under which no job runs: no engine is started for them.
+_BUILDS_NOTHING = {"-n", "--dry-run", "--dryrun", "--unlock", "--lint", "--list-changes", "--summary", "--report"}
+
+
+def warm_engine(config_file: Path) -> None:
+    """Start this worker's engine for the config (or keep the one running), logging outside every test's
+    workdir: a build stops only the engines its own logs folder started, so this one outlives the build."""
+    from dflash_build import config as config_mod
+    from dflash_build import plan as plan_mod
+    from dflash_build.engines import host
+    from dflash_build.stages import chat
+    from dflash_build.store import fingerprints
+
+    try:
+        with contextlib.chdir(config_file.parent):  # the config's relative paths, as Snakemake reads them
+            cfg = config_mod.load(config_file)
+    except Exception:  # a test of a bad config: Snakemake says what is wrong
+        return
+    if not cfg.engine.shared or cfg.engine.lock_dir.parent != _engine_locks():
+        return
+    tokenizer = _tokenizer(cfg.model.path, cfg.model.tokenizer, cfg.model.chat_template)
+    fingerprint, _ = plan_mod.fingerprint_model(cfg, fingerprints.FingerprintCache(None))
+    spec = host.launch_spec(
+        cfg, chat.stop_token_ids(tokenizer, cfg.model.path), None, fingerprint, chat.context_length(cfg.model)
+    )
+    try:
+        host.attach(dataclasses.replace(spec, log_dir=str(_engine_locks() / "logs")), pool=False).release()
+    except host.EngineFailed:  # options the engine refuses: the build's own job says so
+        return
+
+
+@functools.cache
+def _tokenizer(path: str, tokenizer: str | None, template: str | None) -> Any:
+    from dflash_build.spec import ModelSpec
+    from dflash_build.stages import chat
+
+    return chat.load_tokenizer(ModelSpec(path, None, tokenizer, template, {}))
+
+
 def base_config(model: Path, sources: dict[str, Any], **extra: Any) -> dict[str, Any]:
     categories = sorted({s["category"] for s in sources.values()})
     config = {
@@ -102,7 +197,7 @@ def base_config(model: Path, sources: dict[str, Any], **extra: Any) -> dict[str,
         "logs": "logs",
         "dataset": {"name": "test-mix", "out": "dist"},
         "model": {"path": str(model), "chat_template": str(TOOLS_TEMPLATE)},
-        "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 4, "threads": 1}},
+        "engine": shared_engine(model),
         "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_new_tokens": 6, "seed": 0},
         "shard_size": 4,
         "truncated": "keep",
@@ -169,6 +264,8 @@ class Workflow:
             raise AssertionError(
                 "a test without @pytest.mark.workflow launched Snakemake: mark it (the unit tier builds nothing)"
             )
+        if not _BUILDS_NOTHING.intersection(args):
+            warm_engine(self.workdir / "config.yaml")
         env = {**os.environ, **(env_extra or {})}
         if self.pythonpath is not None:
             env["PYTHONPATH"] = f"{self.pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"

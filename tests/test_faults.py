@@ -26,7 +26,7 @@ import pytest
 
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
-from tests.conftest import Workflow, base_config, loaded_rows, write_jsonl
+from tests.conftest import Workflow, base_config, loaded_rows, own_engines, write_jsonl
 from tests.standin_server import StandIn
 
 pytestmark = pytest.mark.workflow
@@ -204,6 +204,7 @@ def test_a_hung_in_process_engine_stops_its_job_cleanly_and_a_rerun_gives_the_sa
     sees no step for engine.stall_timeout, names the engine, and stops the job, keeping its journal;
     the rerun generates only the rest, and the dataset is the uninterrupted one."""
     config = _config(tmp_path, tiny_model)
+    config["engine"]["shared"] = False  # the engine in the job
     config["engine"]["stall_timeout"] = 1.5  # not keyed: the same keys, so the same dataset
     wf = Workflow.at(tmp_path / "work", config)
     start = time.monotonic()
@@ -233,8 +234,7 @@ def test_sigterm_keeps_every_finished_row_and_the_next_run_generates_only_the_re
     a shared engine too (the job cancels its requests to the server; the engine stays for the rerun)."""
     baseline, _ = uninterrupted
     config = _config(tmp_path, tiny_model)
-    if shared:
-        config["engine"].update(shared=True, lock_dir=str(tmp_path / "locks"), idle_timeout=60)
+    own_engines(config, tmp_path / "locks", shared=shared, idle_timeout=60)  # started by this build
     wf = Workflow.at(tmp_path / "work", config)
     stopped = wf.run("--until", "generate", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "sigterm:2"})
     assert stopped.returncode != 0
@@ -259,6 +259,7 @@ def test_a_signal_to_the_whole_process_group_loses_no_finished_row(tmp_path: Pat
     the one an uninterrupted build makes.
     """
     config = _config(tmp_path, tiny_model, shard_size=12)  # two jobs, both running when the signal comes
+    config["engine"]["shared"] = False  # each job decodes itself: the signal lands mid-decoding
     config["sampling"]["max_new_tokens"] = 160  # long enough that the signal lands mid-generation
     fresh = Workflow.at(tmp_path / "fresh", config)
     fresh.build()

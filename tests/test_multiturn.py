@@ -32,7 +32,7 @@ from dflash_build.spec import ConfigError
 from dflash_build.stages import export, generate, mix, prepare, tokenize
 from dflash_build.stages.job import planned
 from dflash_build.store import records as R
-from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
+from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, base_config, shared_engine, write_jsonl
 
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"
 NEMOTRON = REPO / "tests" / "data" / "upstream" / "nemotron-post-training-v2"
@@ -463,7 +463,7 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
 
     write_jsonl(tmp_path / "chat.jsonl", SHAREGPT_ROWS)
     # a tool conversation on the dataset's history, short answers (the CPU engine writes a few tokens a
-    # second and each generate job loads it again); the target's own history: the stand-in server's test
+    # second); the target's own history: the stand-in server's test
     write_jsonl(tmp_path / "called.jsonl", TOOL_ROWS[:1])
     tools = {"category": "c", "format": "messages", "turns": "all", "sampling": {"max_new_tokens": 4}}
 
@@ -473,7 +473,7 @@ def test_per_turn_samples_with_the_real_engine_resume_mid_conversation_row_for_r
             "logs": str(root / "logs"),
             "dataset": {"name": "mt", "out": str(root / "dist")},
             "model": {"path": str(gguf_path), "chat_template": str(QWEN3_TEMPLATE), "tool_call_parser": "hermes"},
-            "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 2, "threads": 2}},
+            "engine": shared_engine(gguf_path, batch_size=2, threads=2),
             "sampling": {"max_new_tokens": 48, "temperature": 0.0, "seed": 0},
             "sources": {
                 "s": {"category": "c", "format": "sharegpt", "files": [str(tmp_path / "chat.jsonl")], "turns": "all"},

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow
+from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, shared_engine
 
 pytestmark = pytest.mark.workflow
 
@@ -78,7 +78,7 @@ def substitute(config: dict[str, Any], model: Path) -> dict[str, Any]:
         assert hub in REFERENCE_FIXTURES, f"reference set {name}: add a stand-in for {hub}"
         reference["hf"]["path"] = str(UPSTREAM / REFERENCE_FIXTURES[hub])
     config["model"]["path"] = str(model)
-    config["engine"] = {"backend": "transformers", "options": {"device": "cpu", "batch_size": 16, "threads": 1}}
+    config["engine"] = shared_engine(model, batch_size=16)
     return config
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import Workflow, base_config, write_jsonl
+from tests.conftest import Workflow, base_config, own_engines, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -23,8 +23,7 @@ def _source(data: Path, n: int) -> dict[str, Any]:
 def test_eight_shards_on_four_fake_gpus_never_share_a_gpu(tmp_path: Path, tiny_model: Path) -> None:
     """Twice as many jobs as GPUs, and more job places than GPUs: the locks, not Snakemake, keep them apart."""
     config = base_config(tiny_model, _source(tmp_path / "data", 8), shard_size=1)
-    config["engine"]["gpus"] = [str(i) for i in range(4)]
-    config["engine"]["lock_dir"] = str(tmp_path / "locks")
+    own_engines(config, tmp_path / "locks", gpus=[str(i) for i in range(4)])  # one engine in each job
     config["sampling"]["max_new_tokens"] = 4
     wf = Workflow(tmp_path / "work")
     wf.workdir.mkdir()

@@ -27,7 +27,7 @@ from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines import host as engine_host
 from dflash_build.engines.gpus import Gpu, GpuLease, job_locks
 from dflash_build.spec import Config, ConfigError, EngineSpec
-from tests.conftest import Workflow, base_config, completion_rows, write_jsonl
+from tests.conftest import Workflow, base_config, completion_rows, own_engines, write_jsonl
 
 
 def _source(data: Path, n: int) -> dict[str, Any]:
@@ -80,7 +80,7 @@ def _first_failed_contact(logs: Path) -> float:
 # -- through Snakemake -------------------------------------------------------------------------------
 def _workflow(root: Path, model: Path, shared: bool, n: int = 12, **engine: Any) -> Workflow:
     config = base_config(model, _source(root / "data", n), shard_size=2)
-    config["engine"].update(gpus=["0", "1"], lock_dir=str(root / "locks"), shared=shared, **engine)
+    own_engines(config, root / "locks", gpus=["0", "1"], shared=shared, **engine)
     config["sampling"]["max_new_tokens"] = 8
     wf = Workflow(root / "work")
     wf.workdir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import pytest
 
 from dflash_build.engines import host as engine_host
 from tests import slurm_cluster
-from tests.conftest import REPO, Workflow, base_config, completion_rows, write_jsonl
+from tests.conftest import REPO, Workflow, base_config, completion_rows, own_engines, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -46,7 +46,7 @@ def _workflow(root: Path, model: Path, base_port: int) -> Workflow:
     }
     config = base_config(model, sources, shard_size=2)
     # fake GPU ids: the local run pins them by lock, the cluster run takes the ones SLURM assigns
-    config["engine"].update(gpus=["0", "1"], shared=True, lock_dir=str(root / "locks"), base_port=base_port)
+    own_engines(config, root / "locks", gpus=["0", "1"], shared=True, base_port=base_port)
     config["sampling"]["max_new_tokens"] = 8
     wf = Workflow(root / "work")
     wf.workdir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
-from tests.conftest import Workflow, base_config, write_jsonl
+from tests.conftest import Workflow, base_config, own_engines, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -53,7 +53,7 @@ def test_status_follows_a_build_in_progress_and_says_done_at_the_end(tmp_path: P
     data = write_jsonl(tmp_path / "p.jsonl", [{"instruction": p} for p in PROMPTS])
     config = base_config(tiny_model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}}, shard_size=8)
     config["sampling"]["max_new_tokens"] = 96  # a few seconds a shard: time to look while it runs
-    config["engine"]["journal_flush_rows"] = 1
+    own_engines(config, tmp_path / "locks", journal_flush_rows=1)  # and at the end no engine is running
     wf = Workflow.at(tmp_path / "work", config)
     store = wf.workdir / "store"
     cmd, env = wf.command()
