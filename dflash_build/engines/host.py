@@ -543,17 +543,17 @@ class ServedEngine:
             raise
 
     def lost(self, url: str, why: str, stalled: bool) -> PoolChange:
-        """A server left the backend's pool: stop it if it stalled, and replace our own slot's once."""
+        """A server left the backend's pool: stop it if it stalled (or, when this job replaces it, stopped
+        answering), and replace our own slot's once."""
         with self._lock:
             state = self.attached.leave(url)
         if state is None:
             return PoolChange()
         self.identity.setdefault("lost", []).append({**_described(state), "stalled": stalled, "why": why[:300]})
-        replacing = state["slot"] == self.spec.slot and not (self.replaced or self.closed)
         # nobody replaced it yet: a stalled server is stopped, and so is one that does not answer when we are
         # about to replace it (a stall, as far as this job can tell; else the replacement would find its
         # host still up, while another job stops it, and join it again)
-        if (stalled or replacing) and read_state(self.spec.lock_dir, state["slot"]) == state:
+        if (stalled or self._replaces(state)) and read_state(self.spec.lock_dir, state["slot"]) == state:
             log.warning(
                 "stopping the stalled engine on %s (host pid %d, server pid %s, log %s)",
                 state["slot"],
@@ -562,7 +562,7 @@ class ServedEngine:
                 state.get("log"),
             )
             _stop_host(state, "stalled", wait=STALLED_STOP_SECONDS)
-        if state["slot"] != self.spec.slot or self.replaced or self.closed:
+        if not self._replaces(state):  # asked again: the job may have closed while the engine stopped
             return PoolChange()
         self.replaced = True
         log.warning("starting a replacement engine on %s", self.spec.slot)
@@ -578,6 +578,10 @@ class ServedEngine:
                 self.attached.members[joined_url] = (joined, fd)
                 self.identity["engines"].append(_described(joined))
         return PoolChange(joined=attached.urls)
+
+    def _replaces(self, lost: dict[str, Any]) -> bool:
+        """Whether this job replaces the lost engine: its own slot's, once, while the job is open."""
+        return lost["slot"] == self.spec.slot and not (self.replaced or self.closed)
 
     def refresh(self) -> PoolChange:
         """Members whose engine stopped or was replaced leave; with ``pool``, newly started ones join."""
