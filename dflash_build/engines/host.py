@@ -475,7 +475,8 @@ def stop_workflow_engines(cfg: Config) -> list[str]:
     slots = [s["slot"] for s in running(cfg.engine.lock_dir) if Path(s["log"]).parent == mine]
     stopped = stop_idle(cfg.engine.lock_dir, slots) if slots else []
     if stopped:
-        print(f"dflash-build: stopped the shared engines on {', '.join(stopped)} (history: {mine}/engines.jsonl)")
+        history = cfg.logs / "engines" / "engines.jsonl"  # as the config names it
+        print(f"dflash-build: stopped the shared engines on {', '.join(stopped)} (history: {history})")
     return stopped
 
 

@@ -34,14 +34,15 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
-
-import httpx
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines.base import Request, Result
 from dflash_build.engines.options import check_options
 from dflash_build.engines.sglang_wire import parse_output, sampling_params
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -300,6 +301,8 @@ class OpenAIEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     async def _open_client(self) -> httpx.AsyncClient:
+        import httpx  # here, not at the top: 0.2 s that Snakemake and every command importing the package skip
+
         per_server = self.opts["concurrency"]
         del per_server  # the pool grows and shrinks: _generate bounds the requests in flight per server
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -354,6 +357,8 @@ class OpenAIEngine:
         deadline: float | None = None,
     ) -> Any:
         """GET (no body) or POST, parsed by ``parse``; faults retried with backoff within a total deadline each."""
+        import httpx
+
         attempts = (self.opts["retries"] if retries is None else retries) + 1
         deadline = deadline or self.opts["timeout"]
         delay = self.opts["backoff"]
@@ -663,6 +668,8 @@ class OpenAIEngine:
     async def _probe(self, url: str) -> str | None:
         """None if ``url`` answers its health check with a 2xx (an empty body is an answer: SGLang's
         /health has none), at the first or second attempt within the deadline each; else how it failed."""
+        import httpx
+
         last = ""
         for _ in range(2):
             try:
