@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,24 @@ _IN_WORKFLOW_TIER = {"now": True}
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before any fixture of the test (a module's built workdir included) is set up."""
     _IN_WORKFLOW_TIER["now"] = item.get_closest_marker("workflow") is not None
+
+
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that ``build`` fills once per pytest session, in whichever worker asks first; the other
+    workers wait for it and share it. A module's fixture would be built again in each worker that runs one
+    of its tests. The folder is read or copied (:meth:`Workflow.copy_to`), never changed."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "once"
+    root.mkdir(exist_ok=True)
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():  # a failed build leaves no mark: the next worker tries again, and says why
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -133,21 +153,50 @@ def shared_engine(model: Path, **options: Any) -> dict[str, Any]:
     if not _IN_WORKFLOW_TIER["now"]:
         return {"backend": "transformers", "options": options}
     slot = _ENGINE_SLOTS.setdefault(json.dumps([str(model), options], sort_keys=True), len(_ENGINE_SLOTS))
+    assert slot < 30, "this worker's shared-engine ports are spent (_worker_ports)"
     return {
         "backend": "transformers",
         "options": options,
         "shared": True,
         "lock_dir": str(_engine_locks() / f"model-{slot}"),
-        "base_port": 30000 + 200 * _worker() + 10 * slot,  # below the default 31000 and the ephemeral range
+        "base_port": _worker_ports() + 10 * slot,
         "idle_timeout": 300,
     }
 
 
+def _worker_ports() -> int:
+    """This pytest worker's 400 ports, below the default 31000 and the ephemeral range: 300 for the
+    :func:`shared_engine` slots, 10 each, then 100 for the tests' own engines (:func:`own_ports`)."""
+    return 30000 + 400 * _worker()
+
+
+def this_workers_engine(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with another pytest worker's engine (a built folder :func:`once_per_session` shares)
+    replaced by this worker's for the same model and options: no engine setting is in any key."""
+    engine = config.get("engine") or {}
+    lock_dir = Path(engine.get("lock_dir") or "/")
+    if not engine.get("shared") or lock_dir.parent.parent != _engine_locks().parent or not _IN_WORKFLOW_TIER["now"]:
+        return config
+    mine = shared_engine(Path(config["model"]["path"]), **engine["options"])
+    return {**config, "engine": {**engine, "lock_dir": mine["lock_dir"], "base_port": mine["base_port"]}}
+
+
+def own_ports() -> int:
+    """The ports of this worker's test engines with their own lock folder, which no other worker's use
+    (each GPU slot of an engine takes 10 from there)."""
+    return _worker_ports() + 300
+
+
 def own_engines(config: dict[str, Any], lock_dir: Path, **engine: Any) -> None:
-    """For a test of the engines' own lifetime (start, reuse, stop, GPU locks): its own lock folder, the
-    default ports and timeouts, and the engine in the job unless ``shared`` says otherwise; nothing of
-    the worker's engine (:func:`shared_engine`)."""
-    config["engine"] = {"backend": "transformers", "options": config["engine"]["options"], "lock_dir": str(lock_dir)}
+    """For a test of the engines' own lifetime (start, reuse, stop, GPU locks): its own lock folder and
+    ports (:func:`own_ports`), the default timeouts, and the engine in the job unless ``shared`` says
+    otherwise; nothing of the worker's engine (:func:`shared_engine`)."""
+    config["engine"] = {
+        "backend": "transformers",
+        "options": config["engine"]["options"],
+        "lock_dir": str(lock_dir),
+        "base_port": own_ports(),
+    }
     config["engine"].update(engine)
 
 
@@ -235,7 +284,10 @@ class Workflow:
         shutil.copytree(self.workdir, dest, symlinks=True)
         if not registration:
             shutil.rmtree(dest / "store" / "configs", ignore_errors=True)
-        return Workflow(dest, self.snakefile, self.pythonpath)
+        copy = Workflow(dest, self.snakefile, self.pythonpath)
+        if (dest / "config.yaml").exists():
+            copy.write_config(yaml.safe_load((dest / "config.yaml").read_text()))
+        return copy
 
     def cli_command(self, *args: str) -> list[str]:
         """The command line of ``dflash-build ARGS`` with this workflow's config."""
@@ -253,7 +305,7 @@ class Workflow:
 
     def write_config(self, config: dict[str, Any]) -> Path:
         path = self.workdir / "config.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.write_text(yaml.safe_dump(this_workers_engine(config), sort_keys=False))
         return path
 
     def command(
@@ -368,13 +420,14 @@ OPERATED_ROWS = [{"instruction": f"Describe object number {i}."} for i in range(
 def operated_store(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> tuple[Path, dict[str, Any]]:
     """One built workdir (one alpaca source of 20 rows in 2 shards, answers that stop or run out) that
     tests of the store's commands copy (``Workflow.copy_to``) instead of building their own."""
-    work = tmp_path_factory.mktemp("operate") / "work"
-    work.mkdir()
-    write_jsonl(work / "objs.jsonl", OPERATED_ROWS)
     sources = {"objs": {"category": "general", "files": ["objs.jsonl"], "format": "alpaca"}}
     config = base_config(stoppy_model, sources, shard_size=10)
     config["sampling"]["max_new_tokens"] = 6
-    wf = Workflow(work)
-    wf.write_config(config)
-    wf.build()
-    return work, config
+
+    def build(root: Path) -> None:
+        work = root / "work"
+        work.mkdir()
+        write_jsonl(work / "objs.jsonl", OPERATED_ROWS)
+        Workflow.at(work, config).build()
+
+    return once_per_session(tmp_path_factory, "operated", build) / "work", config

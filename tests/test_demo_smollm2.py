@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO, Workflow, write_jsonl
+from tests.conftest import REPO, Workflow, own_ports, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -22,6 +22,8 @@ def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) 
     config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
     config["sampling"].update(max_new_tokens=40, temperature=0.0)
     config["truncated"] = "keep"
+    assert config["engine"]["shared"], "the demo serves its model as production does"
+    config["engine"].update(lock_dir=str(tmp_path / "locks"), base_port=own_ports())  # the build's own engine
     config["mix"]["budget_tokens"] = 100000  # keep every sample: the test reads them all
     config["export"]["specforge"]["max_length"] = 80  # shorter than some samples: the trainer would cut them
     config["checks"] = {"allow_shortfall": True}  # a slice of the sources cannot meet the demo's shares
@@ -53,6 +55,7 @@ def test_demo_config_on_a_slice_of_its_prompts(tmp_path: Path, gguf_path: Path) 
     wf.write_config(config)
     proc = wf.build()
     assert "dataset: dist/demo" in proc.stdout + proc.stderr  # the run ends with a summary
+    assert "stopped the shared engines on cpu (history: logs/demo/engines/engines.jsonl)" in proc.stdout + proc.stderr
 
     from transformers import AutoTokenizer
 

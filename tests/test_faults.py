@@ -26,7 +26,7 @@ import pytest
 
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
-from tests.conftest import Workflow, base_config, loaded_rows, own_engines, write_jsonl
+from tests.conftest import Workflow, base_config, loaded_rows, once_per_session, own_engines, write_jsonl
 from tests.standin_server import StandIn
 
 pytestmark = pytest.mark.workflow
@@ -139,11 +139,15 @@ def generated_in_logs(workdir: Path) -> dict[tuple[str, str], int]:
 def built_once(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, float]:
     """One uninterrupted build of the module's config (its folder, its wall time), copied by the tests
     that damage or recover from it, and compared with by those that build it themselves."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    wf = Workflow.at(root / "work", _config(root, tiny_model))
-    start = time.monotonic()
-    wf.build()
-    return root, time.monotonic() - start
+
+    def build(root: Path) -> None:
+        wf = Workflow.at(root / "work", _config(root, tiny_model))
+        start = time.monotonic()
+        wf.build()
+        (root / "seconds").write_text(str(time.monotonic() - start))
+
+    root = once_per_session(tmp_path_factory, "faults-uninterrupted", build)
+    return root, float((root / "seconds").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +208,9 @@ def test_a_hung_in_process_engine_stops_its_job_cleanly_and_a_rerun_gives_the_sa
     sees no step for engine.stall_timeout, names the engine, and stops the job, keeping its journal;
     the rerun generates only the rest, and the dataset is the uninterrupted one."""
     config = _config(tmp_path, tiny_model)
-    config["engine"]["shared"] = False  # the engine in the job
-    config["engine"]["stall_timeout"] = 1.5  # not keyed: the same keys, so the same dataset
+    served = config["engine"]
+    # the engine in the job; stall_timeout is not keyed: the same keys, so the same dataset
+    config["engine"] = {**served, "shared": False, "stall_timeout": 1.5}
     wf = Workflow.at(tmp_path / "work", config)
     start = time.monotonic()
     failed = wf.run("--until", "generate", check=False, env_extra={KILL_AT_ENV: "hang:14"})
@@ -220,6 +225,7 @@ def test_a_hung_in_process_engine_stops_its_job_cleanly_and_a_rerun_gives_the_sa
     before, sidecars_before = finished_rows(store), sidecars(store)
     assert sum(rows for rows, _ in before.values()) > 0, "rows that stopped before the hang are journaled"
 
+    wf.write_config({**config, "engine": served})  # the rerun on the worker's engine: no engine setting is keyed
     wf.build()
     assert dataset(wf) == uninterrupted[0]
     check_recovered_sidecars(store, before, sidecars_before)
@@ -234,6 +240,7 @@ def test_sigterm_keeps_every_finished_row_and_the_next_run_generates_only_the_re
     a shared engine too (the job cancels its requests to the server; the engine stays for the rerun)."""
     baseline, _ = uninterrupted
     config = _config(tmp_path, tiny_model)
+    served = config["engine"]
     own_engines(config, tmp_path / "locks", shared=shared, idle_timeout=60)  # started by this build
     wf = Workflow.at(tmp_path / "work", config)
     stopped = wf.run("--until", "generate", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "sigterm:2"})
@@ -244,6 +251,8 @@ def test_sigterm_keeps_every_finished_row_and_the_next_run_generates_only_the_re
     store = wf.workdir / "store"
     before = finished_rows(store)
     assert before and all(rows >= 2 and not published for rows, published in before.values())
+    if not shared:  # the rerun on the worker's engine: no engine setting is keyed
+        wf.write_config({**config, "engine": served})
     wf.run()
     assert dataset(wf) == baseline
     for key, stats in sidecars(store).items():
@@ -259,10 +268,11 @@ def test_a_signal_to_the_whole_process_group_loses_no_finished_row(tmp_path: Pat
     the one an uninterrupted build makes.
     """
     config = _config(tmp_path, tiny_model, shard_size=12)  # two jobs, both running when the signal comes
-    config["engine"]["shared"] = False  # each job decodes itself: the signal lands mid-decoding
     config["sampling"]["max_new_tokens"] = 160  # long enough that the signal lands mid-generation
-    fresh = Workflow.at(tmp_path / "fresh", config)
+    fresh = Workflow.at(tmp_path / "fresh", config)  # on the worker's engine: no engine setting is keyed
     fresh.build()
+    served = config["engine"]
+    config["engine"] = {**served, "shared": False}  # each job decodes itself: the signal lands mid-decoding
     wf = Workflow.at(tmp_path / "work", config)
     store = wf.workdir / "store"
     cmd, env = wf.command()
@@ -281,6 +291,7 @@ def test_a_signal_to_the_whole_process_group_loses_no_finished_row(tmp_path: Pat
     logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
     assert "stopped by SIGTERM" in logs, (tmp_path / "stopped.log").read_text()[-3000:]
     before = finished_rows(store)
+    wf.write_config({**config, "engine": served})
     recover(wf)
     assert dataset(wf) == dataset(fresh)
     check_recovered_sidecars(store, before, {})

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from dflash_build.stages.pack import pack_lengths
-from tests.conftest import Workflow, base_config, write_jsonl
+from tests.conftest import Workflow, base_config, once_per_session, write_jsonl
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -52,12 +52,12 @@ def _config(root: Path, model: Path, **pack: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Workflow:
-    root = tmp_path_factory.mktemp("pack")
-    wf = Workflow(root)
-    # samples are 41-48 tokens here: some do not fit a row, and several small windows are packed
-    wf.write_config(_config(root, tiny_model, seq_len=45, window=7))
-    wf.build()
-    return wf
+
+    def build(root: Path) -> None:
+        # samples are 41-48 tokens here: some do not fit a row, and several small windows are packed
+        Workflow.at(root, _config(root, tiny_model, seq_len=45, window=7)).build()
+
+    return Workflow(once_per_session(tmp_path_factory, "pack", build))
 
 
 def mixed_samples(wf: Workflow) -> dict[tuple[str, int], dict[str, Any]]:

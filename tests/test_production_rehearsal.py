@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, shared_engine
+from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, once_per_session, shared_engine
 
 pytestmark = pytest.mark.workflow
 
@@ -166,11 +166,22 @@ def test_rehearsal_dry_run_lists_every_shard(rehearsal: tuple[Workflow, dict[str
     assert {s for s, _ in expected} == set(variant_sources(config))
 
 
-def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
+@pytest.fixture(scope="module")
+def rehearsed(tmp_path_factory: pytest.TempPathFactory, rehearsal: tuple[Workflow, dict[str, Any]]) -> Workflow:
+    """The rehearsal built, once per session: its tests read it or copy it."""
+
+    def build(root: Path) -> None:
+        Workflow.at(root, rehearsal[1]).build()
+
+    return Workflow(once_per_session(tmp_path_factory, "rehearsal", build))
+
+
+def test_rehearsal_builds_every_source_with_tools_and_shares(
+    rehearsal: tuple[Workflow, dict[str, Any]], rehearsed: Workflow
+) -> None:
     import datasets
 
-    wf, config = rehearsal
-    wf.build()
+    wf, config = rehearsed, rehearsal[1]
     dist = wf.workdir / config["dataset"]["out"] / config["dataset"]["name"]
     manifest = json.loads((dist / "manifest.json").read_text())
     for name, (parent, _) in variant_sources(config).items():
@@ -242,26 +253,22 @@ def test_rehearsal_builds_every_source_with_tools_and_shares(rehearsal: tuple[Wo
     assert wf.dry_run() == {}
 
 
-def test_loading_the_folder_always_gives_the_current_build(rehearsal: tuple[Workflow, dict[str, Any]]) -> None:
+def test_loading_the_folder_always_gives_the_current_build(
+    rehearsal: tuple[Workflow, dict[str, Any]], rehearsed: Workflow, tmp_path: Path
+) -> None:
     import datasets
 
-    wf, config = rehearsal
+    config = rehearsal[1]
+    wf = rehearsed.copy_to(tmp_path / "work")
     dist = wf.workdir / config["dataset"]["out"] / config["dataset"]["name"]
-    if not (dist / "manifest.json").exists():
-        wf.build()
     before = datasets.load_dataset(str(dist), split="train")
     changed = copy.deepcopy(config)
     changed["mix"]["seed"] = 7  # another selection of the same samples
     wf.write_config(changed)
-    try:
-        wf.build()
-        after = datasets.load_dataset(str(dist), split="train")
-        manifest = json.loads((dist / "manifest.json").read_text())
-        current = pq.read_table(sorted((dist / "data").glob("*.parquet"))).to_pylist()
-        assert len(after) == manifest["rows"] == len(current)
-        assert [(r["prompt_id"], r["sample_idx"]) for r in after] == [
-            (r["prompt_id"], r["sample_idx"]) for r in current
-        ]
-        assert [(r["prompt_id"], r["sample_idx"]) for r in after] != [(r["prompt_id"], r["sample_idx"]) for r in before]
-    finally:
-        wf.write_config(config)
+    wf.build()
+    after = datasets.load_dataset(str(dist), split="train")
+    manifest = json.loads((dist / "manifest.json").read_text())
+    current = pq.read_table(sorted((dist / "data").glob("*.parquet"))).to_pylist()
+    assert len(after) == manifest["rows"] == len(current)
+    assert [(r["prompt_id"], r["sample_idx"]) for r in after] == [(r["prompt_id"], r["sample_idx"]) for r in current]
+    assert [(r["prompt_id"], r["sample_idx"]) for r in after] != [(r["prompt_id"], r["sample_idx"]) for r in before]

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import Workflow, base_config, own_engines, write_jsonl
+from tests.conftest import Workflow, base_config, once_per_session, own_engines, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -48,8 +48,11 @@ def test_eight_shards_on_four_fake_gpus_never_share_a_gpu(tmp_path: Path, tiny_m
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[tuple[str, int], list[int]]:
-    root = tmp_path_factory.mktemp("baseline")
-    return _generate(root, tiny_model)[0]
+
+    def build(root: Path) -> None:
+        _generate(root, tiny_model)
+
+    return _rows(Workflow(once_per_session(tmp_path_factory, "resume-baseline", build) / "work"))
 
 
 def _generate(
@@ -66,9 +69,12 @@ def _generate(
         assert proc.returncode != 0, "the killed job fails the run"
         return {}, wf
     wf.run("--until", "generate")
+    return _rows(wf), wf
+
+
+def _rows(wf: Workflow) -> dict[tuple[str, int], list[int]]:
     [shard] = (wf.workdir / "store" / "completions").rglob("00000.parquet")
-    rows = pq.read_table(shard).to_pylist()
-    return {(r["prompt_id"], r["sample_idx"]): r["output_ids"] for r in rows}, wf
+    return {(r["prompt_id"], r["sample_idx"]): r["output_ids"] for r in pq.read_table(shard).to_pylist()}
 
 
 @pytest.mark.parametrize(("kill_at", "journaled"), [("rows:0", 0), ("rows:4", 4), ("publish", 10)])

@@ -27,7 +27,7 @@ from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines import host as engine_host
 from dflash_build.engines.gpus import Gpu, GpuLease, job_locks
 from dflash_build.spec import Config, ConfigError, EngineSpec
-from tests.conftest import Workflow, base_config, completion_rows, own_engines, write_jsonl
+from tests.conftest import Workflow, base_config, completion_rows, once_per_session, own_engines, write_jsonl
 
 
 def _source(data: Path, n: int) -> dict[str, Any]:
@@ -90,10 +90,13 @@ def _workflow(root: Path, model: Path, shared: bool, n: int = 12, **engine: Any)
 
 @pytest.fixture(scope="module")
 def per_job_rows(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[tuple[str, int], Any]:
-    wf = _workflow(tmp_path_factory.mktemp("per-job"), tiny_model, shared=False)
-    wf.run("--resources", "gpu=2", "--until", "generate", cores=4)
-    assert not _history(wf.workdir / "logs"), "jobs on their own engines start no engine host"
-    return completion_rows(wf.workdir / "store")
+
+    def build(root: Path) -> None:
+        wf = _workflow(root, tiny_model, shared=False)
+        wf.run("--resources", "gpu=2", "--until", "generate", cores=4)
+        assert not _history(wf.workdir / "logs"), "jobs on their own engines start no engine host"
+
+    return completion_rows(once_per_session(tmp_path_factory, "per-job-engines", build) / "work" / "store")
 
 
 @pytest.mark.workflow

@@ -18,7 +18,7 @@ import pytest
 
 from dflash_build.engines import host as engine_host
 from tests import slurm_cluster
-from tests.conftest import REPO, Workflow, base_config, completion_rows, own_engines, write_jsonl
+from tests.conftest import REPO, Workflow, base_config, completion_rows, own_engines, own_ports, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -36,7 +36,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
 
 
-def _workflow(root: Path, model: Path, base_port: int) -> Workflow:
+def _workflow(root: Path, model: Path, base_port: int | None = None) -> Workflow:
+    """The test's config; with ``base_port``, the cluster's engines (their own locks and ports), else the
+    worker's engine: no engine setting is in any key, so both build the same dataset."""
     data = root / "data"
     write_jsonl(data / "p.jsonl", [{"instruction": f"Write line number {i} of a poem."} for i in range(10)])
     write_jsonl(data / "q.jsonl", [{"instruction": f"Add {i} and {i + 1}."} for i in range(6)])
@@ -45,8 +47,8 @@ def _workflow(root: Path, model: Path, base_port: int) -> Workflow:
         "sums": {"category": "math", "files": [str(data / "q.jsonl")], "format": "alpaca"},
     }
     config = base_config(model, sources, shard_size=2)
-    # fake GPU ids: the local run pins them by lock, the cluster run takes the ones SLURM assigns
-    own_engines(config, root / "locks", gpus=["0", "1"], shared=True, base_port=base_port)
+    if base_port is not None:  # fake GPU ids: the cluster run takes the ones SLURM assigns
+        own_engines(config, root / "locks", gpus=["0", "1"], shared=True, base_port=base_port)
     config["sampling"]["max_new_tokens"] = 8
     wf = Workflow(root / "work")
     wf.workdir.mkdir(parents=True, exist_ok=True)
@@ -62,11 +64,10 @@ def _dataset(wf: Workflow) -> list[tuple[str, str]]:
 def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
     cluster: Path, tmp_path: Path, tiny_model: Path
 ) -> None:
-    port = 33000 + os.getpid() % 500 * 50  # ports of its own: nothing else on this machine answers there
-    local = _workflow(tmp_path / "local", tiny_model, port)
-    local.run("--resources", "gpu=2", cores=2)
+    local = _workflow(tmp_path / "local", tiny_model)
+    local.build()
 
-    wf = _workflow(tmp_path / "slurm", tiny_model, port + 20)
+    wf = _workflow(tmp_path / "slurm", tiny_model, own_ports())
     proc = wf.run(
         *("--profile", str(REPO / "profiles" / "slurm")),
         "--slurm-no-account",  # no accounting database here

@@ -13,12 +13,13 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from transformers import AutoTokenizer
 
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build.store import layout
-from tests.conftest import REPO, Workflow, base_config, write_jsonl
+from tests.conftest import REPO, Workflow, base_config, once_per_session, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -66,12 +67,15 @@ def _stats(plan: plan_mod.Plan, source: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Workflow, dict[str, Any], str]:
-    root = tmp_path_factory.mktemp("variants")
-    config = _config(root, tiny_model)
-    wf = Workflow.at(root, config)
-    plan_before = wf.cli("plan").stdout
-    wf.build()
-    return wf, config, plan_before
+
+    def build(root: Path) -> None:
+        wf = Workflow.at(root, _config(root, tiny_model))
+        (root / "plan-before.txt").write_text(wf.cli("plan").stdout)
+        wf.build()
+
+    root = once_per_session(tmp_path_factory, "variants", build)
+    wf = Workflow(root)
+    return wf, yaml.safe_load((root / "config.yaml").read_text()), (root / "plan-before.txt").read_text()
 
 
 def test_each_prompt_is_generated_under_its_variant_and_says_so(
