@@ -18,7 +18,7 @@ import pytest
 
 from dflash_build.engines import host as engine_host
 from tests import slurm_cluster
-from tests.conftest import REPO, Workflow, base_config, completion_rows, own_engines, own_ports, write_jsonl
+from tests.conftest import REPO, Workflow, base_config, completion_rows, own_engines, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -36,9 +36,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
 
 
-def _workflow(root: Path, model: Path, base_port: int | None = None) -> Workflow:
-    """The test's config; with ``base_port``, the cluster's engines (their own locks and ports), else the
-    worker's engine: no engine setting is in any key, so both build the same dataset."""
+def _workflow(root: Path, model: Path, on_cluster: bool = False) -> Workflow:
+    """The test's config: on the cluster, engines of its own (locks and ports), else the worker's
+    engine; no engine setting is in any key, so both build the same dataset."""
     data = root / "data"
     write_jsonl(data / "p.jsonl", [{"instruction": f"Write line number {i} of a poem."} for i in range(10)])
     write_jsonl(data / "q.jsonl", [{"instruction": f"Add {i} and {i + 1}."} for i in range(6)])
@@ -47,8 +47,8 @@ def _workflow(root: Path, model: Path, base_port: int | None = None) -> Workflow
         "sums": {"category": "math", "files": [str(data / "q.jsonl")], "format": "alpaca"},
     }
     config = base_config(model, sources, shard_size=2)
-    if base_port is not None:  # fake GPU ids: the cluster run takes the ones SLURM assigns
-        own_engines(config, root / "locks", gpus=["0", "1"], shared=True, base_port=base_port)
+    if on_cluster:  # fake GPU ids: the cluster run takes the ones SLURM assigns
+        own_engines(config, root / "locks", gpus=["0", "1"], shared=True)
     config["sampling"]["max_new_tokens"] = 8
     wf = Workflow(root / "work")
     wf.workdir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +67,7 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
     local = _workflow(tmp_path / "local", tiny_model)
     local.build()
 
-    wf = _workflow(tmp_path / "slurm", tiny_model, own_ports())
+    wf = _workflow(tmp_path / "slurm", tiny_model, on_cluster=True)
     proc = wf.run(
         *("--profile", str(REPO / "profiles" / "slurm")),
         "--slurm-no-account",  # no accounting database here
