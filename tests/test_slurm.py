@@ -22,7 +22,8 @@ from tests.conftest import REPO, Workflow, base_config, completion_rows, own_eng
 
 pytestmark = pytest.mark.workflow
 
-SHARDS = 8  # 5 + 3 generate jobs, in groups of 4: two allocations, at once, on two of the node's GPUs
+SHARDS = 4  # 2 + 2 generate jobs, in groups of 2: two allocations, at once, on two of the node's GPUs
+GROUP = 2
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +41,13 @@ def _workflow(root: Path, model: Path, on_cluster: bool = False) -> Workflow:
     """The test's config: on the cluster, engines of its own (locks and ports), else the worker's
     engine; no engine setting is in any key, so both build the same dataset."""
     data = root / "data"
-    write_jsonl(data / "p.jsonl", [{"instruction": f"Write line number {i} of a poem."} for i in range(10)])
+    write_jsonl(data / "p.jsonl", [{"instruction": f"Write line number {i} of a poem."} for i in range(6)])
     write_jsonl(data / "q.jsonl", [{"instruction": f"Add {i} and {i + 1}."} for i in range(6)])
     sources = {
         "poems": {"category": "general", "files": [str(data / "p.jsonl")], "format": "alpaca"},
         "sums": {"category": "math", "files": [str(data / "q.jsonl")], "format": "alpaca"},
     }
-    config = base_config(model, sources, shard_size=2)
+    config = base_config(model, sources, shard_size=3)
     if on_cluster:  # fake GPU ids: the cluster run takes the ones SLURM assigns
         own_engines(config, root / "locks", gpus=["0", "1"], shared=True)
     config["sampling"]["max_new_tokens"] = 8
@@ -73,7 +74,7 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
         "--slurm-no-account",  # no accounting database here
         *("--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "2"),
         *("--latency-wait", "5", "--slurm-keep-successful-logs"),
-        *("--group-components", "generate_batch=4"),
+        *("--group-components", f"generate_batch={GROUP}"),
         # the profile's production sizes do not fit this 16 GB node
         # (set-resources on the command line replace the profile's: generate's GPU request is repeated)
         *("--default-resources", "mem_mb=500", "runtime=10", "--set-resources", "generate:mem_mb=1000"),
@@ -89,13 +90,13 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
     assert _dataset(wf) == _dataset(local), "SLURM must build the very dataset a local run builds"
     assert completion_rows(wf.workdir / "store") == completion_rows(local.workdir / "store")
 
-    # every job but the target rule was a SLURM job; the generate jobs went in groups of 4
+    # every job but the target rule was a SLURM job; the generate jobs went in groups of GROUP
     submitted = re.findall(r"Job \S+ has been submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/([^/]+)/", log)
     kinds = ["group_generate_batch" if k.startswith("group_generate_batch") else k for _, k in submitted]
     assert sorted(kinds) == sorted(
         ["rule_prepare_poems", "rule_prepare_sums", "rule_mix"]
         + ["rule_tokenize"] * SHARDS
-        + ["group_generate_batch"] * (SHARDS // 4)
+        + ["group_generate_batch"] * (SHARDS // GROUP)
     ), log[-4000:]
     assert "localrule all" in log and "localrule generate" not in log and "localrule tokenize" not in log
 
@@ -107,7 +108,7 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
     # one engine per allocation, started by its first job and used by all of its jobs
     for job in groups:
         mine = [s for s in stats if s["scheduler_job"] == job]
-        assert len(mine) == 4
+        assert len(mine) == GROUP
         assert sum(s["engine"]["served"]["started_here"] for s in mine) == 1
         assert {e["slot"] for s in mine for e in s["engine"]["served"]["engines"]} == {
             f"job-{job}.gpu-{mine[0]['engine']['gpu']['node_gpu']}"
