@@ -1,8 +1,8 @@
 """The workflow on a real SLURM cluster through profiles/slurm (snakemake-executor-plugin-slurm).
 
 A single-node cluster with 4 fake GPUs runs the pipeline with the tiny model; the dataset must equal the
-one a local run builds, every job must have run as a SLURM job, and the generate jobs of one group must
-have shared one engine in one allocation.
+one a local run builds, every job must have run as a SLURM job, the generate jobs of one group must have
+shared one engine in one allocation, and each shard's tokenize job must have run in that allocation too.
 """
 
 from __future__ import annotations
@@ -90,19 +90,24 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
     assert _dataset(wf) == _dataset(local), "SLURM must build the very dataset a local run builds"
     assert completion_rows(wf.workdir / "store") == completion_rows(local.workdir / "store")
 
-    # every job but the target rule was a SLURM job; the generate jobs went in groups of GROUP
-    submitted = re.findall(r"Job \S+ has been submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/([^/]+)/", log)
-    kinds = ["group_generate_batch" if k.startswith("group_generate_batch") else k for _, k in submitted]
+    # every job but the target rule was a SLURM job; the shards went in groups of GROUP, each shard's
+    # generate and tokenize jobs in one allocation
+    submission = r"Job \S+ has been submitted with SLURM jobid (\d+) \(log: (\S*/slurm_logs/([^/]+)/\S+)\)"
+    submitted = re.findall(submission, log)
+    kinds = ["group_generate_batch" if k.startswith("group_generate_batch") else k for _, _, k in submitted]
     assert sorted(kinds) == sorted(
-        ["rule_prepare_poems", "rule_prepare_sums", "rule_mix"]
-        + ["rule_tokenize"] * SHARDS
-        + ["group_generate_batch"] * (SHARDS // GROUP)
+        ["rule_prepare_poems", "rule_prepare_sums", "rule_mix"] + ["group_generate_batch"] * (SHARDS // GROUP)
     ), log[-4000:]
     assert "localrule all" in log and "localrule generate" not in log and "localrule tokenize" not in log
+    for _, path, kind in submitted:
+        if kind.startswith("group_"):
+            ran = Path(path).read_text()
+            # each listed by the allocation's Snakemake, then run by its own job step (srun)
+            assert ran.count("rule generate:") == ran.count("rule tokenize:") == 2 * GROUP, ran[-3000:]
 
     stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").rglob("*.stats.json")]
     assert len(stats) == SHARDS
-    groups = {sid for sid, kind in submitted if kind.startswith("group_")}
+    groups = {sid for sid, _, kind in submitted if kind.startswith("group_")}
     assert {s["scheduler_job"] for s in stats} == groups, "each shard records the allocation that wrote it"
     assert all(s["engine"]["gpu"]["via"] == "scheduler" for s in stats)
     # one engine per allocation, started by its first job and used by all of its jobs
