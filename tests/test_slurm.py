@@ -99,16 +99,15 @@ def test_the_workflow_runs_on_slurm_and_builds_the_local_dataset(
         ["rule_prepare_poems", "rule_prepare_sums", "rule_mix"] + ["group_generate_batch"] * (SHARDS // GROUP)
     ), log[-4000:]
     assert "localrule all" in log and "localrule generate" not in log and "localrule tokenize" not in log
-    for _, path, kind in submitted:
-        if kind.startswith("group_"):
-            ran = Path(path).read_text()
-            # each listed by the allocation's Snakemake, then run by its own job step (srun)
-            assert ran.count("rule generate:") == ran.count("rule tokenize:") == 2 * GROUP, ran[-3000:]
+    groups = {sid: Path(path) for sid, path, kind in submitted if kind.startswith("group_")}  # SLURM id: its log
+    for group_log in groups.values():
+        ran = group_log.read_text()
+        # each listed by the allocation's Snakemake, then run by its own job step (srun)
+        assert ran.count("rule generate:") == ran.count("rule tokenize:") == 2 * GROUP, ran[-3000:]
 
     stats = [json.loads(p.read_text()) for p in (wf.workdir / "store" / "completions").rglob("*.stats.json")]
     assert len(stats) == SHARDS
-    groups = {sid for sid, _, kind in submitted if kind.startswith("group_")}
-    assert {s["scheduler_job"] for s in stats} == groups, "each shard records the allocation that wrote it"
+    assert {s["scheduler_job"] for s in stats} == set(groups), "each shard records the allocation that wrote it"
     assert all(s["engine"]["gpu"]["via"] == "scheduler" for s in stats)
     # one engine per allocation, started by its first job and used by all of its jobs
     for job in groups:
