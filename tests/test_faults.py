@@ -1,14 +1,17 @@
 """Fault suite: whatever dies or misbehaves, no finished row is generated twice, and after recovery the
 dataset equals an uninterrupted build's (same rows, same token ids: the same files, byte for byte).
 
-Real workflow runs: Snakemake killed with SIGKILL at random points, two working directories building at
-once on one store, a stand-in OpenAI server that misbehaves in each way seen in production, and
+Real workflow runs: one matrix of which process dies where (Snakemake, a job, the engine, every process;
+SIGKILL, SIGTERM, a hang) from one prepared store to one uninterrupted dataset, two working directories
+building at once on one store, a stand-in OpenAI server that misbehaves in each way seen in production, and
 damaged derived state (fingerprint cache, row index, journals, a killed mix's temporary folder).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import fcntl
 import json
 import os
 import random
@@ -23,7 +26,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
+from dflash_build.config import prepare_rule_name
+from dflash_build.engines import host as engine_host
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
 from tests.conftest import Workflow, base_config, loaded_rows, once_per_session, own_engines, write_jsonl
@@ -81,44 +87,33 @@ def finished_rows(store: Path) -> dict[tuple[str, str], tuple[int, bool]]:
     return out
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
+def session_processes(session: int) -> set[int]:
+    """The live processes of a session (from /proc): a build started in its own session is Snakemake,
+    its jobs, and whatever of them outlived Snakemake; not an engine host, which starts its own."""
+    found = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
+        if fields[0] != "Z" and int(fields[3]) == session:
+            found.add(int(stat.parent.name))
+    return found
 
 
-def wait_gone(pids: set[int], timeout: float = 600) -> None:
+def wait_session_gone(session: int, timeout: float = 120) -> None:
+    """Until the jobs a killed Snakemake left finish what they were doing, as after a real scheduler crash."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = set()
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.add(pid)
-        if not alive:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"orphaned jobs {pids} did not finish")
+    while session_processes(session):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the jobs {session_processes(session)} of the killed build did not finish")
+        time.sleep(0.2)
 
 
-def recover(wf: Workflow) -> subprocess.CompletedProcess[str]:
+def recover(wf: Workflow, *args: str, cores: int = 2) -> subprocess.CompletedProcess[str]:
     """The recovery the README gives (and Snakemake asks for, one message at a time)."""
     wf.run("--unlock")
-    return wf.run("--rerun-incomplete")
+    return wf.run("--rerun-incomplete", *args, cores=cores)
 
 
 def generated_in_logs(workdir: Path) -> dict[tuple[str, str], int]:
@@ -134,14 +129,21 @@ def generated_in_logs(workdir: Path) -> dict[tuple[str, str], int]:
     return out
 
 
-# -- kill -9 of Snakemake -------------------------------------------------------------------------
+def job_logs(wf: Workflow) -> str:
+    return "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+
+
+# -- kill and resume: which process dies, and where ------------------------------------------------
 @pytest.fixture(scope="module")
 def built_once(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, float]:
-    """One uninterrupted build of the module's config (its folder, its wall time), copied by the tests
-    that damage or recover from it, and compared with by those that build it themselves."""
+    """The module's config prepared (``prepared``: every kill starts from a copy of it) and built on
+    uninterrupted (``work``: the dataset every recovery must give, copied by the tests that damage it);
+    and the seconds from prepared to built."""
 
     def build(root: Path) -> None:
-        wf = Workflow.at(root / "work", _config(root, tiny_model))
+        prepared = Workflow.at(root / "prepared", _config(root, tiny_model))
+        prepared.run("--until", prepare_rule_name("s"))
+        wf = prepared.copy_to(root / "work")
         start = time.monotonic()
         wf.build()
         (root / "seconds").write_text(str(time.monotonic() - start))
@@ -151,34 +153,150 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tu
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(built_once: tuple[Path, float]) -> tuple[list[tuple[str, str]], float]:
-    root, seconds = built_once
-    return dataset(Workflow(root / "work")), seconds
+def uninterrupted(built_once: tuple[Path, float]) -> list[tuple[str, str]]:
+    return dataset(Workflow(built_once[0] / "work"))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kill_minus_nine_of_snakemake_then_recovery_generates_no_finished_row_again(
-    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float], seed: int
-) -> None:
-    baseline, build_seconds = uninterrupted
-    wf = Workflow.at(tmp_path / "work", _config(tmp_path, tiny_model))
-    cmd, env = wf.command()
-    delay = random.Random(seed).uniform(0.3, 0.9) * build_seconds
-    with open(tmp_path / "killed.log", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=wf.workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """One case of the matrix: what dies where (``DFLASH_BUILD_KILL_AT``, or ``random:SEED`` for a
+    SIGKILL of Snakemake from outside at a random time), and where the rows are decoded: ``worker`` (the
+    pytest worker's long-lived engine), ``job`` (in the generate job), ``served`` (a shared engine this
+    build starts), ``gpus`` (shared engines this build starts on two fake GPUs, stopping after 3 s idle)."""
+
+    at: str
+    engine: str = "worker"
+
+    @property
+    def kind(self) -> str:
+        return self.at.partition(":")[0]
+
+    @property
+    def rows(self) -> int:
+        return int(self.at.partition(":")[2] or 0)
+
+
+KILLS = [
+    *(Kill(f"random:{seed}") for seed in range(3)),  # Snakemake, from outside: its jobs finish orphaned
+    Kill("rows:0"),  # a generate job, SIGKILL: once its engine answers, before its first row
+    Kill("rows:4"),  # ... halfway through its shard
+    Kill("publish"),  # ... after its last row, before its shard is written
+    Kill("sigterm:2", "job"),  # a generate job, SIGTERM (Snakemake's shutdown): its engine stops in the job
+    Kill("sigterm:2", "served"),  # ... its requests are cancelled; the engine stays for the rerun
+    Kill("hang:14", "job"),  # the engine, wedged mid-decoding: the job's heartbeat stops the job
+    Kill("group-sigterm:2", "job"),  # every process, SIGTERM: Ctrl-C in a terminal, a SLURM preemption
+    Kill("group-sigkill:2", "gpus"),  # every process, SIGKILL: a lost node; the engines outlive the jobs
+]
+
+
+def _with_engine(config: dict[str, Any], kill: Kill, locks: Path) -> tuple[dict[str, Any], tuple[str, ...], int]:
+    """The config the fault runs under, and Snakemake's extra arguments and cores. No engine setting is
+    keyed: every one of them builds the uninterrupted dataset."""
+    config = copy.deepcopy(config)
+    if kill.engine == "job":
+        config["engine"] = {**config["engine"], "shared": False}
+        if kill.kind == "hang":
+            config["engine"]["stall_timeout"] = 1.5
+    elif kill.engine == "served":
+        own_engines(config, locks, shared=True, idle_timeout=60)
+    elif kill.engine == "gpus":
+        own_engines(config, locks, gpus=["0", "1"], shared=True, idle_timeout=3)
+        return config, ("--resources", "gpu=2"), 6
+    return config, (), 2
+
+
+def _inflict(kill: Kill, wf: Workflow, args: tuple[str, ...], cores: int, seconds: float) -> float:
+    """Run the build to the fault in a session of its own (a group signal reaches nothing else) and wait
+    for every job it left; the wall seconds."""
+    cmd, env = wf.command(*args, cores=cores, env_extra={} if kill.kind == "random" else {KILL_AT_ENV: kill.at})
+    start = time.monotonic()
+    with open(wf.workdir / "killed.log", "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=wf.workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            proc.wait(timeout=delay)
+            if kill.kind == "random":
+                proc.wait(timeout=random.Random(kill.rows).uniform(0.3, 0.9) * seconds)
+            else:
+                assert proc.wait(timeout=600) != 0, "the fault fails the build"
         except subprocess.TimeoutExpired:
-            orphans = descendants(proc.pid)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            wait_gone(orphans)  # they finish what they were doing, as after a real scheduler crash
+            if kill.kind != "random":
+                raise
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    elapsed = time.monotonic() - start
+    wait_session_gone(proc.pid)
+    return elapsed
+
+
+def _check_what_the_fault_left(kill: Kill, wf: Workflow, before: dict[tuple[str, str], tuple[int, bool]]) -> None:
+    """What each kind of fault leaves before the recovery (a kill of Snakemake at a random time: anything)."""
+    logs = job_logs(wf)
+    if kill.kind in ("rows", "publish"):
+        assert not list(wf.workdir.glob("store/completions/*/*/*.parquet")), "a killed job publishes nothing"
+        journaled = 8 if kill.kind == "publish" else kill.rows
+        assert all(rows == journaled and not published for rows, published in before.values()), before
+        assert kill.rows == 0 or before, "the killed jobs' rows are journaled"
+    if kill.kind == "sigterm":
+        stops = re.findall(r"stopped by SIGTERM; the (\d+) rows finished in this run are kept in", logs)
+        assert stops and all(int(n) >= kill.rows for n in stops), logs[-2000:]
+        assert before and all(rows >= kill.rows and not published for rows, published in before.values())
+    if kill.kind == "group-sigterm":
+        assert "stopped by SIGTERM" in logs, (wf.workdir / "killed.log").read_text()[-3000:]
+    if kill.kind == "hang":
+        assert "hanging at decoding step 14" in logs, "the engine hung in its second batch of 4"
+        assert re.search(r"no answer from the in-process transformers engine for \d+s while \d+ requests", logs)
+        assert "It runs in this job, so it cannot be replaced: the rows finished so far are kept in" in logs
+        assert sum(rows for rows, _ in before.values()) > 0, "rows that stopped before the hang are journaled"
+
+
+def _check_the_engines_outlived_the_jobs(locks: Path, workdir: Path) -> None:
+    """After a SIGKILL of every process of the build: its engines (their own session) stop once idle and
+    free their GPUs."""
+    states = engine_host.running(locks)
+    assert states and all(engine_host._alive(s["pid"]) for s in states), "the engines outlive the jobs"
+    deadline = time.monotonic() + 30
+    while any(engine_host._alive(s["pid"]) or engine_host._alive(s["server_pid"]) for s in states):
+        assert time.monotonic() < deadline, "idle engines stopped within 30 s"
+        time.sleep(0.1)
+    history = [json.loads(line) for line in (workdir / "logs" / "engines" / "engines.jsonl").read_text().splitlines()]
+    assert history and all(h["reason"] == "idle for 3s" for h in history)
+    for s in states:
+        lock = os.open(locks / f"{s['slot']}.lock", os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the GPU is still held
+        finally:
+            os.close(lock)
+
+
+@pytest.mark.parametrize("kill", KILLS, ids=[f"{k.at}-{k.engine}-engine" for k in KILLS])
+def test_whatever_dies_wherever_the_recovery_generates_only_unfinished_rows_and_gives_the_same_dataset(
+    tmp_path: Path, built_once: tuple[Path, float], uninterrupted: list[tuple[str, str]], kill: Kill
+) -> None:
+    """Each case starts from the same prepared store and must end at the same dataset, byte for byte."""
+    root, seconds = built_once
+    wf = Workflow(root / "prepared").copy_to(tmp_path / "work")
+    served = yaml.safe_load((wf.workdir / "config.yaml").read_text())
+    config, args, cores = _with_engine(served, kill, tmp_path / "locks")
+    wf.write_config(config)
+    elapsed = _inflict(kill, wf, args, cores, seconds)
+    if kill.kind == "hang":
+        assert elapsed < 120, f"stall_timeout 1.5 s and a 10 s grace held the build {elapsed:.0f}s"
+    if kill.kind == "group-sigkill":
+        _check_the_engines_outlived_the_jobs(tmp_path / "locks", wf.workdir)
     store = wf.workdir / "store"
     before, sidecars_before = finished_rows(store), sidecars(store)
-    recover(wf)
-    again = wf.run()
-    assert "Nothing to be done" in again.stdout + again.stderr, "the recovery finished the build"
-    assert dataset(wf) == baseline
+    _check_what_the_fault_left(kill, wf, before)
+
+    if kill.engine == "job":  # the rerun on the worker's engine, as a user's next run may well be
+        wf.write_config(served)
+    recover(wf, *args, cores=cores)
+    if kill.kind == "random":
+        again = wf.run()
+        assert "Nothing to be done" in again.stdout + again.stderr, "the recovery finished the build"
+    assert dataset(wf) == uninterrupted
     check_recovered_sidecars(store, before, sidecars_before)
 
 
@@ -186,8 +304,10 @@ def check_recovered_sidecars(
     store: Path, before: dict[tuple[str, str], tuple[int, bool]], sidecars_before: dict[tuple[str, str], Any]
 ) -> None:
     """After a recovery: a shard published before it keeps its generation's numbers, with a record of the
-    restore; any other generated exactly the rows that were not finished."""
+    restore; any other generated exactly the rows that were not finished, and resumed the ones that were."""
+    assert not list(store.glob(f"journal/*/*/{ROWS_FILE}")), "a journal's rows go once its shard is published"
     for key, stats in sidecars(store).items():
+        assert stats["input_rows"] == stats["ok"] + stats["truncated"] + stats["error"] + stats["skipped"], key
         if stats == sidecars_before.get(key):
             continue  # Snakemake knew this shard was complete: no job ran
         rows_before, published = before.get(key, (0, False))
@@ -198,103 +318,7 @@ def check_recovered_sidecars(
         else:
             assert "restored" not in stats
             assert stats["generated"] == stats["input_rows"] - rows_before, f"{key}: {rows_before} rows were finished"
-
-
-# -- a hung engine ---------------------------------------------------------------------------------
-def test_a_hung_in_process_engine_stops_its_job_cleanly_and_a_rerun_gives_the_same_dataset(
-    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float]
-) -> None:
-    """The transformers engine hangs inside its decoding loop (as on a wedged GPU): the job's heartbeat
-    sees no step for engine.stall_timeout, names the engine, and stops the job, keeping its journal;
-    the rerun generates only the rest, and the dataset is the uninterrupted one."""
-    config = _config(tmp_path, tiny_model)
-    served = config["engine"]
-    # the engine in the job; stall_timeout is not keyed: the same keys, so the same dataset
-    config["engine"] = {**served, "shared": False, "stall_timeout": 1.5}
-    wf = Workflow.at(tmp_path / "work", config)
-    start = time.monotonic()
-    failed = wf.run("--until", "generate", check=False, env_extra={KILL_AT_ENV: "hang:14"})
-    elapsed = time.monotonic() - start
-    assert failed.returncode != 0
-    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
-    assert "hanging at decoding step 14" in logs, "the engine hung in its second batch of 4"
-    assert re.search(r"no answer from the in-process transformers engine for \d+s while \d+ requests", logs)
-    assert "It runs in this job, so it cannot be replaced: the rows finished so far are kept in" in logs
-    assert elapsed < 120, f"stall_timeout 1.5 s and a 10 s grace held the build {elapsed:.0f}s"
-    store = wf.workdir / "store"
-    before, sidecars_before = finished_rows(store), sidecars(store)
-    assert sum(rows for rows, _ in before.values()) > 0, "rows that stopped before the hang are journaled"
-
-    wf.write_config({**config, "engine": served})  # the rerun on the worker's engine: no engine setting is keyed
-    wf.build()
-    assert dataset(wf) == uninterrupted[0]
-    check_recovered_sidecars(store, before, sidecars_before)
-
-
-# -- signals: Snakemake's shutdown, SLURM preemption ----------------------------------------------
-@pytest.mark.parametrize("shared", [False, True], ids=["own-engine", "shared-engine"])
-def test_sigterm_keeps_every_finished_row_and_the_next_run_generates_only_the_rest(
-    tmp_path: Path, tiny_model: Path, uninterrupted: tuple[list[tuple[str, str]], float], shared: bool
-) -> None:
-    """The driver's own handler: it stops sending, syncs the journal and fails the job (non-zero); with
-    a shared engine too (the job cancels its requests to the server; the engine stays for the rerun)."""
-    baseline, _ = uninterrupted
-    config = _config(tmp_path, tiny_model)
-    served = config["engine"]
-    own_engines(config, tmp_path / "locks", shared=shared, idle_timeout=60)  # started by this build
-    wf = Workflow.at(tmp_path / "work", config)
-    stopped = wf.run("--until", "generate", check=False, env_extra={"DFLASH_BUILD_KILL_AT": "sigterm:2"})
-    assert stopped.returncode != 0
-    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
-    stops = re.findall(r"stopped by SIGTERM; the (\d+) rows finished in this run are kept in", logs)
-    assert stops and all(int(n) >= 2 for n in stops), logs[-2000:]
-    store = wf.workdir / "store"
-    before = finished_rows(store)
-    assert before and all(rows >= 2 and not published for rows, published in before.values())
-    if not shared:  # the rerun on the worker's engine: no engine setting is keyed
-        wf.write_config({**config, "engine": served})
-    wf.run()
-    assert dataset(wf) == baseline
-    for key, stats in sidecars(store).items():
-        rows_before = before.get(key, (0, False))[0]
-        assert stats["generated"] == stats["input_rows"] - rows_before, key
-
-
-def test_a_signal_to_the_whole_process_group_loses_no_finished_row(tmp_path: Path, tiny_model: Path) -> None:
-    """What Ctrl-C in a terminal (SIGINT) or a SLURM preemption (SIGTERM) does: every process gets it.
-
-    Snakemake waits for its jobs; each job's driver stops between decoding steps, keeps what finished
-    and fails. The recovery then generates exactly the rows that were not finished, and the dataset is
-    the one an uninterrupted build makes.
-    """
-    config = _config(tmp_path, tiny_model, shard_size=12)  # two jobs, both running when the signal comes
-    config["sampling"]["max_new_tokens"] = 160  # long enough that the signal lands mid-generation
-    fresh = Workflow.at(tmp_path / "fresh", config)  # on the worker's engine: no engine setting is keyed
-    fresh.build()
-    served = config["engine"]
-    config["engine"] = {**served, "shared": False}  # each job decodes itself: the signal lands mid-decoding
-    wf = Workflow.at(tmp_path / "work", config)
-    store = wf.workdir / "store"
-    cmd, env = wf.command()
-    with open(tmp_path / "stopped.log", "w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=wf.workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 600
-        while "Loading weights" not in (tmp_path / "stopped.log").read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)
-        jobs = descendants(proc.pid)
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=300) != 0
-        wait_gone(jobs, timeout=120)
-    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
-    assert "stopped by SIGTERM" in logs, (tmp_path / "stopped.log").read_text()[-3000:]
-    before = finished_rows(store)
-    wf.write_config({**config, "engine": served})
-    recover(wf)
-    assert dataset(wf) == dataset(fresh)
-    check_recovered_sidecars(store, before, {})
+            assert stats["resumed_turns"] == rows_before, key
 
 
 # -- two working directories on one store ---------------------------------------------------------
@@ -457,8 +481,6 @@ def _verify(wf: Workflow, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _more_samples(wf: Workflow) -> None:
     """An edit whose build can reuse every existing row: one more sample per prompt."""
-    import yaml
-
     config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
     config["sampling"]["samples_per_prompt"] = 2
     wf.write_config(config)
@@ -561,8 +583,6 @@ def test_a_damaged_fingerprint_cache_is_rebuilt_with_a_warning(built: Path, tmp_
 
 
 def test_verify_finds_and_repairs_a_damaged_journal(built: Path, tmp_path: Path) -> None:
-    import yaml
-
     wf = _copy(built, tmp_path)
     config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
     config["sampling"]["seed"] = 5  # new rows to generate: a job killed after three leaves a journal

@@ -127,32 +127,6 @@ def test_shared_engines_write_exactly_what_per_job_engines_write(
 
 
 @pytest.mark.workflow
-def test_kill_9_of_everything_leaves_no_engine_behind_and_a_rerun_finishes(
-    tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
-) -> None:
-    wf = _workflow(tmp_path, tiny_model, shared=True, idle_timeout=3)
-    cmd, env = wf.command("--resources", "gpu=2", "--until", "generate", cores=6)
-    proc = subprocess.Popen(
-        cmd, cwd=wf.workdir, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    locks = tmp_path / "locks"
-    _wait(lambda: engine_host.running(locks), 120, "a shared engine started")
-    states = engine_host.running(locks)
-    os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and every job, as a lost node would
-    proc.wait()
-    for s in states:
-        assert _alive(s["pid"]), "the engine outlives the jobs (its own session)"
-    _wait(lambda: not any(_alive(s["pid"]) or _alive(s["server_pid"]) for s in states), 30, "idle engines stopped")
-    assert all(h["reason"] == "idle for 3s" for h in _history(wf.workdir / "logs"))
-    for s in states:  # nothing holds the GPU
-        assert _lock_free(locks / f"{s['slot']}.lock"), f"{s['slot']}'s lock is held after its host is gone"
-
-    wf.run("--unlock")
-    wf.run("--resources", "gpu=2", "--until", "generate", "--rerun-incomplete", cores=6)
-    assert completion_rows(wf.workdir / "store") == per_job_rows
-
-
-@pytest.mark.workflow
 def test_a_stopped_shared_engine_is_replaced_and_the_build_writes_what_an_undisturbed_one_does(
     tmp_path: Path, tiny_model: Path, per_job_rows: dict[tuple[str, int], Any]
 ) -> None:
