@@ -11,9 +11,18 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dflash_build.publish import report
-from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, copy_workflow, loaded_rows, write_jsonl
+from tests.conftest import (
+    TOOLS_TEMPLATE,
+    Workflow,
+    base_config,
+    copy_workflow,
+    loaded_rows,
+    once_per_session,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.workflow
 
@@ -63,22 +72,32 @@ def make_sources(data: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Workflow, dict[str, Any]]:
-    """A full build with a copy of the workflow (so a test can edit its code)."""
-    root = tmp_path_factory.mktemp("wf")
-    code = copy_workflow(root / "code")
-    work = root / "work"
-    work.mkdir()
-    wf = Workflow(work, snakefile=code / "Snakefile", pythonpath=code)
-    config = base_config(tiny_model, make_sources(root / "data"))
-    # Agent is the scarcest category for its share, so it is taken whole: every tool row reaches the
-    # dataset whatever the mix's ranks. Its rows carry a tool schema (~200 tokens against a few dozen for
-    # the others), and the other categories' targets are met only to within half a sample.
-    config["mix"]["categories"] = {"coding": 0.2, "general": 0.1, "agent": 0.7}
-    config["checks"]["share_tolerance"] = 0.3
-    wf.write_config(config)
-    wf.build()
-    return wf, config
+def built_once(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A full build with a copy of the workflow (``code``, which runs it), once per session."""
+
+    def build(root: Path) -> None:
+        code = copy_workflow(root / "code")
+        (root / "work").mkdir()
+        wf = Workflow(root / "work", snakefile=code / "Snakefile", pythonpath=code)
+        config = base_config(tiny_model, make_sources(root / "data"))
+        # Agent is the scarcest category for its share, so it is taken whole: every tool row reaches the
+        # dataset whatever the mix's ranks. Its rows carry a tool schema (~200 tokens against a few dozen
+        # for the others), and the other categories' targets are met only to within half a sample.
+        config["mix"]["categories"] = {"coding": 0.2, "general": 0.1, "agent": 0.7}
+        config["checks"]["share_tolerance"] = 0.3
+        wf.write_config(config)
+        wf.build()
+
+    return once_per_session(tmp_path_factory, "workflow-built", build)
+
+
+@pytest.fixture
+def built(built_once: Path, tmp_path: Path) -> tuple[Workflow, dict[str, Any]]:
+    """This test's copy of the build, whose config, store and dataset it may change, and its config."""
+    code = built_once / "code"
+    wf = Workflow(built_once / "work", snakefile=code / "Snakefile", pythonpath=code)
+    mine = wf.copy_to(tmp_path / "built", registration=True)
+    return mine, yaml.safe_load((mine.workdir / "config.yaml").read_text())
 
 
 def test_build_writes_a_loadable_dataset_whose_samples_are_prompt_then_answer(
@@ -295,9 +314,11 @@ def test_changing_the_model_lists_every_generate_job(
     assert _sources_of(jobs, "generate") == ["alpha", "alpha", "beta", "gamma"]
 
 
-def test_comment_edits_in_rules_and_package_rerun_nothing(built: tuple[Workflow, dict[str, Any]]) -> None:
-    wf, _ = built
-    code = wf.snakefile.parent
+def test_comment_edits_in_rules_and_package_rerun_nothing(
+    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+) -> None:
+    code = copy_workflow(tmp_path / "code")  # this test's own: the build's runs every other test
+    wf = Workflow(built[0].workdir, snakefile=code / "Snakefile", pythonpath=code)
     for path in (code / "rules" / "generate.smk", code / "dflash_build" / "stages" / "generate" / "__init__.py"):
         path.write_text(path.read_text() + "\n# a comment added by a test\n")
     assert wf.dry_run() == {}
@@ -375,10 +396,9 @@ def _reversed(value: Any) -> Any:
 
 
 def test_a_failed_rebuild_keeps_the_last_good_dataset_and_a_passing_one_swaps_in_whole(
-    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+    built: tuple[Workflow, dict[str, Any]],
 ) -> None:
-    wf = built[0].copy_to(tmp_path / "work", registration=True)
-    config = built[1]
+    wf, config = built
     folder = wf.workdir / "dist" / "test-mix"
     good = json.loads((folder / "manifest.json").read_text())
     rows = loaded_rows(folder)
@@ -414,11 +434,10 @@ def good_version(folder: Path) -> str:
 
 
 def test_a_category_whose_target_is_under_half_a_sample_gets_its_shortest_sample(
-    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+    built: tuple[Workflow, dict[str, Any]],
 ) -> None:
     """The demo at max_new_tokens 12 had a category that took no sample and then failed its own check."""
-    wf = built[0].copy_to(tmp_path / "work", registration=True)
-    tiny = copy.deepcopy(built[1])
+    wf, tiny = built
     tiny["mix"]["categories"]["general"] = 0.0005
     wf.write_config(tiny)
     assert set(wf.dry_run()) == {"mix"}
@@ -470,13 +489,12 @@ def test_reordering_the_config_reruns_nothing(built: tuple[Workflow, dict[str, A
 
 
 def test_exports_are_build_targets_and_an_export_edit_reruns_only_that_export(
-    built: tuple[Workflow, dict[str, Any]], tmp_path: Path
+    built: tuple[Workflow, dict[str, Any]],
 ) -> None:
     """Adding exports to a built config plans the export jobs and nothing else; an export's settings
     rerun only it; gc and verify know the export folders. (Each export read by its trainer's loader:
     tests/test_demo_smollm2.py.)"""
-    wf = built[0].copy_to(tmp_path / "work", registration=True)
-    config = copy.deepcopy(built[1])
+    wf, config = built
     config["export"] = {"specforge": {"max_length": 64}, "speculators": {"max_length": 64, "long": "cut"}}
     config["export"]["conversations"] = {}  # all defaults
     wf.write_config(config)
