@@ -37,11 +37,12 @@ from tests.standin_server import StandIn
 
 pytestmark = pytest.mark.workflow
 
+SHARD_SIZE = 8  # three shards of the 24 prompts
 PROMPTS = [f"question {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4]) for i in range(24)]
 
 
 def _config(
-    root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store", shard_size: int = 8
+    root: Path, model: Path, sources: tuple[str, ...] = ("s",), store: str = "store", shard_size: int = SHARD_SIZE
 ) -> dict[str, Any]:
     """24 prompts in three shards: two jobs run at once and a third waits, so a kill finds shards
     published, in flight and not started."""
@@ -236,7 +237,7 @@ def _check_what_the_fault_left(kill: Kill, wf: Workflow, before: dict[tuple[str,
     logs = job_logs(wf)
     if kill.kind in ("rows", "publish"):
         assert not list(wf.workdir.glob("store/completions/*/*/*.parquet")), "a killed job publishes nothing"
-        journaled = 8 if kill.kind == "publish" else kill.rows
+        journaled = SHARD_SIZE if kill.kind == "publish" else kill.rows
         assert all(rows == journaled and not published for rows, published in before.values()), before
         assert kill.rows == 0 or before, "the killed jobs' rows are journaled"
     if kill.kind == "sigterm":
