@@ -26,7 +26,12 @@ _GROUP_SIGNALS = {"group-sigterm": signal.SIGTERM, "group-sigkill": signal.SIGKI
 
 def kill_point() -> tuple[str, int]:
     """(kind, N) of the point asked for; ("", 0) when none is."""
-    kind, _, n = os.environ.get(KILL_AT_ENV, "").partition(":")
+    return parse(os.environ.get(KILL_AT_ENV, ""))
+
+
+def parse(point: str) -> tuple[str, int]:
+    """``KIND:N`` or ``KIND`` as (kind, N), N 0 when absent."""
+    kind, _, n = point.partition(":")
     return kind, int(n or 0)
 
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -198,6 +199,37 @@ def own_engines(config: dict[str, Any], lock_dir: Path, **engine: Any) -> None:
         "base_port": own_ports(),
     }
     config["engine"].update(engine)
+
+
+def lock_free(path: Path) -> bool:
+    """Whether nothing holds the lock file (an engine's GPU slot) now."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def wait_until(predicate: Callable[[], Any], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds}s: {what}")
+        time.sleep(0.1)
+
+
+def engine_history(logs: Path) -> list[dict[str, Any]]:
+    """The engines a build's logs folder started, one line each as they stopped (and why)."""
+    path = logs / "engines" / "engines.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def job_logs(wf: Workflow) -> str:
+    """Every generate job's log of a working directory, one after another."""
+    return "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
 
 
 # Snakemake options under which no job runs: no engine is started for them.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fcntl
 import json
 import os
 import random
@@ -28,11 +27,23 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from dflash_build import killpoints
 from dflash_build.config import prepare_rule_name
 from dflash_build.engines import host as engine_host
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
-from tests.conftest import Workflow, base_config, loaded_rows, once_per_session, own_engines, write_jsonl
+from tests.conftest import (
+    Workflow,
+    base_config,
+    engine_history,
+    job_logs,
+    loaded_rows,
+    lock_free,
+    once_per_session,
+    own_engines,
+    wait_until,
+    write_jsonl,
+)
 from tests.standin_server import StandIn
 
 pytestmark = pytest.mark.workflow
@@ -102,13 +113,11 @@ def session_processes(session: int) -> set[int]:
     return found
 
 
-def wait_session_gone(session: int, timeout: float = 120) -> None:
+def wait_session_gone(session: int) -> None:
     """Until the jobs a killed Snakemake left finish what they were doing, as after a real scheduler crash."""
-    deadline = time.monotonic() + timeout
-    while session_processes(session):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the jobs {session_processes(session)} of the killed build did not finish")
-        time.sleep(0.2)
+    wait_until(
+        lambda: not session_processes(session), 120, f"the jobs of the killed build (session {session}) finished"
+    )
 
 
 def recover(wf: Workflow, *args: str, cores: int = 2) -> subprocess.CompletedProcess[str]:
@@ -128,10 +137,6 @@ def generated_in_logs(workdir: Path) -> dict[tuple[str, str], int]:
         for match in re.finditer(r"published \{.*'generated': (\d+)", text):
             out[key] = out.get(key, 0) + int(match.group(1))
     return out
-
-
-def job_logs(wf: Workflow) -> str:
-    return "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
 
 
 # -- kill and resume: which process dies, and where ------------------------------------------------
@@ -170,11 +175,12 @@ class Kill:
 
     @property
     def kind(self) -> str:
-        return self.at.partition(":")[0]
+        return killpoints.parse(self.at)[0]
 
     @property
-    def rows(self) -> int:
-        return int(self.at.partition(":")[2] or 0)
+    def n(self) -> int:
+        """The point's number: rows journaled, the decoding step, or the random time's seed."""
+        return killpoints.parse(self.at)[1]
 
 
 KILLS = [
@@ -217,7 +223,7 @@ def _inflict(kill: Kill, wf: Workflow, args: tuple[str, ...], cores: int, second
         )
         try:
             if kill.kind == "random":
-                proc.wait(timeout=random.Random(kill.rows).uniform(0.3, 0.9) * seconds)
+                proc.wait(timeout=random.Random(kill.n).uniform(0.3, 0.9) * seconds)
             else:
                 assert proc.wait(timeout=600) != 0, "the fault fails the build"
         except subprocess.TimeoutExpired:
@@ -237,13 +243,13 @@ def _check_what_the_fault_left(kill: Kill, wf: Workflow, before: dict[tuple[str,
     logs = job_logs(wf)
     if kill.kind in ("rows", "publish"):
         assert not list(wf.workdir.glob("store/completions/*/*/*.parquet")), "a killed job publishes nothing"
-        journaled = SHARD_SIZE if kill.kind == "publish" else kill.rows
+        journaled = SHARD_SIZE if kill.kind == "publish" else kill.n
         assert all(rows == journaled and not published for rows, published in before.values()), before
-        assert kill.rows == 0 or before, "the killed jobs' rows are journaled"
+        assert kill.n == 0 or before, "the killed jobs' rows are journaled"
     if kill.kind == "sigterm":
         stops = re.findall(r"stopped by SIGTERM; the (\d+) rows finished in this run are kept in", logs)
-        assert stops and all(int(n) >= kill.rows for n in stops), logs[-2000:]
-        assert before and all(rows >= kill.rows and not published for rows, published in before.values())
+        assert stops and all(int(n) >= kill.n for n in stops), logs[-2000:]
+        assert before and all(rows >= kill.n and not published for rows, published in before.values())
     if kill.kind == "group-sigterm":
         assert "stopped by SIGTERM" in logs, (wf.workdir / "killed.log").read_text()[-3000:]
     if kill.kind == "hang":
@@ -258,18 +264,15 @@ def _check_the_engines_outlived_the_jobs(locks: Path, workdir: Path) -> None:
     free their GPUs."""
     states = engine_host.running(locks)
     assert states and all(engine_host._alive(s["pid"]) for s in states), "the engines outlive the jobs"
-    deadline = time.monotonic() + 30
-    while any(engine_host._alive(s["pid"]) or engine_host._alive(s["server_pid"]) for s in states):
-        assert time.monotonic() < deadline, "idle engines stopped within 30 s"
-        time.sleep(0.1)
-    history = [json.loads(line) for line in (workdir / "logs" / "engines" / "engines.jsonl").read_text().splitlines()]
+    wait_until(
+        lambda: not any(engine_host._alive(s["pid"]) or engine_host._alive(s["server_pid"]) for s in states),
+        30,
+        "idle engines stopped",
+    )
+    history = engine_history(workdir / "logs")
     assert history and all(h["reason"] == "idle for 3s" for h in history)
     for s in states:
-        lock = os.open(locks / f"{s['slot']}.lock", os.O_RDWR)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the GPU is still held
-        finally:
-            os.close(lock)
+        assert lock_free(locks / f"{s['slot']}.lock"), f"{s['slot']}'s lock is held after its host is gone"
 
 
 @pytest.mark.parametrize("kill", KILLS, ids=[f"{k.at}-{k.engine}-engine" for k in KILLS])
@@ -434,7 +437,7 @@ def test_a_server_that_stops_answering_is_named_within_the_stall_timeout(
     config["engine"]["stall_timeout"] = 1.5
     wf = Workflow.at(tmp_path / "work", config)
     wf.build()
-    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    logs = job_logs(wf)
     named = re.findall(rf"no answer from the server {re.escape(standin.url)} for (\d+)s while (\d+) requests", logs)
     assert named and all(1 <= int(s) <= 4 and int(n) >= 1 for s, n in named), logs[-3000:]
     assert dataset(wf) == served_baseline

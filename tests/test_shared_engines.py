@@ -5,7 +5,6 @@ do) and llama.cpp's server on the SmolLM2 GGUF."""
 from __future__ import annotations
 
 import datetime
-import fcntl
 import itertools
 import json
 import os
@@ -27,7 +26,18 @@ from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines import host as engine_host
 from dflash_build.engines.gpus import Gpu, GpuLease, job_locks
 from dflash_build.spec import Config, ConfigError, EngineSpec
-from tests.conftest import Workflow, base_config, completion_rows, once_per_session, own_engines, write_jsonl
+from tests.conftest import (
+    Workflow,
+    base_config,
+    completion_rows,
+    engine_history,
+    job_logs,
+    lock_free,
+    once_per_session,
+    own_engines,
+    wait_until,
+    write_jsonl,
+)
 
 
 def _source(data: Path, n: int) -> dict[str, Any]:
@@ -37,30 +47,6 @@ def _source(data: Path, n: int) -> dict[str, Any]:
 
 def _alive(pid: int) -> bool:
     return engine_host._alive(pid)
-
-
-def _lock_free(path: Path) -> bool:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _wait(predicate: Any, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds}s: {what}")
-        time.sleep(0.1)
-
-
-def _history(logs: Path) -> list[dict[str, Any]]:
-    path = logs / "engines" / "engines.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _first_failed_contact(logs: Path) -> float:
@@ -94,7 +80,7 @@ def per_job_rows(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     def build(root: Path) -> None:
         wf = _workflow(root, tiny_model, shared=False)
         wf.run("--resources", "gpu=2", "--until", "generate", cores=4)
-        assert not _history(wf.workdir / "logs"), "jobs on their own engines start no engine host"
+        assert not engine_history(wf.workdir / "logs"), "jobs on their own engines start no engine host"
 
     return completion_rows(once_per_session(tmp_path_factory, "per-job-engines", build) / "work" / "store")
 
@@ -108,7 +94,7 @@ def test_shared_engines_write_exactly_what_per_job_engines_write(
     assert "gpu_jobs=" in proc.stdout + proc.stderr, "the rule asks for gpu_jobs, registered as gpu x jobs_per_engine"
     assert completion_rows(wf.workdir / "store") == per_job_rows, "a shared engine must not change a single row"
 
-    history = _history(wf.workdir / "logs")
+    history = engine_history(wf.workdir / "logs")
     assert sorted(h["slot"] for h in history) == ["gpu-0", "gpu-1"], f"one engine per GPU for all 6 jobs: {history}"
     assert all(h["reason"] == "stopped" for h in history), "the workflow's end stops its engines"
     assert not engine_host.running(tmp_path / "locks")
@@ -143,7 +129,7 @@ def test_a_stopped_shared_engine_is_replaced_and_the_build_writes_what_an_undist
 
     def stop_the_server() -> None:
         store = wf.workdir / "store"
-        _wait(lambda: any(store.glob("completions/*/*/*.parquet")), 180, "a shard is published")
+        wait_until(lambda: any(store.glob("completions/*/*/*.parquet")), 180, "a shard is published")
         state = engine_host.read_state(locks, "gpu-0")
         assert state is not None
         os.kill(state["server_pid"], signal.SIGSTOP)
@@ -155,7 +141,7 @@ def test_a_stopped_shared_engine_is_replaced_and_the_build_writes_what_an_undist
     stopper.join()
     assert completion_rows(wf.workdir / "store") == per_job_rows, "the healed build lost or changed no row"
 
-    history = _history(wf.workdir / "logs")
+    history = engine_history(wf.workdir / "logs")
     [stall] = [h for h in history if h["reason"] == "stalled"]
     assert stall["host_pid"] == stopped["pid"] and stall["slot"] == "gpu-0"
     # a job's next request or its first health check, then stall_timeout and a check of two attempts; a
@@ -169,7 +155,7 @@ def test_a_stopped_shared_engine_is_replaced_and_the_build_writes_what_an_undist
     assert [h["reason"] for h in replacements] == ["stopped"], "one replacement, stopped with the workflow"
     assert replacements[0]["spawned_at"] >= stall["stopped_at"] - 1
 
-    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    logs = job_logs(wf)
     assert f"{stopped['url']} leaves the pool (stalled: no answer " in logs
     pids = f"host pid {stopped['pid']}, server pid {stopped['server_pid']}"
     assert f"stopping the stalled engine on gpu-0 ({pids}" in logs
@@ -236,7 +222,7 @@ def test_a_job_reuses_a_matching_engine_and_replaces_another_once_its_users_are_
     assert got and got[0].started
     assert not _alive(pid_a)
     assert engine_host.read_state(spec_b.lock_dir, spec_b.slot)["identity_key"] == spec_b.identity_key
-    assert [h["reason"] for h in _history(tmp_path / "logs")] == ["replaced"]
+    assert [h["reason"] for h in engine_history(tmp_path / "logs")] == ["replaced"]
     got[0].release()
     assert engine_host.stop_idle(spec_b.lock_dir) == [spec_b.slot]
 
@@ -249,10 +235,10 @@ def test_an_unused_engine_stops_after_its_idle_timeout_and_frees_its_gpu(tmp_pat
     time.sleep(2.5)
     assert _alive(state["pid"]), "in use: no idle timeout"
     attached.release()
-    _wait(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the idle engine stopped")
+    wait_until(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the idle engine stopped")
     assert engine_host.read_state(spec.lock_dir, spec.slot) is None
-    assert [h["reason"] for h in _history(tmp_path / "logs")] == ["idle for 1s"]
-    assert _lock_free(Path(spec.gpu_lock)), "the GPU is free again"
+    assert [h["reason"] for h in engine_history(tmp_path / "logs")] == ["idle for 1s"]
+    assert lock_free(Path(spec.gpu_lock)), "the GPU is free again"
 
 
 @pytest.mark.workflow
@@ -261,7 +247,7 @@ def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_mode
     attached = engine_host.attach(spec)
     state = attached.engines[0]
     os.kill(state["pid"], signal.SIGKILL)
-    _wait(lambda: not _alive(state["server_pid"]), 10, "the server followed its host (PDEATHSIG)")
+    wait_until(lambda: not _alive(state["server_pid"]), 10, "the server followed its host (PDEATHSIG)")
     assert engine_host.read_state(spec.lock_dir, spec.slot) is None, "a dead host's state does not count"
     attached.release()
 
@@ -303,9 +289,9 @@ def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allo
 
     batch_task.kill()  # the allocation ends
     batch_task.wait()
-    _wait(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the engine ended with it")
-    assert [h["reason"] for h in _history(tmp_path / "logs")] == ["allocation ended"]
-    assert _lock_free(Path(spec.gpu_lock))
+    wait_until(lambda: not _alive(state["pid"]) and not _alive(state["server_pid"]), 30, "the engine ended with it")
+    assert [h["reason"] for h in engine_history(tmp_path / "logs")] == ["allocation ended"]
+    assert lock_free(Path(spec.gpu_lock))
 
 
 @pytest.mark.workflow
@@ -365,7 +351,7 @@ def test_llamacpp_engines_start_per_job_or_once(tmp_path: Path, gguf_path: Path,
     wf.workdir.mkdir()
     wf.write_config(config)
     wf.run("--until", "generate", cores=1)
-    history = _history(wf.workdir / "logs")
+    history = engine_history(wf.workdir / "logs")
     assert len(history) == (1 if shared else 3), history
     assert not engine_host.running(tmp_path / "locks")
     rows = completion_rows(wf.workdir / "store")
@@ -391,12 +377,12 @@ def test_a_process_is_alive_until_its_last_thread_exits(tmp_path: Path) -> None:
     lock = tmp_path / "held.lock"
     proc = subprocess.Popen([sys.executable, "-c", _LEADER_EXITS_FIRST, str(lock), "2"], stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
-    _wait(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] == "Z", 5, "leader exits")
-    assert not _lock_free(lock) and _alive(proc.pid), "a thread still runs and holds the lock"
+    wait_until(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] == "Z", 5, "leader exits")
+    assert not lock_free(lock) and _alive(proc.pid), "a thread still runs and holds the lock"
     proc.wait(10)  # reaped: gone for good
-    assert _lock_free(lock) and not _alive(proc.pid)
+    assert lock_free(lock) and not _alive(proc.pid)
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    _wait(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().split(")")[-1].split()[0] == "Z", 5, "child exits")
+    wait_until(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().split(")")[-1].split()[0] == "Z", 5, "child exits")
     assert not _alive(zombie.pid), "an exited child that is not reaped yet is gone"
     zombie.wait()
 
