@@ -21,8 +21,7 @@ from typing import Any
 
 import yaml
 
-from dflash_build import engines, language
-from dflash_build.engines import registry
+from dflash_build import language
 from dflash_build.spec import (
     EXPORT_DEFAULTS,
     FORMAT_FIELDS,
@@ -476,9 +475,6 @@ def _engine(engine: Mapping[str, Any]) -> EngineSpec:
         start_timeout=float(engine["start_timeout"]),
         stall_timeout=float(engine["stall_timeout"]),
     )
-    engines.check_options(spec.backend, spec.options)
-    if spec.shared and registry.get(spec.backend).serve is None:
-        raise ConfigError("engine.shared", f"the {spec.backend} backend talks to servers it does not run; remove it")
     return spec
 
 

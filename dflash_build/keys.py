@@ -3,10 +3,9 @@
 A store path's key must name everything that decides the bytes under it, and nothing else: a field
 that changes what the model writes but stays out of the key mixes stale rows into a build; a field
 that enters a key but changes nothing regenerates GPU-days of data for no reason. Each field below
-carries its decision. ``tests/test_keys.py`` walks ``config/schema.yaml`` and every backend's accepted
-options and fails when one has no decision here, so a new field cannot be added without one. SGLang
-accepts any of its several hundred ``ServerArgs`` fields: those not decided here are keyed
-(``SGLANG_UNDECIDED``), so a new SGLang option can cost a rebuild but never mix stale rows in.
+carries its decision. ``tests/test_keys.py`` walks ``config/schema.yaml`` and fails when a field has no
+decision here, so a new field cannot be added without one. Engine options are decided by each backend's
+own descriptor (:mod:`dflash_build.engines.registry`, an ``Option`` per name), which the same test walks.
 
 A decision names the first key the field enters; every key downstream follows (prompt_key is part of
 gen_key, gen_key of tok_key). ``None``: in no key (recorded in the stats sidecars where it matters).
@@ -92,7 +91,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
         "the conversations export's params name it too",
     ),
     "engine.backend": _d(None, "backends sample the same distribution; their numerics options are keyed below"),
-    "engine.options": _d(None, "per backend and option: ENGINE_OPTIONS"),
+    "engine.options": _d(None, "per backend and option: its descriptor's Option (engines.registry)"),
     "engine.gpus": _d(None, _WHERE),
     "engine.lock_dir": _d(None, _WHERE),
     "engine.gpu_wait_seconds": _d(None, _WHERE),
@@ -190,109 +189,6 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sources.*.max_drop_fraction": _d(None, _CHECK),
     "sources.*.variants": _d(PROMPT, "as the top-level variants, for this source's variants only"),
 }
-
-_NUMERICS = "changes the numbers the model computes, so the answers"
-_SPEED = "changes speed or memory only"
-_KERNELS = "kernels of the same computation; rounding differs, the distribution does not"
-SGLANG_UNDECIDED = _d(GEN, "a ServerArgs field not decided here: keyed, it may change what the model writes")
-ENGINE_OPTIONS: dict[str, dict[str, Decision]] = {
-    "transformers": {
-        "dtype": _d(GEN, _NUMERICS),
-        "device": _d(None, "the same computation on another device; dtype is keyed"),
-        "batch_size": _d(None, "each row samples from its own seeds, whatever its batch"),
-        "threads": _d(None, _SPEED),
-    },
-    # Any other ServerArgs field passes through too and is keyed (SGLANG_UNDECIDED): a field not decided
-    # here may change what the model writes, and keying it wastes at most a rebuild.
-    "sglang": {
-        "dtype": _d(GEN, _NUMERICS),
-        "quantization": _d(GEN, _NUMERICS),
-        "quantization_param_path": _d(GEN, _NUMERICS),
-        "kv_cache_dtype": _d(GEN, _NUMERICS),
-        "mamba_ssm_dtype": _d(GEN, "the precision of a hybrid model's recurrent state: " + _NUMERICS),
-        "enable_fp32_lm_head": _d(GEN, _NUMERICS),
-        "json_model_override_args": _d(GEN, "edits the model's config"),
-        "load_format": _d(GEN, "which weights load ('dummy' is random weights)"),
-        "lora_paths": _d(GEN, "adapters change the model"),
-        "enable_deterministic_inference": _d(GEN, "whether the row seeds decide the answers"),
-        "random_seed": _d(GEN, "the engine's own random state, which decides answers without deterministic mode"),
-        "attention_backend": _d(None, _KERNELS),
-        "decode_attention_backend": _d(None, _KERNELS),
-        "prefill_attention_backend": _d(None, _KERNELS),
-        "linear_attn_backend": _d(None, _KERNELS),
-        "mamba_backend": _d(None, _KERNELS),
-        "sampling_backend": _d(None, _KERNELS),
-        "mem_fraction_static": _d(None, _SPEED),
-        "max_running_requests": _d(None, _SPEED),
-        "max_total_tokens": _d(None, _SPEED),
-        "max_prefill_tokens": _d(None, _SPEED),
-        "chunked_prefill_size": _d(None, _SPEED),
-        "page_size": _d(None, _SPEED),
-        "cuda_graph_max_bs_decode": _d(None, _SPEED),
-        "cuda_graph_max_bs_prefill": _d(None, _SPEED),
-        "disable_cuda_graph": _d(None, _SPEED),
-        "schedule_policy": _d(None, _SPEED),
-        "schedule_conservativeness": _d(None, _SPEED),
-        "disable_overlap_schedule": _d(None, _SPEED),
-        "disable_radix_cache": _d(None, _SPEED),
-        "max_mamba_cache_size": _d(None, _SPEED),
-        "mamba_full_memory_ratio": _d(None, _SPEED),
-        "mamba_radix_cache_strategy": _d(None, _SPEED),
-        "watchdog_timeout": _d(None, "fault handling only"),
-        "log_level": _d(None, "logging only"),
-        "trust_remote_code": _d(None, "the remote code itself is fingerprinted with the model (*.py)"),
-        "max_inflight": _d(None, _SPEED),
-        "retries": _d(None, "fault handling only"),
-    },
-    "openai": {
-        "prompt": _d(GEN, "token ids or re-tokenized text: what the server's model is shown"),
-        "urls": _d(None, "which servers; the model they serve is checked against model.path"),
-        "api": _d(None, "the same ids and sampling params through another endpoint"),
-        "model": _d(None, "the name requests carry; the server's identity is checked against model.path"),
-        "expect_model": _d(None, "the name a server reports for model.path's weights: an identity check only"),
-        "concurrency": _d(None, _SPEED),
-        "timeout": _d(None, "fault handling only"),
-        "retries": _d(None, "fault handling only"),
-        "backoff": _d(None, "fault handling only"),
-        "max_backoff": _d(None, "fault handling only"),
-        "health": _d(None, "fault handling only: the path a stalled server is checked on"),
-    },
-    "llamacpp": {
-        "threads": _d(None, _SPEED),
-    },
-}
-
-# Effective defaults of keyed options, so that spelling out a default changes no key.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "openai": {"prompt": "auto"},
-    "sglang": {"dtype": "auto", "kv_cache_dtype": "auto", "enable_deterministic_inference": False},
-}
-
-
-def transformers_dtype(options: Mapping[str, Any]) -> str:
-    """The transformers backend's dtype: float32 on CPU, bfloat16 on a GPU, unless set."""
-    return str(options.get("dtype", "float32" if str(options.get("device", "cpu")) == "cpu" else "bfloat16"))
-
-
-def engine_option_decision(backend: str, name: str) -> Decision | None:
-    """The decision for one engine option; None for a name the backend does not accept."""
-    table = ENGINE_OPTIONS.get(backend, {})
-    if name in table:
-        return table[name]
-    return SGLANG_UNDECIDED if backend == "sglang" else None
-
-
-def keyed_engine_options(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The engine options that enter gen_key, with their effective values."""
-    values = {**_DEFAULTS.get(backend, {}), **options}
-    if backend == "transformers":
-        values["dtype"] = transformers_dtype(options)
-    keyed = {}
-    for name, value in sorted(values.items()):
-        decision = engine_option_decision(backend, name)
-        if decision is not None and decision.key == GEN:
-            keyed[name] = value
-    return keyed
 
 
 # -- what changed between two keys' components (explain, and a job whose key moved) ---------------

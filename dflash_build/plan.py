@@ -20,6 +20,7 @@ from typing import Any
 
 from dflash_build import hashing, keys, lsh, readers
 from dflash_build.config import expand_files
+from dflash_build.engines import registry
 from dflash_build.spec import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
 from dflash_build.versions import GEN_VERSION, LANGUAGE_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
@@ -332,8 +333,8 @@ def _gen_components(
         "template": template_fp["digest"],
         "chat_template_kwargs": {**config.model.chat_template_kwargs, **spec.chat_template_kwargs},
         "sampling": spec.sampling.as_dict(),
-        # only the options that change the numbers (keys.ENGINE_OPTIONS); speed options stay out
-        "engine": keys.keyed_engine_options(config.engine.backend, config.engine.options),
+        # only the options that change the numbers (each backend's descriptor decides); speed options stay out
+        "engine": registry.keyed_options(config.engine.backend, config.engine.options),
     }
     if spec.turns == "all":
         # how later turns are prompted; absent for turns: first, whose rows it does not change
@@ -382,6 +383,7 @@ def build(config: Config, only: str | None = None) -> Plan:
     """
     if only is not None and only not in config.sources:
         raise ConfigError("sources", f"no source '{only}' in the config")
+    registry.check(config.engine)  # where the engine is chosen: its options, before any job
     cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
     filtering, reference_files = _filtering(config, cache)

@@ -208,7 +208,8 @@ def get_export_params(wildcards):
 
 
 def get_generate_threads():
-    return int(CONFIG.engine_options.get("threads", 1))
+    backend = dflash_build.engines.registry.get(CONFIG.backend)
+    return backend.threads(CONFIG.engine_options)
 
 
 def get_mix_params():

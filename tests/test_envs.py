@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_build.engines import registry
 from tests.conftest import REPO
 
 PACKAGE = REPO / "dflash_build"
 STAGES = {"prepare": "prepare", "generate": "generate", "tokenize": "tokenize", "mix": "mix", "pack": "pack"}
-# The sglang backend's own third-party imports (sglang, psutil) run only where that backend runs, in
-# envs/sglang.yaml; elsewhere its option check reads the recorded field list (sglang_fields).
-SGLANG_ONLY = "dflash_build.engines.sglang_backend"
+# A backend's own engine library (SGLang's: sglang, psutil) is imported only where that backend runs, in
+# its env; elsewhere its option check reads what its descriptor recorded (sglang_fields).
+ENV_ONLY = {m: b.conda_env for b in registry.BACKENDS.values() for m in b.env_only}
 
 
 def _module_file(name: str) -> Path | None:
@@ -135,13 +136,14 @@ def distributions(module: str) -> set[str]:
     return {_norm(d) for d in found}
 
 
+def _not_in(env: str) -> set[str]:
+    return {module for module, its_env in ENV_ONLY.items() if its_env != env}
+
+
 RULE_ENVS = [
-    ("prepare", "cpu.yaml", {SGLANG_ONLY}),
-    ("tokenize", "cpu.yaml", {SGLANG_ONLY}),
-    ("mix", "cpu.yaml", {SGLANG_ONLY}),
-    ("pack", "cpu.yaml", {SGLANG_ONLY}),
-    ("generate", "generate.yaml", {SGLANG_ONLY}),
-    ("generate", "sglang.yaml", set()),
+    *((stage, "cpu.yaml", _not_in("cpu")) for stage in ("prepare", "tokenize", "mix", "pack")),
+    # generate runs in its backend's env (rules/common.smk's GENERATE_ENV): one row per env a backend names
+    *(("generate", f"{env}.yaml", _not_in(env)) for env in sorted({b.conda_env for b in registry.BACKENDS.values()})),
 ]
 
 
@@ -165,9 +167,7 @@ def test_the_rules_use_these_envs() -> None:
             assert "GENERATE_ENV" in text
             common = (REPO / "rules" / "common.smk").read_text()
             assert "registry.get(CONFIG.backend).conda_env" in common
-            from dflash_build.engines import registry
-
-            assert {b.conda_env for b in registry.BACKENDS.values()} == {"sglang", "generate"}
-            assert registry.get("sglang").conda_env == "sglang"
+            for backend in registry.BACKENDS.values():
+                assert (REPO / "envs" / f"{backend.conda_env}.yaml").exists(), backend.name
         else:
             assert f'"../envs/{env_name}"' in text, stage

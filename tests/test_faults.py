@@ -263,9 +263,9 @@ def _check_the_engines_outlived_the_jobs(locks: Path, workdir: Path) -> None:
     """After a SIGKILL of every process of the build: its engines (their own session) stop once idle and
     free their GPUs."""
     states = engine_host.running(locks)
-    assert states and all(engine_host._alive(s["pid"]) for s in states), "the engines outlive the jobs"
+    assert states and all(engine_host.alive(s["pid"]) for s in states), "the engines outlive the jobs"
     wait_until(
-        lambda: not any(engine_host._alive(s["pid"]) or engine_host._alive(s["server_pid"]) for s in states),
+        lambda: not any(engine_host.alive(s["pid"]) or engine_host.alive(s["server_pid"]) for s in states),
         30,
         "idle engines stopped",
     )

@@ -19,7 +19,8 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import keys
 from dflash_build import plan as plan_mod
-from dflash_build.engines import openai_backend, sglang_backend, sglang_fields, transformers_backend
+from dflash_build.engines import registry, sglang_fields
+from dflash_build.engines.backends import sglang as sglang_descriptor
 from tests.conftest import REPO, write_jsonl
 
 SCHEMA = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
@@ -46,27 +47,25 @@ def test_every_schema_field_has_a_decision_and_every_decision_a_field() -> None:
     assert all(d.why and d.key in (None, keys.PROMPT, keys.GEN, keys.TOK) for d in keys.CONFIG_FIELDS.values())
 
 
-@pytest.mark.parametrize(
-    ("backend", "accepted"),
-    [
-        ("transformers", transformers_backend.KNOWN_OPTIONS),
-        ("openai", openai_backend.KNOWN_OPTIONS),
-        # llama-cpp-python's server: what engine_host passes it from the options
-        ("llamacpp", frozenset({"threads"})),
-    ],
-)
-def test_every_engine_option_has_a_decision(backend: str, accepted: frozenset[str]) -> None:
-    assert set(keys.ENGINE_OPTIONS[backend]) == set(accepted)
-    assert all(d.why and d.key in (None, keys.GEN) for d in keys.ENGINE_OPTIONS[backend].values())
+@pytest.mark.parametrize("backend", sorted(registry.BACKENDS))
+def test_every_engine_option_has_a_decision_and_a_reason(backend: str) -> None:
+    """Each backend's descriptor decides every option it accepts (and, where it takes names it does not
+    list, those too): the key it enters, or none, and why."""
+    descriptor = registry.get(backend)
+    assert descriptor.options, backend
+    decisions = [*descriptor.options.values(), *([descriptor.undecided] if descriptor.undecided else [])]
+    assert all(d.why and d.key in (None, keys.GEN) for d in decisions), backend
+    assert all(not (d.driver and d.key) for d in decisions), "an option of the driver changes no answer"
+    descriptor.check(dict.fromkeys(descriptor.options, 1))  # every listed option is accepted
 
 
 def test_every_sglang_server_arg_has_a_decision_and_undecided_ones_are_keyed() -> None:
-    """Any ServerArgs field passes through: decided here, or keyed (it might change the answers)."""
-    table = keys.ENGINE_OPTIONS["sglang"]
-    assert set(table) - sglang_backend.OWN_OPTIONS <= sglang_fields.SERVER_ARGS
-    assert all(d.why and d.key in (None, keys.GEN) for d in table.values())
-    for field in sglang_fields.SERVER_ARGS - set(sglang_backend.DRIVER_FIELDS):
-        decision = keys.engine_option_decision("sglang", field)
+    """Any ServerArgs field passes through: decided in the descriptor, or keyed (it might change the answers)."""
+    sglang = registry.get("sglang")
+    table = {name for name, option in sglang.options.items() if not option.driver}
+    assert table <= sglang_fields.SERVER_ARGS
+    for field in sglang_fields.SERVER_ARGS - set(sglang_descriptor.DRIVER_FIELDS):
+        decision = sglang.decision(field)
         assert decision is not None and (field in table or decision.key == keys.GEN)
 
 

@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import yaml
 
-from dflash_build import keys, toolcalls
+from dflash_build import toolcalls
 from dflash_build.engines import Request, SamplingParams, sglang_fields
+from dflash_build.engines.backends.sglang import BACKEND, DRIVER_FIELDS
 from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.sglang_backend import (
-    DRIVER_FIELDS,
-    OWN_OPTIONS,
     SGLANG_VERSION,
     sampling_params,
     server_args,
@@ -133,7 +132,7 @@ def test_the_shared_engine_server_starts_as_sglangs_launch_server_does() -> None
 
 
 def test_every_decided_and_every_driver_option_is_a_real_field() -> None:
-    decided = set(keys.ENGINE_OPTIONS["sglang"]) - OWN_OPTIONS
+    decided = {name for name, option in BACKEND.options.items() if not option.driver}
     assert decided <= sglang_fields.SERVER_ARGS, sorted(decided - sglang_fields.SERVER_ARGS)
     assert set(DRIVER_FIELDS) <= sglang_fields.SERVER_ARGS
     assert not decided & set(DRIVER_FIELDS)

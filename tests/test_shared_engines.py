@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from dflash_build import config as config_mod
+from dflash_build import plan as plan_mod
 from dflash_build import workflow
 from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines import host as engine_host
@@ -46,7 +47,7 @@ def _source(data: Path, n: int) -> dict[str, Any]:
 
 
 def _alive(pid: int) -> bool:
-    return engine_host._alive(pid)
+    return engine_host.alive(pid)
 
 
 def _first_failed_contact(logs: Path) -> float:
@@ -421,4 +422,4 @@ def test_the_openai_backend_cannot_be_shared(tmp_path: Path, tiny_model: Path) -
     config = base_config(tiny_model, _source(tmp_path, 1))
     config["engine"] = {"backend": "openai", "options": {"urls": ["http://x"]}, "shared": True}
     with pytest.raises(ConfigError, match=r"engine\.shared"):
-        _config(tmp_path, config)
+        plan_mod.build(_config(tmp_path, config))  # where the engine is chosen, before any job

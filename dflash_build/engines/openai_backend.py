@@ -25,6 +25,7 @@ against ``checks.max_failed_fraction``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -36,23 +37,18 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from dflash_build.engines import registry
 from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines.base import Request, Result
-from dflash_build.engines.options import check_options
 from dflash_build.engines.sglang_wire import parse_output, sampling_params
 
 if TYPE_CHECKING:
     import httpx
 
 log = logging.getLogger(__name__)
+BACKEND = registry.get("openai")
 T = TypeVar("T")
 
-KNOWN_OPTIONS = frozenset(
-    {
-        *("urls", "api", "model", "prompt", "concurrency", "timeout", "retries", "backoff", "max_backoff"),
-        *("expect_model", "health"),
-    }
-)
 APIS = ("completions", "generate")
 PROMPT_MODES = ("auto", "ids", "text")
 _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
@@ -161,25 +157,19 @@ class _Server:
 
 
 def _options(options: Mapping[str, Any]) -> dict[str, Any]:
-    check_options("openai", options)
+    BACKEND.check(options)
     urls = options.get("urls")
     if isinstance(urls, str):
         urls = [urls]
     if not urls:
         raise ValueError("config key 'engine.options.urls': the openai backend needs the servers' base URLs")
+    value = functools.partial(BACKEND.value, options)
     out = {
         "urls": [u.rstrip("/") for u in urls],
-        "api": options.get("api", "completions"),
-        "model": options.get("model"),
-        "prompt": options.get("prompt", "auto"),
-        "concurrency": int(options.get("concurrency", 16)),
-        "timeout": float(options.get("timeout", 600)),
-        "retries": int(options.get("retries", 5)),
-        "backoff": float(options.get("backoff", 0.5)),
-        "max_backoff": float(options.get("max_backoff", 30)),
-        "expect_model": options.get("expect_model"),
-        # where a silent server is checked: SGLang's /health generates a token through its scheduler
-        "health": options.get("health"),
+        **{name: value(name) for name in ("api", "model", "prompt", "expect_model", "health")},
+        "concurrency": int(value("concurrency")),
+        "retries": int(value("retries")),
+        **{name: float(value(name)) for name in ("timeout", "backoff", "max_backoff")},
     }
     if out["api"] not in APIS:
         raise ValueError(f"config key 'engine.options.api': '{out['api']}' is not one of {APIS}")

@@ -1,40 +1,71 @@
-"""Every backend, one descriptor each: what it is, how it loads, how a host serves it, how jobs talk to it.
+"""Every backend, one descriptor each, found in its own module of ``dflash_build.engines.backends``.
 
-A new backend is its module plus one entry in :data:`BACKENDS` (and its option decisions in
-``keys.ENGINE_OPTIONS``, which ``tests/test_keys.py`` requires). Each descriptor imports its engine
-library only inside its functions, so parsing the workflow never needs an optional engine.
+A :class:`Backend` says what an engine is: its options (each with its default, the key it enters and
+why), how a job loads it in its own process, how a host runs it as a server, whether its jobs take a
+GPU, and the env its generate jobs run in. Every other layer reads the descriptor: the plan keys the
+options it marks as keyed (:func:`keyed_options`), the host launches what it does not mark as the
+driver's, the config check refuses what it does not list. A new backend is one module in
+``engines/backends/`` defining ``BACKEND`` (and its name in the schema's enum); its engine library is
+imported only inside its functions, so parsing the workflow never needs an optional engine.
 """
 
 from __future__ import annotations
 
-import sys
+import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dflash_build import hashing
+from dflash_build import discovery
 from dflash_build.engines.base import Engine, closest
-from dflash_build.engines.options import check_options as known_names
+from dflash_build.keys import GEN
 from dflash_build.spec import ConfigError
 
 if TYPE_CHECKING:
     from dflash_build.engines.gpus import GpuLease
     from dflash_build.spec import EngineSpec, ModelSpec
 
+# The reasons most options share.
+NUMERICS = "changes the numbers the model computes, so the answers"
+SPEED = "changes speed or memory only"
+KERNELS = "kernels of the same computation; rounding differs, the distribution does not"
+FAULTS = "fault handling only"
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A default that follows other options (the transformers dtype follows the device)."""
+
+    of: Callable[[Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One engine option: the key it enters (``keys.GEN`` or None) and why, its default (None: the
+    engine's own, which no key can name), and whether it belongs to the driver (how a job talks to the
+    engine: not passed to the server, not part of an engine's identity)."""
+
+    key: str | None
+    why: str
+    default: Any = None
+    driver: bool = False
+
 
 @dataclass(frozen=True)
 class Serve:
-    """The command a host runs for one engine server: ``argv(model, options, stop_ids, port, context, lease)``."""
+    """The command a host runs for one engine server: ``argv(model, options, stop_ids, port, context, lease)``
+    (``options``: the engine's, without the driver's)."""
 
     argv: Callable[[ModelSpec, Mapping[str, Any], list[int], int, int | None, GpuLease | None], list[str]]
     health_path: str = "/health"
     api: str = "generate"  # the openai client's API for it (dflash_build.engines.openai_backend.APIS)
-    concurrency: Callable[[Mapping[str, Any]], int] = lambda options: 2
+    concurrency: Callable[[Mapping[str, Any]], int] = lambda options: 2  # requests in flight per job
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
+    options: Mapping[str, Option]
     # In-process: load(engine, model, stop_ids, lease, tokenizer) -> Engine; None where it only runs served.
     load: Callable[[EngineSpec, ModelSpec, list[int], GpuLease | None, Any], Engine] | None
     serve: Serve | None  # how a host runs it as a server (engine.shared); None: it cannot be served
@@ -42,122 +73,90 @@ class Backend:
     always_through_server: bool = False  # no in-process engine: every job talks to a host's server
     remote: bool = False  # a client of servers over HTTP: their health check, not a step count, tells a stall
     conda_env: str = "generate"  # envs/NAME.yaml of its generate jobs
-    check_options: Callable[[Mapping[str, Any]], None] | None = None  # beyond keys.ENGINE_OPTIONS' names
+    # The modules whose third-party imports (its engine library) only its env has (tests/test_envs.py).
+    env_only: tuple[str, ...] = ()
+    # The decision for an option ``options`` does not list: None refuses it (closest name given); SGLang
+    # passes any ServerArgs field through, keyed, since one not decided might change the answers.
+    undecided: Option | None = None
+    # A check of the option names beyond ``options`` (the engine's own argument list), at parse time.
+    check_names: Callable[[Mapping[str, Any]], None] | None = None
+    # Cores a job asks Snakemake for (the rule's threads:).
+    threads: Callable[[Mapping[str, Any]], int] = field(default=lambda options: 1)
+
+    def decision(self, name: str) -> Option | None:
+        """The decision for one option; None for a name this backend does not accept."""
+        return self.options.get(name, self.undecided)
+
+    def value(self, options: Mapping[str, Any], name: str) -> Any:
+        """An option's effective value: the one given, else its default (None: the engine's own)."""
+        if name in options:
+            return options[name]
+        default = self.options[name].default
+        return default.of(options) if isinstance(default, Derived) else default
+
+    def keyed(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The options that enter gen_key, with their effective values: each keyed option given, and each
+        keyed option with a default of its own (so spelling out a default changes no key)."""
+        keyed = {}
+        for name in sorted(set(options) | set(self.options)):
+            decision = self.decision(name)
+            if decision is None or decision.key != GEN:
+                continue
+            value = self.value(options, name) if name in self.options else options[name]
+            if name in options or value is not None:
+                keyed[name] = value
+        return keyed
+
+    def engine_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """What the engine itself is given (and what its identity holds): the options but the driver's."""
+        return {k: v for k, v in options.items() if not (k in self.options and self.options[k].driver)}
+
+    def check(self, options: Mapping[str, Any]) -> None:
+        """Refuse an option this backend does not know, naming the closest one (at parse time: no engine
+        library is imported, so a typo stops the run before any job)."""
+        if self.check_names is not None:
+            self.check_names(options)
+            return
+        for name in sorted(options):
+            if self.decision(name) is None:
+                raise ConfigError(
+                    f"engine.options.{name}", f"the {self.name} backend has no such option{closest(name, self.options)}"
+                )
 
 
-def check_options(backend: str, options: Mapping[str, Any]) -> None:
-    """Refuse what the backend does not accept, before any job: its own check, else the option names
-    its decisions list (keys.ENGINE_OPTIONS)."""
-    own = get(backend).check_options
-    if own is not None:
-        own(options)
-    else:
-        known_names(backend, options)
+@functools.cache
+def _backends() -> dict[str, Backend]:
+    # found on first use, not at import: a descriptor module imports this one, and may be imported first
+    return discovery.descriptors("dflash_build.engines.backends", "BACKEND")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BACKENDS":  # every backend, by name
+        return _backends()
+    raise AttributeError(name)
 
 
 def get(name: str) -> Backend:
+    backends = _backends()
     try:
-        return BACKENDS[name]
+        return backends[name]
     except KeyError:
-        raise ConfigError("engine.backend", f"unknown backend '{name}'{closest(name, BACKENDS)}") from None
+        raise ConfigError("engine.backend", f"unknown backend '{name}'{closest(name, backends)}") from None
 
 
-# -- transformers: the reference engine, in the job or as a server (dflash_build.engines.server) ------
-def _transformers_load(
-    engine: EngineSpec, model: ModelSpec, stop_ids: list[int], lease: GpuLease | None, tokenizer: Any
-) -> Engine:
-    from dflash_build.engines.transformers_backend import TransformersEngine
-
-    return TransformersEngine(model.path, engine.options, stop_ids, model.revision)
+def check_options(backend: str, options: Mapping[str, Any]) -> None:
+    get(backend).check(options)
 
 
-def _transformers_argv(
-    model: ModelSpec, options: Mapping[str, Any], stop_ids: list[int], port: int, context: int | None, lease: Any
-) -> list[str]:
-    return [
-        *(sys.executable, "-m", "dflash_build.engines.server", "--model", model.path),
-        *("--options", hashing.canonical_json(dict(options)), "--stop-ids", ",".join(map(str, stop_ids))),
-        *("--port", str(port), *(("--revision", model.revision) if model.revision else ())),
-    ]
+def check(engine: EngineSpec) -> None:
+    """The config's engine section against its backend, before any job: options, and whether it can be
+    shared."""
+    backend = get(engine.backend)
+    backend.check(engine.options)
+    if engine.shared and backend.serve is None:
+        raise ConfigError("engine.shared", f"the {backend.name} backend talks to servers it does not run; remove it")
 
 
-def _transformers_gpu(engine: EngineSpec) -> bool:
-    return engine.gpus is not None or str(engine.options.get("device", "cpu")).startswith("cuda")
-
-
-# -- sglang: one engine per GPU, in the job or as SGLang's own HTTP server ---------------------------
-def _sglang_load(
-    engine: EngineSpec, model: ModelSpec, stop_ids: list[int], lease: GpuLease | None, tokenizer: Any
-) -> Engine:
-    from dflash_build.engines.sglang_backend import SGLangEngine
-
-    return SGLangEngine(model, engine.options, stop_ids, lease)
-
-
-def _sglang_argv(
-    model: ModelSpec, options: Mapping[str, Any], stop_ids: list[int], port: int, context: int | None, lease: Any
-) -> list[str]:
-    from dflash_build.engines.sglang_backend import server_kwargs
-
-    kwargs = server_kwargs(model, options, lease, port)
-    return [sys.executable, "-m", "dflash_build.engines.sglang_backend", "serve", hashing.canonical_json(kwargs)]
-
-
-def _sglang_concurrency(options: Mapping[str, Any]) -> int:
-    from dflash_build.engines.sglang_backend import DEFAULT_MAX_INFLIGHT
-
-    return int(options.get("max_inflight", DEFAULT_MAX_INFLIGHT))
-
-
-def _sglang_check(options: Mapping[str, Any]) -> None:
-    from dflash_build.engines.sglang_backend import check_options
-
-    check_options(options)
-
-
-# -- openai: servers someone else runs (vLLM, SGLang, llama.cpp), over HTTP ---------------------------
-def _openai_load(
-    engine: EngineSpec, model: ModelSpec, stop_ids: list[int], lease: GpuLease | None, tokenizer: Any
-) -> Engine:
-    from dflash_build.engines.openai_backend import OpenAIEngine
-
-    return OpenAIEngine(engine.options, stop_ids, tokenizer, model.path, engine.stall_timeout)
-
-
-# -- llamacpp: llama-cpp-python's OpenAI server on a GGUF, started by a host, on the CPU -------------
-def _llamacpp_argv(
-    model: ModelSpec, options: Mapping[str, Any], stop_ids: list[int], port: int, context: int | None, lease: Any
-) -> list[str]:
-    return [
-        *(sys.executable, "-m", "llama_cpp.server", "--model", model.path, "--host", "127.0.0.1"),
-        *("--port", str(port), "--n_ctx", str(context or 4096)),
-        *("--n_threads", str(int(options.get("threads", 1)))),
-    ]
-
-
-BACKENDS: dict[str, Backend] = {
-    "transformers": Backend(
-        "transformers",
-        load=_transformers_load,
-        serve=Serve(_transformers_argv, concurrency=lambda options: int(options.get("batch_size", 8))),
-        uses_gpu=_transformers_gpu,
-    ),
-    "sglang": Backend(
-        "sglang",
-        load=_sglang_load,
-        serve=Serve(_sglang_argv, concurrency=_sglang_concurrency),
-        uses_gpu=lambda engine: True,
-        conda_env="sglang",
-        check_options=_sglang_check,
-    ),
-    # servers someone else runs own their GPUs
-    "openai": Backend("openai", load=_openai_load, serve=None, uses_gpu=lambda engine: False, remote=True),
-    "llamacpp": Backend(
-        "llamacpp",
-        load=None,
-        # llama-cpp-python's server has no /health, and answers one request at a time: one waits while one runs
-        serve=Serve(_llamacpp_argv, health_path="/v1/models", api="completions"),
-        uses_gpu=lambda engine: False,  # on the CPU here
-        always_through_server=True,
-    ),
-}
+def keyed_options(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine options that enter gen_key (:meth:`Backend.keyed`)."""
+    return get(backend).keyed(options)

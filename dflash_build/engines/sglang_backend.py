@@ -7,7 +7,8 @@ against that installed package.
 - The engine starts with ``skip_tokenizer_init=True``: the driver renders prompts, so the ids the model
   sees are exactly the ids the sample holds. ``max_new_tokens`` is always sent (SGLang's default is 128).
 - Engine options: any field of the installed ``ServerArgs`` passes through, except the few the driver
-  sets itself (``DRIVER_FIELDS``); an unknown one is refused at parse time with the closest real field.
+  sets itself; an unknown one is refused at parse time with the closest real field (the descriptor,
+  :mod:`dflash_build.engines.backends.sglang`, decides each).
 - Each row's seed goes out as ``sampling_seed``; SGLang honours it only when the engine runs with
   ``enable_deterministic_inference`` (it costs throughput), otherwise rows are sampled from the
   engine's own random state and a rerun is not bit-identical.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import signal
 import uuid
@@ -35,94 +35,32 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-from dflash_build.engines import sglang_fields
-from dflash_build.engines.base import EngineFailed, Request, Result, closest
+from dflash_build.engines import registry
+from dflash_build.engines.base import EngineFailed, Request, Result
 from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.sglang_wire import abort as _abort
 from dflash_build.engines.sglang_wire import parse_output as parse_output
 from dflash_build.engines.sglang_wire import sampling_params as sampling_params
-from dflash_build.spec import ConfigError, ModelSpec
+from dflash_build.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+BACKEND = registry.get("sglang")
 
 # The release whose model registry has Qwen3.5/Qwen3.6 (Qwen3_5ForConditionalGeneration, a hybrid GDN +
 # attention model) and whose seeded sampler takes int64 seeds. Keep in step with pyproject.toml's
 # `sglang` extra and envs/sglang.yaml (tests/test_sglang_contract.py checks all three agree).
 SGLANG_VERSION = "0.5.23"
 
-# ServerArgs fields the driver sets itself: the options cannot override them.
-DRIVER_FIELDS: dict[str, str] = {
-    "model_path": "set from model.path",
-    "tokenizer_path": "set from model.tokenizer (or model.path)",
-    "revision": "set from model.revision",
-    "context_length": "set from model.context_length (the driver skips what does not fit)",
-    "skip_tokenizer_init": "the driver renders and tokenizes prompts itself",
-    "tp_size": "one engine per GPU job",
-    "dp_size": "one engine per GPU job",
-    "pp_size": "one engine per GPU job",
-    "base_gpu_id": "the job's pinned GPU is device 0 of its process",
-    "port": "set per GPU slot from engine.base_port",
-    "nccl_port": "set per GPU slot from engine.base_port",
-}
-# Our own options: how many requests are in flight in the engine at once; how often a request SGLang
-# turned away with "retry later" (503 under memory pressure, 429) is sent again before it is an abort row.
-OWN_OPTIONS = frozenset({"max_inflight", "retries"})
-DEFAULT_MAX_INFLIGHT = 1024
-DEFAULT_RETRIES = 3
 _RETRY_STATUS = frozenset({429, 503})
 _RETRY_DELAY_SECONDS = 2.0
 
 
-# -- options -------------------------------------------------------------------------------------
-def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def installed_server_fields() -> frozenset[str]:
-    """The fields of the installed SGLang's ``ServerArgs`` (imports SGLang: a few seconds)."""
-    from sglang.srt.arg_groups.arg_utils import record_fields
-    from sglang.srt.server_args import ServerArgs
-
-    return frozenset(f.name for f in record_fields(ServerArgs) if not f.name.startswith("_"))  # bookkeeping
-
-
-def server_fields() -> tuple[str, frozenset[str]]:
-    """(version, ServerArgs field names) of the SGLang the jobs will run.
-
-    The pinned version's fields are recorded in ``sglang_fields`` (checked against the package in CI),
-    so a workflow parses without importing SGLang, or where it is not installed at all (jobs then run in
-    envs/sglang.yaml). Another installed version is read from the package itself.
-    """
-    found = installed_version()
-    if found is None or found == sglang_fields.VERSION:
-        return sglang_fields.VERSION, sglang_fields.SERVER_ARGS
-    return found, installed_server_fields()
-
-
-def check_options(options: Mapping[str, Any]) -> None:
-    """Refuse an option SGLang does not have (naming the closest field) or one the driver sets."""
-    version, fields = server_fields()
-    for name in sorted(options):
-        if name in OWN_OPTIONS:
-            continue
-        if name in DRIVER_FIELDS:
-            raise ConfigError(f"engine.options.{name}", f"{DRIVER_FIELDS[name]}; remove it from the options")
-        if name not in fields:
-            raise ConfigError(
-                f"engine.options.{name}",
-                f"SGLang {version} has no such ServerArgs field{closest(name, fields | OWN_OPTIONS)}",
-            )
-
-
 def server_args(model: ModelSpec, options: Mapping[str, Any], lease: GpuLease | None) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine`` for one single-GPU engine."""
-    check_options(options)
+    BACKEND.check(options)
     args: dict[str, Any] = {
-        "log_level": "warning",
-        **{k: v for k, v in options.items() if k not in OWN_OPTIONS},
+        "log_level": BACKEND.value(options, "log_level"),
+        **BACKEND.engine_options(options),
         "model_path": model.path,
         "tokenizer_path": model.tokenizer or model.path,
         "skip_tokenizer_init": True,
@@ -164,8 +102,8 @@ class SGLangEngine:
         import sglang
 
         self.stop_token_ids = stop_token_ids
-        self.max_inflight = int(options.get("max_inflight", DEFAULT_MAX_INFLIGHT))
-        self.retries = int(options.get("retries", DEFAULT_RETRIES))
+        self.max_inflight = int(BACKEND.value(options, "max_inflight"))
+        self.retries = int(BACKEND.value(options, "retries"))
         self.failure: str | None = None
         self._stopping = False
         self._rids: dict[asyncio.Task[Result | None], str] = {}
@@ -275,35 +213,6 @@ class SGLangEngine:
         if alive:
             log.warning("SGLang processes %s outlived SIGKILL for 60 s", [p.pid for p in alive])
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
-
-
-def render_fields_module(version: str, fields: Iterable[str]) -> str:
-    """The source of ``sglang_fields.py`` for one SGLang version's ServerArgs."""
-    lines = [
-        f'"""ServerArgs fields of SGLang {version}: generated from the installed package, do not edit.',
-        "",
-        "Regenerate after changing SGLANG_VERSION (tests/test_sglang_contract.py says when):",
-        "    python -c 'from dflash_build.engines import sglang_backend as s; s.write_fields_module()'",
-        '"""',
-        "",
-        f'VERSION = "{version}"',
-        "SERVER_ARGS = frozenset(",
-        "    {",
-        *(f'        "{name}",' for name in sorted(fields)),
-        "    }",
-        ")",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def write_fields_module() -> None:
-    from pathlib import Path
-
-    version = installed_version()
-    if version is None:
-        raise RuntimeError("SGLang is not installed (make setup installs the pinned wheel)")
-    path = Path(__file__).with_name("sglang_fields.py")
-    path.write_text(render_fields_module(version, installed_server_fields()))
 
 
 # -- a long-lived server (engine.shared) -----------------------------------------------------------

@@ -1,7 +1,7 @@
 """ServerArgs fields of SGLang 0.5.23: generated from the installed package, do not edit.
 
 Regenerate after changing SGLANG_VERSION (tests/test_sglang_contract.py says when):
-    python -c 'from dflash_build.engines import sglang_backend as s; s.write_fields_module()'
+    python -c 'from dflash_build.engines.backends import sglang; sglang.write_fields_module()'
 """
 
 VERSION = "0.5.23"

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 
 from dflash_build import killpoints
+from dflash_build.engines import registry
 from dflash_build.engines.base import Request, Result, position_seed
-from dflash_build.engines.options import check_options
-from dflash_build.keys import transformers_dtype
 
 log = logging.getLogger(__name__)
+BACKEND = registry.get("transformers")
 
-KNOWN_OPTIONS = frozenset({"device", "dtype", "batch_size", "threads"})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,13 +63,13 @@ class TransformersEngine:
     def __init__(
         self, model_path: str, options: Mapping[str, Any], stop_token_ids: list[int], revision: str | None = None
     ) -> None:
-        check_options("transformers", options)
-        self.device = str(options.get("device", "cpu"))
-        dtype_name = transformers_dtype(options)
+        BACKEND.check(options)
+        self.device = str(BACKEND.value(options, "device"))
+        dtype_name = str(BACKEND.value(options, "dtype"))
         if dtype_name not in _DTYPES:
             raise ValueError(f"config key 'engine.options.dtype': '{dtype_name}' is not one of {sorted(_DTYPES)}")
-        self.batch_size = int(options.get("batch_size", 8))
-        if "threads" in options:
+        self.batch_size = int(BACKEND.value(options, "batch_size"))
+        if BACKEND.value(options, "threads") is not None:
             torch.set_num_threads(int(options["threads"]))
         self.stop_token_ids = set(stop_token_ids)
         self.model = load_model(model_path, self.device, _DTYPES[dtype_name], revision)

@@ -198,7 +198,7 @@ def _holder(lock: Path) -> tuple[int, str, float | None] | None:
     if match is None:
         return None
     pid, host = int(match.group(1)), match.group(2)
-    if host == platform.node() and not engine_host._alive(pid):  # the one liveness rule (zombies too)
+    if host == platform.node() and not engine_host.alive(pid):  # the one liveness rule (zombies too)
         return None  # killed (SIGKILL leaves the text): the lock went with the process
     try:
         since: float | None = time.mktime(time.strptime(match.group(3)))

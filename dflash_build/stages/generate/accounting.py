@@ -97,7 +97,7 @@ def shard_stats(
         "components": sp.gen_components,
         "model_fingerprint": plan.model_fingerprint,
         "template_fingerprint": plan.template_fingerprint,
-        # Recorded; only the options that change the numbers are keyed (keys.ENGINE_OPTIONS).
+        # Recorded; only the options that change the numbers are keyed (each backend's descriptor).
         "engine": {
             "backend": cfg.backend,
             "options": dict(cfg.engine_options),

@@ -1,0 +1,27 @@
+"""Extension points found by module: each module of a package that names its descriptor adds it.
+
+A backend, an input format and an export format are each one module of their own package holding one
+descriptor (``BACKEND``, ``FORMAT``, or ``FORMATS`` for several); the package's registry is what this
+finds there, so adding one touches no list elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+
+def descriptors(package: str, attr: str) -> dict[str, Any]:
+    """``{descriptor.name: descriptor}`` of every module of ``package`` that defines ``attr`` (one
+    descriptor or a tuple of them), in module-name order; a name given twice is a programming error."""
+    found: dict[str, Any] = {}
+    root = importlib.import_module(package)
+    for info in sorted(pkgutil.iter_modules(root.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{package}.{info.name}")
+        named = getattr(module, attr, None)
+        for descriptor in named if isinstance(named, tuple) else ([] if named is None else [named]):
+            if descriptor.name in found:
+                raise RuntimeError(f"{package}.{info.name}: a second descriptor named {descriptor.name!r}")
+            found[descriptor.name] = descriptor
+    return found

@@ -1,0 +1,166 @@
+"""The job's side of a shared engine: make sure its slot's engine runs with the job's identity (start it,
+or stop one of another identity first), hold it, and join the other running engines of that identity."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_build.engines.base import EngineFailed
+from dflash_build.engines.host.broker import BROKER_ENV, spawn_via_broker
+from dflash_build.engines.host.launch import LaunchSpec, host_argv, package_root
+from dflash_build.engines.host.slots import (
+    alive,
+    flock,
+    join_slot,
+    lock_path,
+    open_lock,
+    read_state,
+    running,
+    stop_host,
+)
+from dflash_build.store import atomic
+
+log = logging.getLogger(__name__)
+POLL_SECONDS = 0.2
+
+
+@dataclass
+class Attached:
+    """Engines one job uses (its own slot's first, then others of the same identity), each held by a
+    shared lock on its use lock, by URL."""
+
+    members: dict[str, tuple[dict[str, Any], int]]  # url -> (the engine's state, its use-lock fd)
+    started: bool  # this job started its own slot's engine
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.members)
+
+    @property
+    def engines(self) -> list[dict[str, Any]]:
+        return [state for state, _ in list(self.members.values())]  # a snapshot: the pool changes in threads
+
+    def leave(self, url: str) -> dict[str, Any] | None:
+        """Stop holding ``url``'s engine (so a job that replaces it is not kept waiting); its state."""
+        member = self.members.pop(url, None)
+        if member is None:
+            return None
+        os.close(member[1])
+        return member[0]
+
+    def release(self) -> None:
+        for url in list(self.members):
+            self.leave(url)  # drops the shared use lock
+
+
+def attach(spec: LaunchSpec, pool: bool = True) -> Attached:
+    """Make sure the slot's engine runs with ``spec``'s identity and hold it; with ``pool``, join every
+    other running engine of that identity too. Blocks while another job starts or replaces the engine."""
+    start_fd = open_lock(lock_path(spec.lock_dir, spec.slot, "start"))
+    use_fd = open_lock(lock_path(spec.lock_dir, spec.slot, "use"))
+    try:
+        flock(start_fd, fcntl.LOCK_EX)  # one job at a time decides about this slot
+        state, started = _ensure(spec, use_fd), False
+        if state is None:
+            state, started = _start(spec, use_fd), True
+    except BaseException:
+        os.close(use_fd)
+        raise
+    finally:
+        os.close(start_fd)
+    attached = Attached({state["url"]: (state, use_fd)}, started)
+    if pool:
+        join_others(spec, attached)
+    return attached
+
+
+def join_others(spec: LaunchSpec, attached: Attached) -> list[str]:
+    """Join the running engines of ``spec``'s identity that ``attached`` does not hold yet; their URLs."""
+    joined = []
+    held = {state["slot"] for state in attached.engines}
+    for other in running(spec.lock_dir):
+        if other["slot"] in held or other["identity_key"] != spec.identity_key or other["url"] in attached.members:
+            continue
+        fd = join_slot(spec.lock_dir, other)
+        if fd is not None:
+            attached.members[other["url"]] = (other, fd)
+            joined.append(other["url"])
+    return joined
+
+
+def _ensure(spec: LaunchSpec, use_fd: int) -> dict[str, Any] | None:
+    """The slot's running engine if it serves ``spec`` (now held); else stop whatever runs there."""
+    state = read_state(spec.lock_dir, spec.slot)
+    if state is not None and state["identity_key"] == spec.identity_key:
+        flock(use_fd, fcntl.LOCK_SH)
+        if read_state(spec.lock_dir, spec.slot) == state:  # not stopped while we waited
+            return state
+        fcntl.flock(use_fd, fcntl.LOCK_UN)
+        state = read_state(spec.lock_dir, spec.slot)
+    flock(use_fd, fcntl.LOCK_EX)  # its users (other identity) finish first
+    if state is not None:
+        log.warning(
+            "engine on %s serves another identity (%s, not %s): stopping it",
+            spec.slot,
+            state["identity_key"],
+            spec.identity_key,
+        )
+        stop_host(state, "replaced")
+    return None
+
+
+def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
+    """Start a host for ``spec`` (the use lock is held exclusively) and wait until it serves."""
+    fcntl.flock(use_fd, fcntl.LOCK_SH)  # we are its first user; held before the host can see it idle
+    log_dir = Path(spec.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec_file = Path(spec.lock_dir) / f"engine-{spec.slot}.spec.json"
+    atomic.write_json(spec_file, asdict(spec))
+    log_path = log_dir / f"{spec.slot}.log"
+    broker = os.environ.get(BROKER_ENV)
+    host_pid = spawn_via_broker(Path(broker), spec, spec_file, log_path) if broker else _spawn(spec_file, log_path)
+    log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host_pid, log_path)
+    deadline = time.monotonic() + spec.start_timeout + 60
+    while True:
+        state = read_state(spec.lock_dir, spec.slot)
+        if state is not None and state["pid"] == host_pid:
+            log.info("engine on %s ready after %.0fs", spec.slot, state["ready_at"] - state["spawned_at"])
+            return state
+        if not alive(host_pid) or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(host_pid, signal.SIGKILL)
+            raise EngineFailed(
+                f"the {spec.backend} engine on {spec.slot} did not start (host pid {host_pid}); "
+                f"its log {log_path} ends:\n{tail(log_path)}"
+            )
+        time.sleep(POLL_SECONDS)
+
+
+def _spawn(spec_file: Path, log_path: Path) -> int:
+    """Start a host from this job, in its own session: it outlives the job and Snakemake's process group."""
+    with open(log_path, "ab") as out:
+        host = subprocess.Popen(
+            host_argv(spec_file),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": package_root()},
+        )
+    return host.pid  # a host that exits early is a zombie until Popen's bookkeeping reaps it: alive() says gone
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"

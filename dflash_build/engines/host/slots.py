@@ -1,0 +1,132 @@
+"""The files of one engine slot in ``engine.lock_dir``: its state (the running engine), and its locks.
+
+``engine-<slot>.json`` names the running engine (written by its host once the server answers);
+``engine-<slot>.start.lock`` lets one job at a time decide about the slot, ``.use.lock`` is held shared by
+the jobs that send it requests (and taken exclusively by whoever stops it), ``.host.lock`` keeps one host
+per slot. A lock is an ``flock``, which the kernel drops when its holder dies, even on ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+STOP_GRACE_SECONDS = 30.0
+
+
+def state_path(lock_dir: Path | str, slot: str) -> Path:
+    return Path(lock_dir) / f"engine-{slot}.json"
+
+
+def lock_path(lock_dir: Path | str, slot: str, what: str) -> Path:
+    return Path(lock_dir) / f"engine-{slot}.{what}.lock"
+
+
+def read_state(lock_dir: Path | str, slot: str) -> dict[str, Any] | None:
+    """The running engine of a slot, or None (no file, a torn file, or a host that is gone)."""
+    try:
+        state = json.loads(state_path(lock_dir, slot).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if alive(int(state.get("pid", 0))) else None
+
+
+def running(lock_dir: Path | str) -> list[dict[str, Any]]:
+    """Every running engine whose state is in ``lock_dir``."""
+    found = []
+    for path in sorted(Path(lock_dir).glob("engine-*.json")):
+        state = read_state(lock_dir, path.stem.removeprefix("engine-"))
+        if state is not None:
+            found.append(state)
+    return found
+
+
+def alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not reaped yet) is gone, but only once its last thread is: a multi-threaded
+    # process's leader shows Z while its other threads still exit, and they still hold its locks.
+    with contextlib.suppress(OSError, ValueError):
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
+        if status["State"].split()[0] == "Z" and int(status["Threads"]) <= 1:
+            return False
+    return True
+
+
+def open_lock(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def flock(fd: int, how: int, timeout: float | None = None) -> bool:
+    """flock with a deadline (None: wait for ever); False when it ran out."""
+    if timeout is None:
+        fcntl.flock(fd, how)
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def join_slot(lock_dir: str, state: dict[str, Any]) -> int | None:
+    """Hold another slot's engine for this job, unless it is stopping."""
+    fd = open_lock(lock_path(lock_dir, state["slot"], "use"))
+    if flock(fd, fcntl.LOCK_SH, timeout=5.0) and read_state(lock_dir, state["slot"]) == state:
+        return fd
+    os.close(fd)
+    return None
+
+
+_STOP_SIGNALS = {"replaced": signal.SIGUSR1, "stalled": signal.SIGUSR2}  # else SIGTERM: "stopped"
+
+
+def stop_host(state: dict[str, Any], reason: str, wait: float = STOP_GRACE_SECONDS + 30) -> None:
+    """Signal a host to stop (its users are gone, or its server stalled) and wait until it exits."""
+    pid = int(state["pid"])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, _STOP_SIGNALS.get(reason, signal.SIGTERM))
+    deadline = time.monotonic() + wait
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # its server dies with it (PDEATHSIG)
+
+
+def stop_idle(lock_dir: Path | str, slots: list[str] | None = None) -> list[str]:
+    """Stop every engine (of ``slots``) nobody uses now; returns the slots stopped. An engine another
+    job or build still uses is left to its idle timeout."""
+    stopped = []
+    for state in running(lock_dir):
+        if slots is not None and state["slot"] not in slots:
+            continue
+        fd = open_lock(lock_path(lock_dir, state["slot"], "use"))
+        try:
+            if not flock(fd, fcntl.LOCK_EX, timeout=1.0):
+                continue
+            if read_state(lock_dir, state["slot"]) == state:
+                stop_host(state, "workflow ended")
+                stopped.append(state["slot"])
+        finally:
+            os.close(fd)
+    return stopped
