@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_build.config import prepare_rule_name
+from dflash_build.store.layout import prepare_rule_name
 from tests.conftest import smollm2_gguf  # the test set-up installs it
 
 REPO = Path(__file__).resolve().parents[1]

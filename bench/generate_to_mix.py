@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_build import config as config_mod  # noqa: E402
+from dflash_build import configfile  # noqa: E402
 from dflash_build.stages.mix import category_targets  # noqa: E402
 from dflash_build.stages.size import FIRST_ROUND, Supply, shards_needed  # noqa: E402
 
@@ -42,8 +42,8 @@ ANSWER_SHARE = 0.85  # of a sample's tokens, the answer's (what GPU time is spen
 
 def _shape(config_path: Path) -> list[dict[str, object]]:
     """Each source's category, shards and samples per shard, from the config file alone (no hub)."""
-    raw = config_mod.read_file(config_path)
-    config_mod.validate(raw)
+    raw = configfile.read_file(config_path)
+    configfile.validate(raw)
     shard_size = raw["shard_size"]
     out = []
     for name, src in raw["sources"].items():
@@ -107,7 +107,7 @@ def _mix(shape, per_shard, built, shares) -> tuple[float, float]:  # type: ignor
 
 
 def run(seeds: int, cv: float, shard_spread: float | None, tokens_per_second: float) -> dict[str, object]:
-    raw = config_mod.read_file(REPO / "config" / "config.yaml")
+    raw = configfile.read_file(REPO / "config" / "config.yaml")
     shares = {c: float(v) for c, v in raw["mix"]["categories"].items()}
     shape = _shape(REPO / "config" / "config.yaml")
     results = {"all": [], "as_needed": []}

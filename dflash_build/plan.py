@@ -9,6 +9,7 @@ input's row order. Dropped rows make shards smaller, never fewer.
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import math
 import os
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing, keys, lsh, readers
-from dflash_build.config import expand_files
 from dflash_build.engines import registry
 from dflash_build.spec import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
@@ -237,6 +237,20 @@ def hf_local_files(hf: HubSpec, key: str) -> list[Path]:
             f"local dataset '{hf.path}' (name {hf.name!r}) has no split '{hf.split}' (splits: {sorted(data_files)})",
         )
     return sorted(Path(str(f)) for f in data_files[hf.split])
+
+
+def expand_files(patterns: tuple[str, ...] | list[str], key: str) -> list[Path]:
+    """Expand globs, in sorted order; a pattern that matches nothing is an error."""
+    out: list[Path] = []
+    for i, pattern in enumerate(patterns):
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise ConfigError(f"{key}[{i}]", f"'{pattern}' matches no file (working directory {os.getcwd()})")
+        for m in matches:
+            if not m.endswith(LOCAL_SUFFIXES):
+                raise ConfigError(f"{key}[{i}]", f"'{m}' is not a {'/'.join(LOCAL_SUFFIXES)} file")
+            out.append(Path(m))
+    return out
 
 
 def _source_input(

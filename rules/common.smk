@@ -1,6 +1,7 @@
 import sys
 
 import dflash_build.config
+import dflash_build.configfile
 import dflash_build.engines.host
 import dflash_build.engines
 import dflash_build.engines.registry
@@ -20,8 +21,8 @@ from dflash_build.publish.card import summary
 # names it and the closest valid key (Snakemake's validate quotes the whole schema); the schema's
 # defaults are filled in place.
 for config_file in workflow.config_settings.configfiles or workflow.configfiles:
-    dflash_build.config.read_file(config_file)
-dflash_build.config.validate(config)
+    dflash_build.configfile.read_file(config_file)
+dflash_build.configfile.validate(config)
 
 
 dflash_build.workflow.warnings_to_stderr()

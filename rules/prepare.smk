@@ -8,7 +8,7 @@ for source_name, source_plan in PLAN.sources.items():
 
     rule:
         name:
-            dflash_build.config.prepare_rule_name(source_name)
+            layout.prepare_rule_name(source_name)
         input:
             files=[ancient(str(f)) for f in source_plan.input_files],
             references=[ancient(str(f)) for f in get_reference_files()],

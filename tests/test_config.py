@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
+from dflash_build import configfile
 from dflash_build import plan as plan_mod
 from dflash_build.spec import ConfigError
 from tests.conftest import REPO, Workflow, write_jsonl
@@ -190,7 +191,7 @@ def test_production_config_is_schema_valid_and_refuses_unpinned_revisions() -> N
     from snakemake.utils import validate
 
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    validate(raw, str(cfg.SCHEMA_PATH))
+    validate(raw, str(configfile.SCHEMA_PATH))
     assert sum(raw["mix"]["categories"].values()) == pytest.approx(0.99)
     with pytest.raises(ConfigError, match=r"hf.revision"):
         cfg.from_dict(dict(raw, model={**raw["model"], "revision": "r"}))
@@ -205,15 +206,15 @@ def test_the_defaults_we_fill_are_snakemakes(raw: dict[str, Any]) -> None:
     decontaminated = dict(raw, decontaminate={"references": {"b": {"files": ["b.jsonl"], "field": "prompt"}}})
     for config in (yaml.safe_load((REPO / "config" / "config.yaml").read_text()), decontaminated):
         theirs, ours = copy.deepcopy(config), copy.deepcopy(config)
-        validate(theirs, str(cfg.SCHEMA_PATH))
-        cfg.validate(ours)
+        validate(theirs, str(configfile.SCHEMA_PATH))
+        configfile.validate(ours)
         assert ours == theirs
     filled: dict[str, Any] = copy.deepcopy(raw)
-    cfg.validate(filled)
+    configfile.validate(filled)
     assert filled["decontaminate"] is None and filled["dedup"]["near"] is None
     filled["dedup"]["prefer"].append("x")  # a default is the caller's own copy, not the schema's
     again = copy.deepcopy(raw)
-    cfg.validate(again)
+    configfile.validate(again)
     assert again["dedup"]["prefer"] == []
 
 
@@ -248,9 +249,9 @@ def test_every_schema_default_is_the_one_the_config_uses(raw: dict[str, Any], tm
     full["pack"] = {"seq_len": 64}
     full["export"] = {"specforge": {}, "speculators": {}, "conversations": {}}
     full["trainer"] = {"max_length": 256}
-    cfg.validate(full)
+    configfile.validate(full)
     expected = cfg.from_dict(full)
-    paths = _schema_defaults(cfg._schema(), full)
+    paths = _schema_defaults(configfile._schema(), full)
     assert {"engine.stall_timeout", "sources.h.hf.split", "decontaminate.references.r.hf.split"} <= set(paths)
     assert {"decontaminate.ngram", "checks.min_free_gb", "pack.window", "export.specforge.long"} <= set(paths)
     disagree = []
@@ -381,7 +382,7 @@ def test_non_finite_numbers_are_refused(raw: dict[str, Any], tmp_path: Path, dot
 def _defaults(raw: dict[str, Any]) -> dict[str, Any]:
     """Schema defaults filled in (the schema lets non-finite numbers through)."""
     validated = copy.deepcopy(raw)
-    cfg.fill_defaults(validated)
+    configfile.fill_defaults(validated)
     return validated
 
 

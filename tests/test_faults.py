@@ -28,10 +28,10 @@ import pytest
 import yaml
 
 from dflash_build import killpoints
-from dflash_build.config import prepare_rule_name
 from dflash_build.engines import host as engine_host
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, Journal
+from dflash_build.store.layout import prepare_rule_name
 from tests.conftest import (
     Workflow,
     base_config,

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_build import config as cfg
+from dflash_build import configfile
 from dflash_build import plan as plan_mod
 from dflash_build import workflow as workflow_mod  # not `workflow`: snakemake's validate reads that global
 from dflash_build.spec import ModelSpec
@@ -130,5 +131,5 @@ def test_a_job_whose_key_moved_since_planning_fails_before_any_work(
 
 def _validated(raw: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     raw = copy.deepcopy(raw)
-    cfg.fill_defaults(raw)
+    configfile.fill_defaults(raw)
     return raw

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import engines, spec, workflow
+from dflash_build import configfile, engines, spec, workflow
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.stages import generate, mix, prepare, tokenize
@@ -83,7 +83,7 @@ def test_a_snakemake_job_becomes_the_job_the_plan_would_make(
     that planned() makes from the plan (what tests and benchmarks run)."""
     plan = _built(tmp_path, tiny_model, monkeypatch)
     config: dict[str, Any] = yaml.safe_load((tmp_path / "c.yaml").read_text())
-    cfg.fill_defaults(config)
+    configfile.fill_defaults(config)
     sp = plan.sources["s"]
     for stage, wildcards, params in (
         ("tokenize", {"source": "s", "key": sp.tok_key, "shard": "00000"}, {}),

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from dflash_build.engines import Request, SamplingParams
-from dflash_build.engines.openai_backend import ModelMismatch, OpenAIEngine, ServerDown
+from dflash_build.engines.openai_backend import OpenAIEngine, ServerDown
+from dflash_build.engines.openai_http import ModelMismatch
 from dflash_build.spec import ModelSpec
 from dflash_build.stages import chat
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
@@ -212,7 +213,7 @@ def test_a_server_of_another_model_is_refused(server: str, tokenizer: object, gg
 
 
 def test_every_sampling_knob_is_sent_so_no_server_default_applies() -> None:
-    from dflash_build.engines.openai_backend import completions_body
+    from dflash_build.engines.openai_http import completions_body
 
     request = Request("p", 0, [1, 2], SamplingParams(0.6, 0.95, 0, 0.0, 16), seed=9)
     body = completions_body(request, "m", [1, 2], [2])

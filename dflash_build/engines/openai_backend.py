@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -38,9 +36,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dflash_build.engines import registry
-from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines.base import Request, Result
-from dflash_build.engines.sglang_wire import parse_output, sampling_params
+from dflash_build.engines.openai_http import (
+    _SHOWN,
+    APIS,
+    PROMPT_MODES,
+    EngineStalled,
+    ServerClient,
+    ServerDown,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -49,12 +53,6 @@ log = logging.getLogger(__name__)
 BACKEND = registry.get("openai")
 T = TypeVar("T")
 
-APIS = ("completions", "generate")
-PROMPT_MODES = ("auto", "ids", "text")
-_RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-# How servers refuse a token-id prompt (llama.cpp: a 500 validation error); busy answers are not refusals.
-_REFUSAL_STATUS = frozenset({400, 415, 422, 500})
-_SHOWN = 300  # characters of a server's answer quoted in errors
 PROBE_SECONDS = 30.0  # first contact's deadline: SGLang's /health_generate itself gives up after 20 s
 POOL_REFRESH_SECONDS = 10.0  # how often the pool's owner is asked for servers that started or went
 # The stall verdict's health check: two attempts of at most this each (a quarter of stall_timeout when
@@ -77,52 +75,6 @@ def stall_verdict_seconds(stall_timeout: float) -> float:
     pool at most, then its two-attempt health check (docs/generation.md says so; a test measures it):
     ``stall_timeout`` + 12.5 s at most, + 0.75 x ``stall_timeout`` when that is less."""
     return stall_timeout + _tick_seconds(stall_timeout) + 2 * health_check_seconds(stall_timeout)
-
-
-class ServerDown(RuntimeError):
-    """A server did not answer usefully through every retry: the job fails, its journal stays."""
-
-    timed_out = False  # its last attempt got no answer at all within the deadline (a stopped process)
-
-
-class EngineStalled(ServerDown, EngineMadeNoProgress):
-    """A server held requests without answering for ``stall_timeout`` and failed its health check."""
-
-
-class HTTPFailure(Exception):
-    """The server answered with an error status."""
-
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:_SHOWN]}")
-        self.status = status
-
-
-class ModelMismatch(RuntimeError):
-    """A server serves another model than model.path: its answers would be stored under the wrong key."""
-
-
-class RequestRefused(HTTPFailure):
-    """A 4xx the server will not change its mind about (bad prompt, prompt too long, ...)."""
-
-
-class ServerError(ServerDown, HTTPFailure):
-    """A 5xx or 429 that outlasted every retry."""
-
-    def __init__(self, status: int, message: str) -> None:
-        RuntimeError.__init__(self, message)
-        self.status = status
-
-
-class Malformed(Exception):
-    """A 200 answer that is not a usable completion: retried like a 5xx, never stored."""
-
-
-class Aborted(Exception):
-    """A well-formed answer whose finish_reason says the server gave up on the request: retried."""
-
-    def __init__(self, result: Result) -> None:
-        super().__init__(result.error)
-        self.result = result
 
 
 @dataclass
@@ -178,60 +130,7 @@ def _options(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# "No top-k" is -1 for SGLang and vLLM; llama.cpp refuses -1 and means the same by 0.
-TOP_K_OFF = (-1, 0)
-
-
-def completions_body(
-    request: Request, model: str, prompt: list[int] | str, stop_token_ids: list[int], top_k_off: int = -1
-) -> dict[str, Any]:
-    p = request.params
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": p.max_new_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        # sent even when disabled: leaving it out would apply the server's own default
-        "top_k": p.top_k if p.top_k > 0 else top_k_off,
-        "seed": request.seed,
-        # Servers' own defaults are not ours (llama.cpp's repeat_penalty is 1.1): every knob is sent.
-        "repetition_penalty": 1.0,
-        "repeat_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "stop_token_ids": list(stop_token_ids),
-        "skip_special_tokens": False,
-        "return_token_ids": True,  # vLLM: token ids of the answer in the response
-    }
-    return body
-
-
-def served_identities(models: Any, model_info: Any) -> list[str]:
-    """What a server says it serves: /v1/models ids and roots (vLLM), SGLang's /get_model_info path."""
-    names: list[str] = []
-    for entry in (models or {}).get("data") or []:
-        names += [str(entry[k]) for k in ("id", "root") if isinstance(entry, dict) and entry.get(k)]
-    if isinstance(model_info, dict) and model_info.get("model_path"):
-        names.append(str(model_info["model_path"]))
-    return names
-
-
-def matches_model(served: list[str], model_path: str, expect: str | None) -> bool:
-    """A served name is model.path, ends with its folder or file name, or is the name the config expects."""
-    wanted = {model_path.rstrip("/"), os.path.basename(model_path.rstrip("/"))}
-    if expect:
-        wanted.add(expect)
-    return any(name.rstrip("/") in wanted or os.path.basename(name.rstrip("/")) in wanted for name in served)
-
-
-def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
-    """SGLang's native /generate takes the in-process engine's sampling params as they are."""
-    return {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request, stop_token_ids)}
-
-
-class OpenAIEngine:
+class OpenAIEngine(ServerClient):
     def __init__(
         self,
         options: Mapping[str, Any],
@@ -242,10 +141,10 @@ class OpenAIEngine:
         health_path: str = "/v1/models",
         pool: PoolHooks | None = None,
     ) -> None:
+        super().__init__()
         self.opts = _options(options)
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer  # for text prompts and re-tokenized answers
-        self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self.prompt_mode = "ids" if self.opts["api"] == "generate" else self.opts["prompt"]
         self.name = "the server " + ", ".join(self.opts["urls"])  # how warnings name it
         self.stall_timeout, self.pool = stall_timeout, pool
@@ -263,8 +162,6 @@ class OpenAIEngine:
         self._thread.start()
         self._client = self._run(self._open_client())
         try:
-            self._model_ids: dict[str, list[str]] = {}  # /v1/models ids per server, read once
-            self.identity: dict[str, list[str]] = {}
             for url in self.opts["urls"]:
                 self._run(self._first_contact(url, model_path))
             if not self._servers and pool is None:
@@ -297,208 +194,6 @@ class OpenAIEngine:
         del per_server  # the pool grows and shrinks: _generate bounds the requests in flight per server
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.opts["timeout"]), trust_env=False)
-
-    async def _check_identity(self, url: str, model_path: str) -> list[str]:
-        """What ``url`` serves; refuses a server whose model is not model.path's (the key names those files)."""
-        answers = []
-        for path in ("/v1/models", "/get_model_info"):
-            try:
-                answers.append(await self._call(url, path, None, retries=1, deadline=self.probe_seconds))
-            except (RequestRefused, ServerDown):
-                answers.append(None)
-        self._model_ids[url] = [
-            e["id"] for e in (answers[0] or {}).get("data") or [] if isinstance(e, dict) and "id" in e
-        ]
-        served = served_identities(*answers)
-        if not matches_model(served, model_path, self.opts["expect_model"]):
-            raise ModelMismatch(
-                f"server {url} serves {served or 'a model it does not name'}, not model.path '{model_path}': "
-                "its answers would be stored under that model's key. Point engine.options.urls at servers of "
-                "model.path, or set engine.options.expect_model to the name the server reports for it."
-            )
-        return served
-
-    # -- HTTP ---------------------------------------------------------------------------------
-    async def _attempt(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
-        """One request: the JSON it answers, or the failure it is."""
-        if body is None:
-            response = await self._client.get(url + path)
-        else:
-            response = await self._client.post(url + path, json=body)
-        text = response.text
-        if response.status_code >= 400:
-            if response.status_code not in _RETRY_STATUS:
-                raise RequestRefused(response.status_code, text)
-            if "validation error" in text:  # llama.cpp answers a bad request with a 500: no retry helps
-                raise HTTPFailure(response.status_code, text)
-            raise _Retry(f"HTTP {response.status_code}: {text[:_SHOWN]}", response.status_code)
-        try:
-            return json.loads(text)
-        except ValueError:
-            raise Malformed(f"HTTP {response.status_code} with a body that is not JSON: {text[:_SHOWN]!r}") from None
-
-    async def _call(
-        self,
-        url: str,
-        path: str,
-        body: dict[str, Any] | None,
-        retries: int | None = None,
-        parse: Callable[[Any], T] | None = None,
-        deadline: float | None = None,
-    ) -> Any:
-        """GET (no body) or POST, parsed by ``parse``; faults retried with backoff within a total deadline each."""
-        import httpx
-
-        attempts = (self.opts["retries"] if retries is None else retries) + 1
-        deadline = deadline or self.opts["timeout"]
-        delay = self.opts["backoff"]
-        last, status = "", 0
-        for attempt in range(attempts):
-            try:
-                answer = await asyncio.wait_for(self._attempt(url, path, body), deadline)
-                return answer if parse is None else _parsed(parse, answer)
-            except _Retry as e:
-                last, status = str(e), e.status
-            except Malformed as e:
-                last, status = str(e), 0
-            except Aborted as e:
-                if attempt + 1 == attempts:
-                    return e.result  # the server keeps giving up on this request: an abort row
-                last, status = str(e), 0
-            except (asyncio.TimeoutError, TimeoutError):
-                last, status = f"no complete answer within the deadline of {deadline:g}s", 0
-            except httpx.TransportError as e:  # refused, reset, closed mid-body, ...
-                last, status = f"{type(e).__name__}: {e}", 0
-            if attempt + 1 < attempts:
-                log.warning("%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, attempts - 1, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.opts["max_backoff"])
-        message = f"server {url} failed {path} after {attempts} attempts; last answer: {last}"
-        if status:
-            raise ServerError(status, message)
-        down = ServerDown(message)
-        down.timed_out = last.startswith("no complete answer within the deadline")
-        raise down
-
-    async def _health(self, url: str) -> None:
-        try:
-            await self._call(url, "/v1/models", None, retries=2, deadline=self.probe_seconds)
-        except RequestRefused:
-            pass  # it answers: some servers have no /v1/models
-        except ServerDown as e:
-            if self.pool is not None:
-                raise
-            raise ServerDown(f"config key 'engine.options.urls': {e}") from e
-
-    # -- one request --------------------------------------------------------------------------
-    async def _one(self, url: str, request: Request) -> Result:
-        try:
-            if self.opts["api"] == "generate":
-                return await self._native(url, request)
-            return await self._completion(url, request)
-        except RequestRefused as e:
-            return Result(request.prompt_id, request.sample_idx, [], "error", error=f"{url}: {e}")
-
-    async def _native(self, url: str, request: Request) -> Result:
-        def parse(out: Any) -> Result:
-            out = out[0] if isinstance(out, list) and out else out
-            if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
-                raise Malformed(f"not a /generate answer (no output_ids): {json.dumps(out)[:_SHOWN]}")
-            return self._checked(request, parse_output(request, out, self.stop_token_ids), out)
-
-        return await self._call(url, "/generate", generate_body(request, self.stop_token_ids), parse=parse)
-
-    async def _completion(self, url: str, request: Request) -> Result:
-        if self.prompt_mode == "auto":
-            # Probe once, without retries: some servers refuse token-id prompts with a 4xx, others
-            # (llama.cpp) with a 500 validation error. If the same request then works as text, the
-            # server is text-only; if it does not, the first error stands.
-            try:
-                result = await self._post_completion(url, request, request.prompt_ids, retries=0)
-            except HTTPFailure as refused:
-                if refused.status not in _REFUSAL_STATUS:
-                    raise
-                try:
-                    result = await self._text_completion(url, request)
-                except HTTPFailure:
-                    raise refused from None
-                if self.prompt_mode == "auto":  # one event loop: no other task runs between these lines
-                    log.warning("%s refuses token-id prompts (%s): sending rendered text from now on", url, refused)
-                    self.prompt_mode = "text"
-                return result
-            if self.prompt_mode == "auto":
-                self.prompt_mode = "ids"
-            return result
-        if self.prompt_mode == "ids":
-            return await self._post_completion(url, request, request.prompt_ids)
-        return await self._text_completion(url, request)
-
-    async def _text_completion(self, url: str, request: Request) -> Result:
-        text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
-        return await self._post_completion(url, request, text)
-
-    async def _post_completion(
-        self, url: str, request: Request, prompt: list[int] | str, retries: int | None = None
-    ) -> Result:
-        """POST /v1/completions; a server that refuses top_k -1 gets 0 ("disabled" too) from then on."""
-        off = self.top_k_off.get(url, TOP_K_OFF[0])
-        body = completions_body(request, self.model_name, prompt, self.stop_token_ids, off)
-
-        def parse(out: Any) -> Result:
-            return self._parse_completion(request, out)
-
-        try:
-            return await self._call(url, "/v1/completions", body, retries, parse)  # type: ignore[no-any-return]
-        except HTTPFailure as e:
-            if body["top_k"] != TOP_K_OFF[0] or "top_k" not in str(e):
-                raise
-            if url not in self.top_k_off:
-                log.warning("%s refuses top_k %d (%s): sending %d for no top-k", url, off, e, TOP_K_OFF[1])
-            self.top_k_off[url] = TOP_K_OFF[1]
-            body["top_k"] = TOP_K_OFF[1]
-            return await self._call(url, "/v1/completions", body, retries, parse)  # type: ignore[no-any-return]
-
-    def _parse_completion(self, request: Request, out: Any) -> Result:
-        """A /v1/completions answer as a Result; anything else is Malformed (retried, never stored)."""
-        choices = out.get("choices") if isinstance(out, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise Malformed(f"no choices in the answer: {json.dumps(out)[:_SHOWN]}")
-        choice = choices[0]
-        reason = choice.get("finish_reason")
-        usage = out.get("usage")
-        server_count = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        ids = choice.get("token_ids")
-        retokenized = ids is None
-        if retokenized:
-            text = choice.get("text")
-            if not isinstance(text, str):
-                raise Malformed(f"a choice with neither token_ids nor text: {json.dumps(choice)[:_SHOWN]}")
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise Malformed(f"token_ids are not a list of ints: {json.dumps(choice)[:_SHOWN]}")
-        ids = list(ids)
-        if reason == "stop":
-            # Text answers carry no stop token; the server stopped on the model's end of turn.
-            stop = ids.pop() if ids and ids[-1] in self.stop_token_ids else self.stop_token_ids[0]
-            if server_count is not None and retokenized:
-                server_count -= 1  # the server counts the stop token it emitted
-            result = Result(request.prompt_id, request.sample_idx, ids, "stop", stop, None, retokenized, server_count)
-        elif reason == "length":
-            result = Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
-        else:
-            result = Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
-        return self._checked(request, result, out)
-
-    def _checked(self, request: Request, result: Result, out: Any) -> Result:
-        """Refuse more tokens than asked for (a server that ignores max_tokens); retry what aborted."""
-        limit = request.params.max_new_tokens
-        # a re-tokenized answer may come out a token or two longer than the server's own count
-        counted = result.engine_output_tokens if result.retokenized else len(result.output_ids)
-        if counted is not None and counted > limit:
-            raise Malformed(f"{counted} tokens for max_tokens {limit}: {json.dumps(out)[:_SHOWN]}")
-        if result.finish_reason == "abort":
-            raise Aborted(result)
-        return result
 
     # -- Engine -------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
@@ -684,14 +379,6 @@ class OpenAIEngine:
         self._loop.close()
 
 
-class _Retry(Exception):
-    """A status worth asking again (busy, overloaded, a gateway in between)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def _in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     """``fn(*args)`` in a daemon thread, as a future of ``loop`` (a pending replacement never holds up
     the job's exit, as the default executor's threads would)."""
@@ -708,13 +395,3 @@ def _in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any
 
     threading.Thread(target=run, name=f"pool {getattr(fn, '__name__', 'change')}", daemon=True).start()
     return future
-
-
-def _parsed(parse: Callable[[Any], T], answer: Any) -> T:
-    """``parse(answer)``; an answer of an unexpected shape is Malformed (retried), not a crash."""
-    try:
-        return parse(answer)
-    except (Malformed, Aborted):
-        raise
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise Malformed(f"unexpected answer ({type(e).__name__}: {e}): {json.dumps(answer)[:_SHOWN]}") from e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,11 @@ def shard_pattern(root: str | Path, stage: Stage, suffix: str) -> str:
 
 def prepare_log(logs: str | Path, source: str, prompt_key: str) -> str:
     return f"{logs}/{PROMPTS.folder}/{source}/{prompt_key}/{PROMPTS.rule}{LOG}"
+
+
+def prepare_rule_name(source: str) -> str:
+    """The Snakemake rule that prepares ``source`` (rule names allow letters, digits and _ only)."""
+    return "prepare_" + re.sub(r"[^A-Za-z0-9_]", "_", source)
 
 
 SIZING_ROUNDS = (1, 2)  # mix.generate as_needed: the pilot's sizing, then the top-up's
