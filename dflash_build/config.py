@@ -17,10 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash_build import configfile, language
+from dflash_build import configfile, inputs, language
 from dflash_build.spec import (
     EXPORT_DEFAULTS,
-    FORMAT_FIELDS,
     SAMPLING_FIELDS,
     Checks,
     Config,
@@ -68,12 +67,15 @@ def _source(
         raise ConfigError(
             f"{key}.category", f"'{raw['category']}' has no share in mix.categories ({', '.join(sorted(mix))})"
         )
+    fmt = inputs.get(raw["format"])
     for field_name in raw["fields"]:
-        if field_name not in FORMAT_FIELDS[raw["format"]]:
-            allowed = ", ".join(FORMAT_FIELDS[raw["format"]])
-            raise ConfigError(f"{key}.fields.{field_name}", f"format '{raw['format']}' reads only {allowed}")
-    if raw["format"] == "prompt" and "prompt" not in raw["fields"]:
-        raise ConfigError(f"{key}.fields.prompt", "format 'prompt' needs the name of the prompt column")
+        if field_name not in fmt.fields:
+            raise ConfigError(f"{key}.fields.{field_name}", f"format '{fmt.name}' reads only {', '.join(fmt.fields)}")
+    for field_name in fmt.required:
+        if field_name not in raw["fields"]:
+            raise ConfigError(
+                f"{key}.fields.{field_name}", f"format '{fmt.name}' needs the name of the {field_name} column"
+            )
     hf = _hub(raw["hf"], f"{key}.hf") if has_hf else None
     filters = raw["filters"]
     return SourceSpec(

@@ -12,24 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("sharegpt", "messages", "alpaca", "prompt", "hermes")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed", "samples_per_prompt")
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-# Field names each format reads, and their default column names; config `fields` renames them.
-FORMAT_FIELDS: dict[str, dict[str, str]] = {
-    "sharegpt": {"conversations": "conversations", "role": "from", "content": "value", "system": "system"},
-    "hermes": {
-        "conversations": "conversations",
-        "role": "from",
-        "content": "value",
-        "system": "system",
-        "tools": "tools",
-    },
-    "messages": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
-    "alpaca": {"instruction": "instruction", "input": "input", "system": "system"},
-    "prompt": {"prompt": "prompt", "system": "system"},
-}
 
 
 class ConfigError(ValueError):

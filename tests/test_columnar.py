@@ -1,7 +1,7 @@
 """Prepare's batch conversion (dflash_build.stages.columnar) writes exactly what the row path writes.
 
 Every test here runs prepare twice on the same quirky rows, once as it is and once with the batch
-conversion switched off (every row through ``prepare.formats.to_prompt``), and requires the same manifest
+conversion switched off (every row through ``inputs.to_prompt``), and requires the same manifest
 (counts, drops, drop examples, shard hashes) and the same shard rows; and that the batch conversion
 really took most of the rows, so the comparison cannot pass by everything falling back.
 """

@@ -13,12 +13,11 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
-from dflash_build import configfile, engines, spec, workflow
+from dflash_build import configfile, engines, inputs, workflow
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.stages import generate, mix, prepare, tokenize
 from dflash_build.stages.job import INPUTS, OUTPUTS, Job, planned
-from dflash_build.stages.prepare import formats
 from tests.conftest import REPO, write_jsonl
 from tests.test_generate import EchoEngine
 
@@ -117,11 +116,13 @@ def test_a_build_record_names_its_folder() -> None:
 
 
 def test_every_input_format_has_one_conversion() -> None:
-    """A new input format is one function in formats.FORMATS, its fields in spec.FORMAT_FIELDS and the
-    schema's list: the three agree."""
+    """A new input format is one module of dflash_build.inputs (its FORMAT: fields, conversion, columnar
+    shape) and its name in the schema's list: the two agree, and every format names its fields."""
     schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
     source = schema["properties"]["sources"]["additionalProperties"]["properties"]
-    assert set(formats.FORMATS) == set(spec.FORMAT_FIELDS) == set(source["format"]["enum"])
+    assert set(inputs.FORMATS) == set(source["format"]["enum"])
+    for name, fmt in inputs.FORMATS.items():
+        assert fmt.name == name and fmt.fields and set(fmt.required) <= set(fmt.fields), name
 
 
 def test_a_stage_failure_ends_its_job_with_its_message_and_no_traceback(

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
+from dflash_build import inputs
 from dflash_build import plan as plan_mod
 from dflash_build.spec import Sampling, SourceSpec
 from dflash_build.stages import prepare
@@ -54,7 +55,7 @@ def test_sharegpt_keeps_the_conversation_up_to_the_first_assistant_turn() -> Non
             {"from": "human", "value": "q2"},
         ]
     }
-    messages, tools = prepare.formats.to_prompt(row, spec("sharegpt"))
+    messages, tools = inputs.to_prompt(row, spec("sharegpt"))
     assert messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"}]
     assert tools is None
 
@@ -62,15 +63,15 @@ def test_sharegpt_keeps_the_conversation_up_to_the_first_assistant_turn() -> Non
 def test_messages_with_tools_and_field_mapping() -> None:
     row = {"chat": [{"speaker": "user", "text": "find x"}], "functions": json.dumps([TOOL["function"]])}
     s = spec("messages", fields={"messages": "chat", "role": "speaker", "content": "text", "tools": "functions"})
-    messages, tools = prepare.formats.to_prompt(row, s)
+    messages, tools = inputs.to_prompt(row, s)
     assert messages == [{"role": "user", "content": "find x"}]
     assert tools == [TOOL]
 
 
 def test_alpaca_and_prompt_formats() -> None:
-    messages, _ = prepare.formats.to_prompt({"instruction": "Do", "input": "this"}, spec("alpaca"))
+    messages, _ = inputs.to_prompt({"instruction": "Do", "input": "this"}, spec("alpaca"))
     assert messages == [{"role": "user", "content": "Do\n\nthis"}]
-    messages, _ = prepare.formats.to_prompt({"q": "2+2?", "system": "math"}, spec("prompt", fields={"prompt": "q"}))
+    messages, _ = inputs.to_prompt({"q": "2+2?", "system": "math"}, spec("prompt", fields={"prompt": "q"}))
     assert messages == [{"role": "system", "content": "math"}, {"role": "user", "content": "2+2?"}]
 
 
@@ -86,14 +87,14 @@ def test_hermes_takes_tools_from_the_system_prompt(tools_block: str) -> None:
             {"from": "gpt", "value": "<tool_call>{}</tool_call>"},
         ]
     }
-    messages, tools = prepare.formats.to_prompt(row, spec("hermes"))
+    messages, tools = inputs.to_prompt(row, spec("hermes"))
     assert messages == [{"role": "user", "content": "look it up"}]
     assert tools is not None and tools[0] == TOOL
 
 
 def test_hermes_takes_tools_from_a_column() -> None:
     row = {"conversations": [{"from": "human", "value": "go"}], "tools": json.dumps([TOOL])}
-    assert prepare.formats.to_prompt(row, spec("hermes"))[1] == [TOOL]
+    assert inputs.to_prompt(row, spec("hermes"))[1] == [TOOL]
 
 
 @pytest.mark.parametrize(
@@ -122,20 +123,20 @@ def test_hermes_takes_tools_from_a_column() -> None:
 )
 def test_bad_rows_are_dropped_with_a_reason(row: Any, fmt: str, reason: str) -> None:
     with pytest.raises(prepare.drops.Drop) as drop:
-        prepare.formats.to_prompt(row, spec(fmt))
+        inputs.to_prompt(row, spec(fmt))
     assert drop.value.reason == reason
 
 
 def test_length_filters() -> None:
     with pytest.raises(prepare.drops.Drop, match=D.DROP_TOO_SHORT):
-        prepare.formats.to_prompt({"instruction": "hi"}, spec("alpaca", min_chars=5))
+        inputs.to_prompt({"instruction": "hi"}, spec("alpaca", min_chars=5))
     with pytest.raises(prepare.drops.Drop, match=D.DROP_TOO_LONG):
-        prepare.formats.to_prompt({"instruction": "hello world"}, spec("alpaca", max_chars=5))
+        inputs.to_prompt({"instruction": "hello world"}, spec("alpaca", max_chars=5))
 
 
 def test_extra_role_names_from_config() -> None:
     row = {"conversations": [{"from": "narrator", "value": "q"}]}
-    assert prepare.formats.to_prompt(row, spec("sharegpt", roles={"narrator": "user"}))[0][0]["role"] == "user"
+    assert inputs.to_prompt(row, spec("sharegpt", roles={"narrator": "user"}))[0][0]["role"] == "user"
 
 
 def _plan_source(tmp_path: Path, files: list[str], shard_size: int = 4, **extra: Any) -> plan_mod.Plan:
@@ -246,18 +247,18 @@ def test_turns_all_keeps_every_turn_with_answers_emptied() -> None:
             {"role": "user", "content": "thanks"},
         ]
     }
-    messages, _ = prepare.formats.to_prompt(row, spec("messages", turns="all"))
+    messages, _ = inputs.to_prompt(row, spec("messages", turns="all"))
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user"]
     assert messages[1]["content"] == messages[3]["content"] == ""
     assert messages[2]["content"] == "sunny", "tool results are kept as they were"
-    first, _ = prepare.formats.to_prompt(row, spec("messages"))
+    first, _ = inputs.to_prompt(row, spec("messages"))
     assert first == [{"role": "user", "content": "weather?"}]
 
 
 def test_turns_all_needs_a_user_turn_before_the_first_answer() -> None:
     row = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]}
     with pytest.raises(prepare.drops.Drop, match=D.DROP_NO_USER_TURN):
-        prepare.formats.to_prompt(row, spec("sharegpt", turns="all"))
+        inputs.to_prompt(row, spec("sharegpt", turns="all"))
 
 
 def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[dict[str, Any]]], dict[str, int]]:
@@ -269,7 +270,7 @@ def _in_memory_reference(plan: plan_mod.Plan, source: str) -> tuple[list[list[di
     drops: dict[str, int] = {}
     for raw in prepare.read.raw_rows(plan, source):
         try:
-            messages, tools = prepare.formats.to_prompt(raw.value, sp.spec)
+            messages, tools = inputs.to_prompt(raw.value, sp.spec)
         except prepare.drops.Drop as d:
             drops[d.reason] = drops.get(d.reason, 0) + 1
             continue

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dflash_build import config as cfg
+from dflash_build import inputs
 from dflash_build import plan as plan_mod
 from dflash_build.spec import ConfigError, Sampling, SourceSpec
 from dflash_build.stages import prepare
@@ -291,7 +292,7 @@ def test_hermes_tool_block_is_found_whatever_the_prose_says(prose: str) -> None:
             seed=0, min_chars=0, max_chars=None, sampling=Sampling(0.6, 0.95, 20, 0.0, 16, 0, 1),
             chat_template_kwargs={},
         )  # fmt: skip
-        messages, found = prepare.formats.to_prompt(row, spec)
+        messages, found = inputs.to_prompt(row, spec)
         assert found == tools and messages == [{"role": "user", "content": "find it"}]
 
 

@@ -26,7 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dflash_build.spec import FORMAT_FIELDS, SourceSpec
+from dflash_build import inputs
+from dflash_build.inputs import TurnList, UserText
+from dflash_build.spec import SourceSpec
 
 # Python's whitespace (str.isspace, str.split, str.strip) as RE2 classes: all of it (none is above
 # U+3000), the ASCII part, and the ASCII part but the plain space.
@@ -83,13 +85,14 @@ class _Messages:
 
 def convert(table: pa.Table, spec: SourceSpec, roles: Mapping[str, str]) -> Converted | None:
     """The plain rows of ``table`` converted, or None when its columns are not of the plain types."""
-    if spec.history == "source":  # the answers' texts and calls as history: the row path reads them
+    shape = inputs.get(spec.format).columnar
+    if shape is None or spec.history == "source":  # the answers' texts and calls as history: the row path
         return None
-    fields = {**FORMAT_FIELDS[spec.format], **spec.fields}
+    fields = inputs.columns(spec)
     n = table.num_rows
     plain = np.ones(n, dtype=bool)
-    if spec.format in ("sharegpt", "hermes", "messages"):
-        turns = _turns(table, spec, fields, roles, plain)
+    if isinstance(shape, TurnList):
+        turns = _turns(table, spec, shape, fields, roles, plain)
         if turns is None:
             return None
         parts = [turns]
@@ -97,7 +100,7 @@ def convert(table: pa.Table, spec: SourceSpec, roles: Mapping[str, str]) -> Conv
         if tools is not None and tools in table.column_names:  # rows with tools: the row path reads them
             plain &= _as_bool(table.column(tools).is_null())
     else:
-        user = _user_text(table, spec, fields, plain)
+        user = _user_text(table, shape, fields, plain)
         if user is None:
             return None
         parts = [user]
@@ -107,7 +110,7 @@ def convert(table: pa.Table, spec: SourceSpec, roles: Mapping[str, str]) -> Conv
             return None
         parts.insert(0, system)
     messages = _in_order(parts)
-    if spec.format == "hermes":  # a Hermes system prompt may hold the tool schemas: the row path reads it
+    if isinstance(shape, TurnList) and shape.tools_in_system:  # its tool schemas: the row path reads them
         is_system = _as_bool(pc.equal(messages.role, "system"))
         holds_tools = _as_bool(pc.match_substring(messages.content, "<tools>")) & is_system
         plain[messages.row[holds_tools]] = False
@@ -123,9 +126,14 @@ def convert(table: pa.Table, spec: SourceSpec, roles: Mapping[str, str]) -> Conv
 
 
 def _turns(
-    table: pa.Table, spec: SourceSpec, fields: Mapping[str, str], roles: Mapping[str, str], plain: np.ndarray
+    table: pa.Table,
+    spec: SourceSpec,
+    shape: TurnList,
+    fields: Mapping[str, str],
+    roles: Mapping[str, str],
+    plain: np.ndarray,
 ) -> _Messages | None:
-    list_column = fields["conversations" if spec.format != "messages" else "messages"]
+    list_column = fields[shape.column]
     if list_column not in table.column_names:
         return None
     column = table.column(list_column).combine_chunks()
@@ -193,14 +201,14 @@ def _all_turns_checked(turns: _Messages, plain: np.ndarray) -> _Messages:
     return turns
 
 
-def _user_text(table: pa.Table, spec: SourceSpec, fields: Mapping[str, str], plain: np.ndarray) -> _Messages | None:
-    """alpaca (instruction, and the input after a blank line when there is one) and prompt rows."""
-    name = fields["instruction" if spec.format == "alpaca" else "prompt"]
+def _user_text(table: pa.Table, shape: UserText, fields: Mapping[str, str], plain: np.ndarray) -> _Messages | None:
+    """One text column (alpaca's instruction, with its input after a blank line when there is one)."""
+    name = fields[shape.column]
     if name not in table.column_names or not _is_string(table.schema.field(name).type):
         return None
     text = table.column(name).combine_chunks()
     plain &= _as_bool(text.is_valid()) & ~_blank(text)
-    extra_name = fields.get("input")
+    extra_name = fields.get(shape.extra) if shape.extra else None
     if extra_name is not None and extra_name in table.column_names:
         if not _is_string(table.schema.field(extra_name).type):
             return None

@@ -5,21 +5,42 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from dflash_build.inputs.drops import (  # what a row's conversion refuses, with the reasons selection adds
+    DROP_EMPTY_CONTENT as DROP_EMPTY_CONTENT,
+)
+from dflash_build.inputs.drops import (
+    DROP_INVALID_TOOLS as DROP_INVALID_TOOLS,
+)
+from dflash_build.inputs.drops import (
+    DROP_INVALID_UTF8 as DROP_INVALID_UTF8,
+)
+from dflash_build.inputs.drops import (
+    DROP_MALFORMED as DROP_MALFORMED,
+)
+from dflash_build.inputs.drops import (
+    DROP_MISSING_FIELD as DROP_MISSING_FIELD,
+)
+from dflash_build.inputs.drops import (
+    DROP_NO_USER_TURN as DROP_NO_USER_TURN,
+)
+from dflash_build.inputs.drops import (
+    DROP_NON_STRING_CONTENT as DROP_NON_STRING_CONTENT,
+)
+from dflash_build.inputs.drops import (
+    DROP_TEMPLATE_KWARG as DROP_TEMPLATE_KWARG,
+)
+from dflash_build.inputs.drops import (
+    DROP_TOO_LONG,
+    DROP_TOO_SHORT,
+)
+from dflash_build.inputs.drops import (
+    DROP_UNKNOWN_ROLE as DROP_UNKNOWN_ROLE,
+)
+from dflash_build.inputs.drops import Drop as Drop
 from dflash_build.stages.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE
 
-DROP_MALFORMED = "malformed_row"
-DROP_INVALID_UTF8 = "invalid_utf8"
-DROP_NO_USER_TURN = "no_user_turn"
-DROP_EMPTY_CONTENT = "empty_content"
-DROP_NON_STRING_CONTENT = "non_string_content"
-DROP_UNKNOWN_ROLE = "unknown_role"
-DROP_MISSING_FIELD = "missing_field"
-DROP_INVALID_TOOLS = "invalid_tools"
-DROP_TOO_SHORT = "too_short"
-DROP_TOO_LONG = "too_long"
 DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
-DROP_TEMPLATE_KWARG = "template_kwarg"  # a value chat_template_kwargs_from has no mapping for
 DROP_LANGUAGE = "language"  # not in the source's languages
 DROP_OTHER_VARIANT = "other_variant"  # drawn to another sampling variant of the source (config variants)
 EXAMPLES_PER_REASON = 5
@@ -51,15 +72,6 @@ DROP_SETTINGS = {
     DROP_LANGUAGE: "languages",
     DROP_OTHER_VARIANT: "variants.*.share",
 }
-
-
-class Drop(Exception):
-    """A row that cannot become a prompt; ``reason`` is one of the DROP_* constants."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 class DropCounter:

@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_build import language
+from dflash_build.inputs import to_prompt
+from dflash_build.inputs.rows import role_map, row_template_kwargs
 from dflash_build.plan import Plan, SourcePlan
 from dflash_build.spec import SourceSpec
 from dflash_build.stages.decontaminate import ReferenceIndex
@@ -27,7 +29,6 @@ from dflash_build.stages.prepare.drops import (
     Drop,
     DropCounter,
 )
-from dflash_build.stages.prepare.formats import role_map, row_template_kwargs, to_prompt
 from dflash_build.stages.prepare.identity import (
     dedup_key,
     drawn_variant,

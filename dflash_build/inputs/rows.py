@@ -1,21 +1,17 @@
-"""One row of a source → one conversation (messages and tool schemas), by the source's ``format``.
-
-Each input format is one function from a row to its messages (:data:`FORMATS`); the columnar fast path
-(:mod:`.columnar`) recognises the rows these functions would keep unchanged and writes the same bytes.
-A row that cannot become a prompt raises :class:`Drop` with its reason.
-"""
+"""What the input formats share: a row's fields and texts, its turns as chat messages, tool schemas, and
+its chat-template kwargs (``chat_template_kwargs_from``)."""
 
 from __future__ import annotations
 
 import ast
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from dflash_build import toolcalls
-from dflash_build.spec import FORMAT_FIELDS, SourceSpec
-from dflash_build.stages.prepare.drops import (
+from dflash_build.inputs import get
+from dflash_build.inputs.drops import (
     DROP_EMPTY_CONTENT,
     DROP_INVALID_TOOLS,
     DROP_MALFORMED,
@@ -23,11 +19,10 @@ from dflash_build.stages.prepare.drops import (
     DROP_NO_USER_TURN,
     DROP_NON_STRING_CONTENT,
     DROP_TEMPLATE_KWARG,
-    DROP_TOO_LONG,
-    DROP_TOO_SHORT,
     DROP_UNKNOWN_ROLE,
     Drop,
 )
+from dflash_build.spec import SourceSpec
 
 DEFAULT_ROLES = {
     "system": "system",
@@ -50,8 +45,8 @@ DEFAULT_ROLES = {
 _TOOLS_BLOCK = re.compile(r"<tools>((?:(?!<tools>).)*?)</tools>", re.DOTALL)
 
 
-def _field(row: Mapping[str, Any], spec: SourceSpec, name: str, required: bool = True) -> Any:
-    column = spec.fields.get(name, FORMAT_FIELDS[spec.format][name])
+def field(row: Mapping[str, Any], spec: SourceSpec, name: str, required: bool = True) -> Any:
+    column = spec.fields.get(name, get(spec.format).fields[name])
     if column not in row or row[column] is None:
         if required:
             raise Drop(DROP_MISSING_FIELD, f"no '{column}' column")
@@ -59,7 +54,7 @@ def _field(row: Mapping[str, Any], spec: SourceSpec, name: str, required: bool =
     return row[column]
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
     if not isinstance(value, str):
         raise Drop(DROP_NON_STRING_CONTENT, f"content is {type(value).__name__}")
     if not value.strip():
@@ -102,7 +97,7 @@ def _without_nulls(schema: Any) -> Any:
     return schema
 
 
-def _tools_from_system(text: str) -> list[dict[str, Any]] | None:
+def tools_from_system(text: str) -> list[dict[str, Any]] | None:
     """Tool schemas in a Hermes-style system prompt; None when it has none.
 
     Hermes prompts name the tag in prose first ("...signatures within <tools> </tools> XML tags")
@@ -146,8 +141,8 @@ def _parse_tool_block(body: str) -> list[Any] | None:
     return value if isinstance(value, list) else [value]
 
 
-def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[dict[str, str]]:
-    turns = _field(row, spec, list_field)
+def chat_turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[dict[str, str]]:
+    turns = field(row, spec, list_field)
     if not isinstance(turns, list):
         raise Drop(DROP_MALFORMED, f"'{list_field}' is {type(turns).__name__}, not a list")
     roles = role_map(spec)
@@ -155,7 +150,7 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
     for turn in turns:
         if not isinstance(turn, Mapping):
             raise Drop(DROP_MALFORMED, "a turn is not an object")
-        speaker = _field(turn, spec, "role")
+        speaker = field(turn, spec, "role")
         role = roles.get(str(speaker).lower()) if isinstance(speaker, str) else None
         if role is None:
             raise Drop(DROP_UNKNOWN_ROLE, f"role {speaker!r}")
@@ -164,18 +159,18 @@ def _turns(row: Mapping[str, Any], spec: SourceSpec, list_field: str) -> list[di
                 break  # the target model answers from here on
             # turns: all regenerates this answer; its calls are kept: a regenerated turn is compared with
             # them (to_prompt keeps them with tools). Its text is shown only as history: source's history.
-            text = _field(turn, spec, "content", required=False)
+            text = field(turn, spec, "content", required=False)
             calls = toolcalls.dataset_calls(turn.get("tool_calls"), text)
             said = text if isinstance(text, str) else ""  # a turn that only calls may have no text
             content = toolcalls.answer_text(turn.get("tool_calls"), said) if spec.history == "source" else ""
             messages.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
             continue
-        content = _field(turn, spec, "content", required=role != "system")
+        content = field(turn, spec, "content", required=role != "system")
         if role == "tool" and spec.turns == "all" and isinstance(content, str):
             content = toolcalls.unwrap_response(content)
         if role == "system" and (content is None or (isinstance(content, str) and not content.strip())):
             continue  # an empty system turn says nothing (Nemotron v2 has one on every row)
-        messages.append({"role": role, "content": _text(content)})
+        messages.append({"role": role, "content": as_text(content)})
     if spec.turns == "all":
         while messages and messages[-1]["role"] == "system":
             messages.pop()
@@ -190,80 +185,11 @@ def role_map(spec: SourceSpec) -> dict[str, str]:
     return {**DEFAULT_ROLES, **{k.lower(): v for k, v in spec.roles.items()}}
 
 
-def _system_column(row: Mapping[str, Any], spec: SourceSpec) -> list[dict[str, str]]:
-    system = _field(row, spec, "system", required=False)
+def system_column(row: Mapping[str, Any], spec: SourceSpec) -> list[dict[str, str]]:
+    system = field(row, spec, "system", required=False)
     if system is None or (isinstance(system, str) and not system.strip()):
         return []
-    return [{"role": "system", "content": _text(system)}]
-
-
-Conversation = tuple[list[dict[str, str]], list[dict[str, Any]] | None]  # (messages, tool schemas or None)
-
-
-def _sharegpt(row: Mapping[str, Any], spec: SourceSpec) -> Conversation:
-    return _system_column(row, spec) + _turns(row, spec, "conversations"), None
-
-
-def _hermes(row: Mapping[str, Any], spec: SourceSpec) -> Conversation:
-    messages, _ = _sharegpt(row, spec)
-    tools = normalise_tools(_field(row, spec, "tools", required=False))
-    if tools is None:
-        for i, m in enumerate(messages):
-            if m["role"] == "system" and (found := _tools_from_system(m["content"])) is not None:
-                # The target's own chat template writes its tool preamble from `tools`; keeping the
-                # dataset's preamble as well would show the model two of them.
-                del messages[i]
-                return messages, found
-    return messages, tools
-
-
-def _messages(row: Mapping[str, Any], spec: SourceSpec) -> Conversation:
-    return _turns(row, spec, "messages"), normalise_tools(_field(row, spec, "tools", required=False))
-
-
-def _alpaca(row: Mapping[str, Any], spec: SourceSpec) -> Conversation:
-    instruction = _text(_field(row, spec, "instruction"))
-    extra = _field(row, spec, "input", required=False)
-    if isinstance(extra, str) and extra.strip():
-        instruction = f"{instruction}\n\n{extra}"
-    return [*_system_column(row, spec), {"role": "user", "content": instruction}], None
-
-
-def _prompt(row: Mapping[str, Any], spec: SourceSpec) -> Conversation:
-    return [*_system_column(row, spec), {"role": "user", "content": _text(_field(row, spec, "prompt"))}], None
-
-
-# Each input format's conversion (spec.FORMAT_FIELDS names its fields; columnar speeds up its plain rows).
-FORMATS: dict[str, Callable[[Mapping[str, Any], SourceSpec], Conversation]] = {
-    "sharegpt": _sharegpt,
-    "hermes": _hermes,
-    "messages": _messages,
-    "alpaca": _alpaca,
-    "prompt": _prompt,
-}
-
-
-def to_prompt(row: Any, spec: SourceSpec) -> Conversation:
-    """(messages, tool schemas or None), or raise Drop.
-
-    ``turns: first`` keeps the conversation up to its first assistant turn; ``turns: all`` keeps it
-    whole, with every assistant turn emptied (each one is regenerated).
-    """
-    if isinstance(row, Drop):
-        raise row
-    if not isinstance(row, Mapping):
-        raise Drop(DROP_MALFORMED, f"row is {type(row).__name__}, not an object")
-    messages, tools = FORMATS[spec.format](row, spec)
-    if tools is None:  # a call no tool declares is nothing a turn can be compared with
-        messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-    if not any(m["role"] == "user" for m in messages):
-        raise Drop(DROP_NO_USER_TURN)
-    chars = sum(len(m["content"]) for m in messages if m["role"] != "assistant")
-    if chars < spec.min_chars:
-        raise Drop(DROP_TOO_SHORT, f"{chars} characters")
-    if spec.max_chars is not None and chars > spec.max_chars:
-        raise Drop(DROP_TOO_LONG, f"{chars} characters")
-    return messages, tools
+    return [{"role": "system", "content": as_text(system)}]
 
 
 def row_template_kwargs(row: Mapping[str, Any], spec: SourceSpec) -> dict[str, Any] | None:
