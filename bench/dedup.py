@@ -110,7 +110,7 @@ def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english")
     from dflash_build import lsh
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
-    from dflash_build.stages.job import planned
+    from dflash_build.stages.common.job import planned
 
     base = Path(root)
     extra: dict[str, Any] = {"store": str(base / f"store-{filters}")}
@@ -147,8 +147,8 @@ def measure_library(rows: int) -> dict[str, Any]:
     import pyarrow as pa
     import rensa
 
-    from dflash_build.stages import neardup
-    from dflash_build.stages import words as W
+    from dflash_build.stages.common import neardup
+    from dflash_build.stages.common import words as W
 
     rng = random.Random(1)
     vocab = [f"w{i}" for i in range(20000)]
@@ -181,7 +181,7 @@ def measure_words(corpus: str, rows: int = 20000, repeats: int = 5) -> dict[str,
     import numpy as np
     import pyarrow as pa
 
-    from dflash_build.stages import words as W
+    from dflash_build.stages.common import words as W
 
     rng = random.Random(0)
     vocab = _vocab(corpus)

@@ -131,7 +131,7 @@ def write_sharegpt(path: Path, rows: int) -> None:
 def measure_prepare(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
-    from dflash_build.stages.job import planned
+    from dflash_build.stages.common.job import planned
 
     base = Path(root)
     config = _config(
@@ -221,7 +221,7 @@ def write_token_shards(root: str, rows: int) -> None:
 def measure_mix(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import mix
-    from dflash_build.stages.job import planned
+    from dflash_build.stages.common.job import planned
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     start = time.perf_counter()
@@ -343,7 +343,7 @@ def build_model(root: str) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
-    from dflash_build.stages.job import planned
+    from dflash_build.stages.common.job import planned
 
     sys.path.insert(0, str(REPO))
     from tests.conftest import smollm2_gguf
@@ -384,7 +384,7 @@ def _time_model_work() -> dict[str, float]:
     """Patch the tokenizer load, the engine load and the engine's generate to add up their seconds:
     what is left of a run is the code around them (the driver's own cost, or the plain loop's)."""
     from dflash_build import engines
-    from dflash_build.stages import chat
+    from dflash_build.stages.common import chat
 
     spent = {"model_s": 0.0}
     load_tokenizer, load_engine = chat.load_tokenizer, engines.load
@@ -427,7 +427,7 @@ def measure_generate_driver(root: str, round_: int) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import generate
-    from dflash_build.stages.job import planned
+    from dflash_build.stages.common.job import planned
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -448,7 +448,8 @@ def measure_generate_plain(root: str, round_: int) -> dict[str, Any]:
 
     from dflash_build import engines
     from dflash_build import plan as plan_mod
-    from dflash_build.stages import chat, generate
+    from dflash_build.stages import generate
+    from dflash_build.stages.common import chat
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -489,8 +490,9 @@ def measure_tokenize(root: str) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from dflash_build import plan as plan_mod
-    from dflash_build.stages import chat, tokenize
-    from dflash_build.stages.job import planned
+    from dflash_build.stages import tokenize
+    from dflash_build.stages.common import chat
+    from dflash_build.stages.common.job import planned
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))

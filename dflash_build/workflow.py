@@ -2,7 +2,7 @@
 
 Each rule's ``script:`` calls :func:`run_rule` with the ``snakemake`` object; the plan is rebuilt from
 the job's config for the job's own source only (fingerprints come from the cache), and the stage runs
-with its log file attached, as one :class:`~dflash_build.stages.job.Job` made of the paths Snakemake gave
+with its log file attached, as one :class:`~dflash_build.stages.common.job.Job` made of the paths Snakemake gave
 the job (every stage's ``run(job)``).
 """
 
@@ -23,8 +23,8 @@ from dflash_build import engines, keys
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.spec import Config, EngineSpec
-from dflash_build.stages import job as job_mod
-from dflash_build.stages.job import Job, StageFailure
+from dflash_build.stages.common import job as job_mod
+from dflash_build.stages.common.job import Job, StageFailure
 from dflash_build.store import filesystem, layout
 from dflash_build.store.rowindex import RowIndex
 

@@ -7,7 +7,7 @@ import dflash_build.engines
 import dflash_build.engines.registry
 import dflash_build.plan
 import dflash_build.stages.prepare.checks
-import dflash_build.stages.job
+import dflash_build.stages.common.job
 import dflash_build.stages.size
 import dflash_build.publish.release
 import dflash_build.versions
@@ -136,7 +136,7 @@ def get_token_shards():
 # mix.generate: as_needed (rules/size.smk): the pilot's shards, and each round's sizing.
 AS_NEEDED = CONFIG.mix_generate == "as_needed"
 PILOT_TOKEN_SHARDS = (
-    dflash_build.stages.job.sized_shards(PLAN, None) if AS_NEEDED else []
+    dflash_build.stages.common.job.sized_shards(PLAN, None) if AS_NEEDED else []
 )
 SIZING = {
     n: layout.sizing_file(LOGS, CONFIG.dataset_name, n) for n in layout.SIZING_ROUNDS
@@ -144,13 +144,13 @@ SIZING = {
 
 
 def get_first_round_shards(wildcards):
-    return dflash_build.stages.job.sized_shards(
+    return dflash_build.stages.common.job.sized_shards(
         PLAN, checkpoints.size_pilot.get().output.sizing
     )
 
 
 def get_sized_token_shards(wildcards):
-    return dflash_build.stages.job.sized_shards(
+    return dflash_build.stages.common.job.sized_shards(
         PLAN, checkpoints.size_topup.get().output.sizing
     )
 

@@ -242,7 +242,7 @@ def warm_engine(config_file: Path) -> None:
     from dflash_build import config as config_mod
     from dflash_build import plan as plan_mod
     from dflash_build.engines import host
-    from dflash_build.stages import chat
+    from dflash_build.stages.common import chat
     from dflash_build.store import fingerprints
 
     try:
@@ -266,7 +266,7 @@ def warm_engine(config_file: Path) -> None:
 @functools.cache
 def _tokenizer(path: str, tokenizer: str | None, template: str | None) -> Any:
     from dflash_build.spec import ModelSpec
-    from dflash_build.stages import chat
+    from dflash_build.stages.common import chat
 
     return chat.load_tokenizer(ModelSpec(path, None, tokenizer, template, {}))
 

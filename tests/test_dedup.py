@@ -18,10 +18,11 @@ from dflash_build import config as cfg
 from dflash_build import lsh
 from dflash_build import plan as plan_mod
 from dflash_build.spec import ConfigError, NearSpec
-from dflash_build.stages import crosssource, neardup, prepare
-from dflash_build.stages import words as W
-from dflash_build.stages.decontaminate import ReferenceError
-from dflash_build.stages.job import planned
+from dflash_build.stages import prepare
+from dflash_build.stages.common import crosssource, neardup
+from dflash_build.stages.common import words as W
+from dflash_build.stages.common.decontaminate import ReferenceError
+from dflash_build.stages.common.job import planned
 from tests.conftest import Workflow, base_config, write_jsonl
 from tests.multilingual import ASK, GSM8K_QUESTION, MGSM_ITEM_0, PARAGRAPH, SAME_TOPIC
 

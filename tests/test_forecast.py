@@ -77,7 +77,7 @@ def test_a_categorys_need_is_split_by_weight_capped_at_each_sources_supply() -> 
 def test_the_size_stage_sizes_each_round_from_the_shards_its_job_declares(tmp_path: Path, tiny_model: Path) -> None:
     """size.run on the pilot's token sidecars, then on the first round's: the rule's two checkpoints."""
     from dflash_build.stages import size
-    from dflash_build.stages.job import planned
+    from dflash_build.stages.common.job import planned
     from dflash_build.store import atomic, layout
 
     plan = _plan(tmp_path, tiny_model, generate="as_needed")  # long: 8 shards of 4 prompts, short: 3

@@ -17,7 +17,7 @@ from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.stages import generate, prepare
-from dflash_build.stages.job import planned
+from dflash_build.stages.common.job import planned
 from tests.conftest import TOOLS_TEMPLATE, write_jsonl
 
 
@@ -425,7 +425,8 @@ _CACHED_TOKENIZER_IDS = """
 import json, sys
 from pathlib import Path
 from dflash_build.spec import ModelSpec
-from dflash_build.stages import chat, generate
+from dflash_build.stages import generate
+from dflash_build.stages.common import chat
 model, cache, conversations = json.loads(sys.argv[1])
 tok = chat.load_tokenizer(ModelSpec(model, None, None, cache["template"], {}), Path(cache["file"]))
 ids = [generate.Renderer(tok, {}).next_context(generate.Conversation("p", 0, m, t, [len(m)])) for m, t in conversations]
@@ -442,7 +443,7 @@ def test_a_cached_tokenizer_gives_the_very_ids_without_torch_and_a_damaged_cache
     import sys
 
     from dflash_build.spec import ModelSpec
-    from dflash_build.stages import chat
+    from dflash_build.stages.common import chat
     from tests import multilingual
 
     tools = [{"type": "function", "function": {"name": "lookup", "description": "Look up a word.", "parameters": {}}}]

@@ -22,7 +22,7 @@ from dflash_build import configfile
 from dflash_build import plan as plan_mod
 from dflash_build import workflow as workflow_mod  # not `workflow`: snakemake's validate reads that global
 from dflash_build.spec import ModelSpec
-from dflash_build.stages import chat
+from dflash_build.stages.common import chat
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
 SHORT = 4  # max_new_tokens of the first build

@@ -17,7 +17,7 @@ from dflash_build import configfile, engines, inputs, workflow
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.stages import generate, mix, prepare, tokenize
-from dflash_build.stages.job import INPUTS, OUTPUTS, Job, planned
+from dflash_build.stages.common.job import INPUTS, OUTPUTS, Job, planned
 from tests.conftest import REPO, write_jsonl
 from tests.test_generate import EchoEngine
 

@@ -140,7 +140,7 @@ def _declared(rule_text: str, section: str) -> set[str]:
 
 def test_every_rule_declares_the_names_its_stage_reads() -> None:
     """The rules name each input and output as the stage's Job reads them (stages.job.INPUTS/OUTPUTS)."""
-    from dflash_build.stages import job
+    from dflash_build.stages.common import job
 
     for stage in STAGES:
         text = (REPO / "rules" / f"{stage}.smk").read_text()

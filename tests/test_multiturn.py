@@ -30,7 +30,7 @@ from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.ops import window as turn_window
 from dflash_build.spec import ConfigError
 from dflash_build.stages import export, generate, mix, prepare, tokenize
-from dflash_build.stages.job import planned
+from dflash_build.stages.common.job import planned
 from dflash_build.store import records as R
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, base_config, shared_engine, write_jsonl
 

@@ -23,7 +23,7 @@ from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines.openai_backend import OpenAIEngine, ServerDown
 from dflash_build.engines.openai_http import ModelMismatch
 from dflash_build.spec import ModelSpec
-from dflash_build.stages import chat
+from dflash_build.stages.common import chat
 from tests.conftest import TOOLS_TEMPLATE, Workflow, base_config, write_jsonl
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by make setup")

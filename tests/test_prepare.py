@@ -18,7 +18,7 @@ from dflash_build import inputs
 from dflash_build import plan as plan_mod
 from dflash_build.spec import Sampling, SourceSpec
 from dflash_build.stages import prepare
-from dflash_build.stages.job import planned
+from dflash_build.stages.common.job import planned
 from dflash_build.stages.prepare import drops as D
 from tests.conftest import write_jsonl
 

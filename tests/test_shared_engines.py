@@ -301,7 +301,7 @@ def test_a_shared_engine_answers_like_the_in_process_backend(tmp_path: Path, tin
     from dflash_build.engines.openai_backend import OpenAIEngine
     from dflash_build.engines.transformers_backend import TransformersEngine
     from dflash_build.spec import ModelSpec
-    from dflash_build.stages import chat
+    from dflash_build.stages.common import chat
 
     spec = _spec(tmp_path, tiny_model)
     stop = spec.identity["stop_ids"]

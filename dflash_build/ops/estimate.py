@@ -14,8 +14,8 @@ from dflash_build.ops import forecast
 from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
-from dflash_build.stages import crosssource, neardup
-from dflash_build.stages.job import sized_counts
+from dflash_build.stages.common import crosssource, neardup
+from dflash_build.stages.common.job import sized_counts
 from dflash_build.stages.prepare import checks as prepare_checks
 from dflash_build.stages.prepare.identity import shard_bounds
 from dflash_build.stages.prepare.selection import Selection, select

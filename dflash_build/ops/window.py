@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build.plan import Plan
-from dflash_build.stages import chat
+from dflash_build.stages.common import chat
 from dflash_build.store import records as R
 
 log = logging.getLogger(__name__)

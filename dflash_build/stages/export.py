@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 from dflash_build import hashing, toolcalls
 from dflash_build.publish import release
 from dflash_build.spec import ExportSpec, SourceSpec
-from dflash_build.stages.chat import answer_slots
-from dflash_build.stages.job import Job, StageFailure
+from dflash_build.stages.common.chat import answer_slots
+from dflash_build.stages.common.job import Job, StageFailure
 from dflash_build.store import atomic, layout
 from dflash_build.versions import EXPORT_VERSION
 

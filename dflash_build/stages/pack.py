@@ -36,7 +36,7 @@ from dflash_build.publish.card import card_header
 from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
 from dflash_build.spec import PackSpec
-from dflash_build.stages.job import Job
+from dflash_build.stages.common.job import Job
 from dflash_build.store import atomic, layout
 from dflash_build.versions import PACK_VERSION
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build.plan import Plan
-from dflash_build.stages.job import Job
+from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import binds, category_targets
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import language
-from dflash_build.stages.job import Job
+from dflash_build.stages.common.job import Job
 from dflash_build.store import atomic
 from dflash_build.store import records as R
 

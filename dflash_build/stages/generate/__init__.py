@@ -46,7 +46,8 @@ from dflash_build import engines, hashing, killpoints
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
-from dflash_build.stages import chat, crosssource
+from dflash_build.stages.common import chat, crosssource
+from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.accounting import ShardFailedError as ShardFailedError
 from dflash_build.stages.generate.accounting import check_failures, shard_stats, turn_counts
 from dflash_build.stages.generate.control import Interrupted as Interrupted
@@ -67,7 +68,6 @@ from dflash_build.stages.generate.work import (
     result_of,
     row_seed,
 )
-from dflash_build.stages.job import Job
 from dflash_build.store import atomic
 from dflash_build.store import records as R
 from dflash_build.store.journal import Journal

@@ -11,8 +11,8 @@ from typing import Any
 
 from dflash_build.engines import gpus
 from dflash_build.plan import Plan
+from dflash_build.stages.common.job import StageFailure
 from dflash_build.stages.generate.conversation import Conversation
-from dflash_build.stages.job import StageFailure
 from dflash_build.store import records as R
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_build import toolcalls
-from dflash_build.stages import chat
+from dflash_build.stages.common import chat
 from dflash_build.store import records as R
 
 

@@ -12,8 +12,8 @@ from dflash_build import hashing
 from dflash_build.engines import Result, SamplingParams
 from dflash_build.plan import Plan
 from dflash_build.spec import SourceSpec
+from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.conversation import Conversation, Renderer, Turn
-from dflash_build.stages.job import Job
 from dflash_build.store import records as R
 
 # Row seeds are 31-bit, so every engine takes them as they are: SGLang 0.5.5 built its seed tensor as

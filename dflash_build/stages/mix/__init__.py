@@ -27,8 +27,8 @@ from dflash_build.publish import release, report
 from dflash_build.publish.card import dataset_card, summary
 from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
-from dflash_build.stages import crosssource
-from dflash_build.stages.job import Job
+from dflash_build.stages.common import crosssource
+from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import variants
 from dflash_build.stages.mix.checks import check, missed_floors, shortfalls
 from dflash_build.store import atomic, layout

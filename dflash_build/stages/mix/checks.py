@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build.plan import Plan
-from dflash_build.stages import crosssource
-from dflash_build.stages.job import StageFailure
+from dflash_build.stages.common import crosssource
+from dflash_build.stages.common.job import StageFailure
 from dflash_build.store import layout
 from dflash_build.store import records as R
 

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash_build.stages import neardup
-from dflash_build.stages.job import Job
+from dflash_build.stages.common import neardup
+from dflash_build.stages.common.job import Job
 from dflash_build.stages.prepare.checks import check_losses
 from dflash_build.stages.prepare.selection import scan
 from dflash_build.stages.prepare.spill import Spill, bucket_count

@@ -9,7 +9,7 @@ from dflash_build.inputs import to_prompt
 from dflash_build.inputs.rows import row_template_kwargs
 from dflash_build.plan import Plan
 from dflash_build.spec import SourceSpec
-from dflash_build.stages.job import StageFailure
+from dflash_build.stages.common.job import StageFailure
 from dflash_build.stages.prepare.drops import DROP_SETTINGS, INTENDED_DROPS, Drop, DropCounter
 from dflash_build.stages.prepare.read import raw_rows
 from dflash_build.stages.prepare.selection import Selection

@@ -37,7 +37,7 @@ from dflash_build.inputs.drops import (
     DROP_UNKNOWN_ROLE as DROP_UNKNOWN_ROLE,
 )
 from dflash_build.inputs.drops import Drop as Drop
-from dflash_build.stages.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE
+from dflash_build.stages.common.filters import DROP_CONTAMINATED, DROP_NEAR_DUPLICATE
 
 DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"

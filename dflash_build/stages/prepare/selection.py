@@ -17,8 +17,8 @@ from dflash_build.inputs import to_prompt
 from dflash_build.inputs.rows import role_map, row_template_kwargs
 from dflash_build.plan import Plan, SourcePlan
 from dflash_build.spec import SourceSpec
-from dflash_build.stages.decontaminate import ReferenceIndex
-from dflash_build.stages.filters import Example, TextFilters
+from dflash_build.stages.common.decontaminate import ReferenceIndex
+from dflash_build.stages.common.filters import Example, TextFilters
 from dflash_build.stages.prepare import columnar
 from dflash_build.stages.prepare.drops import (
     DROP_DUPLICATE,

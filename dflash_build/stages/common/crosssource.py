@@ -2,7 +2,7 @@
 ``dedup.across_sources``).
 
 A prompt id several sources hold stays with the source that comes first in ``dedup.prefer``, then by
-name; with ``dedup.near``, a prompt whose near-copy (:mod:`dflash_build.stages.neardup`) another
+name; with ``dedup.near``, a prompt whose near-copy (:mod:`dflash_build.stages.common.neardup`) another
 source's prompt that comes first (by that source order, then prompt id) holds goes too. The rule depends
 on neither the config's nor the shards' order, and a source's copies depend only on the sources before
 it. For the sources ``dedup.prefer`` lists it is settled before any GPU time: a source's generate job
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 
 from dflash_build import hashing
 from dflash_build.plan import Plan
-from dflash_build.stages import neardup
-from dflash_build.stages.job import Job
+from dflash_build.stages.common import neardup
+from dflash_build.stages.common.job import Job
 from dflash_build.store import layout
 from dflash_build.store import records as R
 

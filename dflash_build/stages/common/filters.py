@@ -17,8 +17,8 @@ import pyarrow as pa
 
 from dflash_build import lsh
 from dflash_build.spec import NearSpec
-from dflash_build.stages import neardup, words
-from dflash_build.stages.decontaminate import NO_ITEM, ReferenceIndex
+from dflash_build.stages.common import neardup, words
+from dflash_build.stages.common.decontaminate import NO_ITEM, ReferenceIndex
 
 DROP_CONTAMINATED = "contaminated"
 DROP_NEAR_DUPLICATE = "near_duplicate"

@@ -2,7 +2,7 @@
 
 The reference sets (``decontaminate.references``) are read like sources, from local files or a pinned
 hub dataset; each item's text is one column, a string or a list of strings (MT-Bench's turns). Words
-are normalised as for near-duplicates (:mod:`dflash_build.stages.words`). An item shorter than ``ngram`` words
+are normalised as for near-duplicates (:mod:`dflash_build.stages.common.words`). An item shorter than ``ngram`` words
 has no such run and cannot be matched: the index counts those, and the prompt manifest reports them.
 """
 
@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import readers
 from dflash_build.spec import DecontaminationSpec, ReferenceSpec
-from dflash_build.stages import words as W
+from dflash_build.stages.common import words as W
 
 NO_ITEM = -1
 

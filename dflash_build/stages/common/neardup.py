@@ -1,6 +1,6 @@
 """Near-duplicate prompts: MinHash signatures (rensa) cut into LSH bands, and the rule of which copy stays.
 
-A prompt's set is its word ``ngram``-shingles (:mod:`dflash_build.stages.words`, every message but the
+A prompt's set is its word ``ngram``-shingles (:mod:`dflash_build.stages.common.words`, every message but the
 answers; a prompt shorter than ``ngram`` words is one shingle). Its MinHash signature of ``num_perm``
 values is cut into ``bands`` bands of ``rows`` values, chosen for ``threshold`` as LSH does (the
 split that minimises false positives plus false negatives around it); two prompts are near-copies
@@ -28,7 +28,7 @@ import rensa
 
 from dflash_build import hashing, lsh
 from dflash_build.spec import NearSpec
-from dflash_build.stages import words as W
+from dflash_build.stages.common import words as W
 from dflash_build.store import atomic
 
 NO_MATCH = np.iinfo(np.uint64).max
