@@ -19,7 +19,6 @@ from typing import Any
 
 from dflash_build import configfile, inputs, language
 from dflash_build.spec import (
-    EXPORT_DEFAULTS,
     SAMPLING_FIELDS,
     Checks,
     Config,
@@ -310,16 +309,22 @@ def _static_prefix(pattern: str) -> str:
     return str(Path(*parts)) if parts else "."
 
 
-def _exports(raw: Mapping[str, Any], window: int | None, parser: str | None) -> dict[str, ExportSpec]:
-    """The exports; their max_length is the trainer's window unless they name their own, and the
-    conversations export reads tool calls with the model's parser."""
+def _exports(raw: Mapping[str, Any]) -> dict[str, ExportSpec]:
+    """The exports, as the schema describes them: a setting with ``x-default-from`` takes that config
+    value when it is null (a token export's max_length is the trainer's window unless it names its own),
+    and a format's ``x-derived`` settings are the config values they name (the conversations export reads
+    tool calls with the model's parser)."""
     exports = {}
-    for fmt, settings in raw.items():
-        settings = {**EXPORT_DEFAULTS[fmt], **settings}
-        if fmt != "conversations" and settings.get("max_length") is None:
-            settings["max_length"] = window  # null: the trainer's
-        if fmt == "conversations" and parser is not None:
-            settings["tool_call_parser"] = parser
+    formats = configfile.schema()["properties"]["export"]["properties"]
+    for fmt, given in (raw.get("export") or {}).items():
+        schema = formats[fmt]
+        # a format's own settings, each read (the schema filled them); the rest keep ExportSpec's neutral value
+        settings = {name: given[name] for name in schema["properties"]}
+        for name, sub in schema["properties"].items():
+            if sub.get("x-default-from") and settings.get(name) is None:
+                settings[name] = _config_value(raw, sub["x-default-from"])
+        for name, path in (schema.get("x-derived") or {}).items():
+            settings[name] = _config_value(raw, path)
         if "think" in settings:
             settings["think"] = tuple(settings["think"])
         spec = ExportSpec(format=fmt, **settings)
@@ -327,6 +332,14 @@ def _exports(raw: Mapping[str, Any], window: int | None, parser: str | None) -> 
             raise ConfigError(f"export.{fmt}.max_length", f"long: {spec.long} needs the trainer's max_length")
         exports[fmt] = spec
     return exports
+
+
+def _config_value(raw: Mapping[str, Any], dotted: str) -> Any:
+    """The value at a dotted key of a filled config (``trainer.max_length``)."""
+    value: Any = raw
+    for part in dotted.split("."):
+        value = value[part]
+    return value
 
 
 def _check_dataset_dir(config: Config) -> None:
@@ -385,7 +398,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         sources=sources,
         checks=checks,
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
-        exports=_exports(raw.get("export") or {}, trainer.max_length, raw["model"]["tool_call_parser"]),
+        exports=_exports(raw),
         trainer=trainer,
         dedup=_dedup(raw["dedup"], sources),
         decontaminate=_decontaminate(raw["decontaminate"]),

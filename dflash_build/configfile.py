@@ -64,7 +64,7 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 @functools.cache
-def _schema() -> dict[str, Any]:
+def schema() -> dict[str, Any]:
     with open(SCHEMA_PATH, encoding="utf-8") as f:
         return dict(yaml.safe_load(f))
 
@@ -90,7 +90,7 @@ def _closest(unknown: str, where: str, siblings: list[str]) -> str:
     near = difflib.get_close_matches(unknown, siblings, n=1, cutoff=0.6)
     if near:
         return f"{where}.{near[0]}" if where else near[0]
-    paths = _known_keys(_schema())
+    paths = _known_keys(schema())
     anywhere = difflib.get_close_matches(unknown, sorted(set(paths.values())), n=1, cutoff=0.75)
     if not anywhere:
         return ""
@@ -118,7 +118,7 @@ def check_schema(raw: Mapping[str, Any]) -> None:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import best_match
 
-    errors = list(Draft202012Validator(_schema()).iter_errors(raw))
+    errors = list(Draft202012Validator(schema()).iter_errors(raw))
     if not errors:
         return
     error = best_match(errors)
@@ -153,7 +153,7 @@ def _default_filler() -> Any:
                     instance.setdefault(name, copy.deepcopy(sub["default"]))
         yield from check_properties(validator, properties, instance, schema)
 
-    return validators.extend(Draft202012Validator, {"properties": set_defaults})(_schema())
+    return validators.extend(Draft202012Validator, {"properties": set_defaults})(schema())
 
 
 def fill_defaults(raw: dict[str, Any]) -> None:

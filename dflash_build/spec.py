@@ -230,13 +230,12 @@ class PackSpec:
     window: int = 100_000
 
 
-EXPORT_FORMATS = ("specforge", "speculators", "conversations")
-LONG_POLICIES = ("warn", "cut", "drop", "split")
-
-
 @dataclass(frozen=True)
 class ExportSpec:
-    """One trainer-handoff export (dflash_build.stages.export); config key `export.<format>`."""
+    """One trainer-handoff export (dflash_build.stages.export); config key `export.<format>`.
+
+    Every format records the same fields: a format's own settings are always given (the schema holds
+    their defaults); a setting it does not have keeps the neutral value written here."""
 
     format: str
     max_length: int | None = None  # the trainer's window (SpecForge max_length, speculators seq_length)
@@ -246,14 +245,6 @@ class ExportSpec:
     shard_rows: int = 100_000
     think: tuple[str, str] = ("<think>", "</think>")  # conversations: the reasoning's markers
     tool_call_parser: str | None = None  # conversations: model.tool_call_parser, which reads the calls
-
-
-# The trainers' own loaders drop these (SpecForge's DFlash recipe: 2 loss tokens, two of them adjacent).
-EXPORT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "specforge": {"min_loss_tokens": 2, "consecutive": True},
-    "speculators": {"min_loss_tokens": 1},
-    "conversations": {},
-}
 
 
 @dataclass(frozen=True)

@@ -189,13 +189,9 @@ def get_all_prompt_bands():
 
 
 def get_export_store(wildcards):
-    # conversations read each source's messages and answer texts: its prompts and completions
-    if wildcards.fmt != "conversations":
-        return []
-    return [
-        *PROMPT_MANIFESTS.values(),
-        *(str(p) for s in PLAN.sources for p in PLAN.completion_shards(s)),
-    ]
+    # a format that reads the store (conversations: the messages and answer texts) declares it
+    job = dflash_build.stages.common.job.planned(PLAN, "export", fmt=wildcards.fmt)
+    return [str(p) for p in job.inputs["store"]]
 
 
 def get_export_params(wildcards):

@@ -251,7 +251,7 @@ def test_every_schema_default_is_the_one_the_config_uses(raw: dict[str, Any], tm
     full["trainer"] = {"max_length": 256}
     configfile.validate(full)
     expected = cfg.from_dict(full)
-    paths = _schema_defaults(configfile._schema(), full)
+    paths = _schema_defaults(configfile.schema(), full)
     assert {"engine.stall_timeout", "sources.h.hf.split", "decontaminate.references.r.hf.split"} <= set(paths)
     assert {"decontaminate.ngram", "checks.min_free_gb", "pack.window", "export.specforge.long"} <= set(paths)
     disagree = []

@@ -14,8 +14,9 @@ from specforge.data.loss_mask import has_consecutive_supervised_tokens
 from specforge.data.prompt_builder import _prompt_from_record
 from speculators.data_generation.preprocessing import _append_row
 
-from dflash_build.spec import EXPORT_DEFAULTS, ExportSpec
-from dflash_build.stages import export
+from dflash_build import configfile
+from dflash_build.spec import ExportSpec
+from dflash_build.stages.export import conversations, tokens
 
 
 def _samples(n: int = 300, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -30,7 +31,10 @@ def _samples(n: int = 300, seed: int = 0) -> list[tuple[list[int], list[int]]]:
 
 
 def _spec(fmt: str, **kw: object) -> ExportSpec:
-    return ExportSpec(format=fmt, **{**EXPORT_DEFAULTS[fmt], **kw})  # type: ignore[arg-type]
+    defaults = {
+        k: v["default"] for k, v in configfile.schema()["properties"]["export"]["properties"][fmt]["properties"].items()
+    }
+    return ExportSpec(format=fmt, **{**defaults, **kw})  # type: ignore[arg-type]
 
 
 def _specforge_keeps(ids: list[int], mask: list[int], max_length: int) -> tuple[list[int], list[int]] | None:
@@ -55,11 +59,11 @@ def _speculators_keeps(ids: list[int], mask: list[int], max_length: int) -> tupl
 def test_the_trainer_sees_exactly_the_rows_written_cut_at_its_window(fmt: str, trainer: object, long: str) -> None:
     spec = _spec(fmt, max_length=48, long=long)
     for ids, mask in _samples():
-        spans, why = export.shape(ids, mask, spec)
+        spans, why = tokens.shape(ids, mask, spec)
         expected = trainer(ids, mask, 48)  # type: ignore[operator]
         if expected is None:
-            assert spans == [] and why in (export.DROP_FEW_LOSS, export.DROP_FEW_IN_WINDOW, export.DROP_NOT_CONSECUTIVE)
-            if why == export.DROP_FEW_IN_WINDOW:
+            assert spans == [] and why in (tokens.DROP_FEW_LOSS, tokens.DROP_FEW_IN_WINDOW, tokens.DROP_NOT_CONSECUTIVE)
+            if why == tokens.DROP_FEW_IN_WINDOW:
                 assert trainer(ids, mask, len(ids)) is not None, "kept by a window that holds all of it"  # type: ignore[operator]
             continue
         [(start, end)] = spans
@@ -71,20 +75,20 @@ def test_the_trainer_sees_exactly_the_rows_written_cut_at_its_window(fmt: str, t
 
 def test_split_keeps_every_token_of_the_pieces_that_pass_and_drop_leaves_long_samples_out() -> None:
     for ids, mask in _samples(seed=1):
-        spans, _ = export.shape(ids, mask, _spec("speculators", max_length=32, long="split"))
+        spans, _ = tokens.shape(ids, mask, _spec("speculators", max_length=32, long="split"))
         assert all(end - start <= 32 for start, end in spans)
         pieces = [(start, end) for start in range(0, len(ids), 32) for end in [min(start + 32, len(ids))]]
         kept = [p for p in pieces if sum(mask[p[0] : p[1]]) >= 1]
         assert spans == kept, "every piece with a supervised token, in order"
-        dropped, why = export.shape(ids, mask, _spec("speculators", max_length=32, long="drop"))
+        dropped, why = tokens.shape(ids, mask, _spec("speculators", max_length=32, long="drop"))
         if len(ids) > 32:
-            assert dropped == [] and why == export.DROP_LONG
+            assert dropped == [] and why == tokens.DROP_LONG
 
 
 def test_without_a_window_only_the_filters_apply() -> None:
     spec = _spec("specforge")
     for ids, mask in _samples(seed=2):
-        spans, _ = export.shape(ids, mask, spec)
+        spans, _ = tokens.shape(ids, mask, spec)
         assert spans == ([] if _specforge_keeps(ids, mask, 10**9) is None else [(0, len(ids))])
 
 
@@ -98,14 +102,14 @@ def test_a_conversation_takes_the_regenerated_answers_in_place_of_the_sources() 
         {"role": "assistant", "content": "old two"},
         {"role": "user", "content": "Three?"},
     ]
-    both = export.conversation(messages, ["<think>\nhm</think>\n\nnew one", "new two"], think)
+    both = conversations.conversation(messages, ["<think>\nhm</think>\n\nnew one", "new two"], think)
     # the user's last question was never answered: the conversation ends with the last regenerated turn
     assert [m["role"] for m in both] == ["system", "user", "assistant", "tool", "assistant"]
     assert both[2] == {"role": "assistant", "content": "new one", "reasoning_content": "hm"}
     assert both[3] == messages[3] and both[4] == {"role": "assistant", "content": "new two"}
-    first = export.conversation(messages, ["hm</think>answer"], think)  # the prompt opened the think block
+    first = conversations.conversation(messages, ["hm</think>answer"], think)  # the prompt opened the think block
     assert first[-1] == {"role": "assistant", "content": "answer", "reasoning_content": "hm"} and len(first) == 3
-    single = export.conversation(messages[:2], ["plain"], think)  # turns: first keeps no source answer
+    single = conversations.conversation(messages[:2], ["plain"], think)  # turns: first keeps no source answer
     assert single == [*messages[:2], {"role": "assistant", "content": "plain"}]
 
 
@@ -137,7 +141,7 @@ def test_the_targets_tool_calls_are_exported_as_the_server_reads_them(parser: st
     ]
     messages = [{"role": "user", "content": "北京天气?"}, {"role": "assistant", "content": "old"}]
     answer = f"<think>\nThe user wants Beijing.\n</think>\n\nLet me check.\n{call}"
-    turns = export.conversation(messages, [answer], ("<think>", "</think>"), parser, tools)
+    turns = conversations.conversation(messages, [answer], ("<think>", "</think>"), parser, tools)
     assert turns[-1] == {
         "role": "assistant",
         "content": "Let me check.\n" if parser == "qwen3_coder" else "Let me check.",  # as SGLang returns it
@@ -146,5 +150,5 @@ def test_the_targets_tool_calls_are_exported_as_the_server_reads_them(parser: st
         ],
         "reasoning_content": "The user wants Beijing.",
     }
-    unparsed = export.conversation(messages, [answer], ("<think>", "</think>"))  # no parser: the text stays
+    unparsed = conversations.conversation(messages, [answer], ("<think>", "</think>"))  # no parser: the text stays
     assert unparsed[-1]["content"].endswith("</tool_call>") and "tool_calls" not in unparsed[-1]

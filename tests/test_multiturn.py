@@ -29,8 +29,9 @@ from dflash_build.engines import Request, Result
 from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.ops import window as turn_window
 from dflash_build.spec import ConfigError
-from dflash_build.stages import export, generate, mix, prepare, tokenize
+from dflash_build.stages import generate, mix, prepare, tokenize
 from dflash_build.stages.common.job import planned
+from dflash_build.stages.export import conversations, jsonl
 from dflash_build.store import records as R
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, base_config, shared_engine, write_jsonl
 
@@ -447,7 +448,7 @@ def test_each_turn_ranks_apart_in_the_mix_and_has_its_own_export_id() -> None:
     ranks = mix.sample_ranks(0, ids, np.zeros(3), np.array([0, 1, 2]))
     assert len(set(ranks.tolist())) == 3
     assert mix.sample_ranks(0, ids[:1], np.zeros(1))[0] == ranks[0], "a whole row ranks as turn 0 did before"
-    assert export.sample_id("p", 0) == "p:0" and export.sample_id("p", 0, 2) == "p:0:2"
+    assert jsonl.sample_id("p", 0) == "p:0" and jsonl.sample_id("p", 0, 2) == "p:0:2"
 
 
 @pytest.mark.workflow
@@ -622,7 +623,7 @@ def test_a_tool_conversation_goes_on_while_the_targets_calls_are_the_datasets(
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text_1
     assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in text_1
     # the conversations export writes the target's call structured
-    exported = export.conversation(
+    exported = conversations.conversation(
         json.loads(_prompts(plan)[paris["prompt_id"]]["messages"]),
         [t["text"] for t in paris["turns"]],
         ("<think>", "</think>"),

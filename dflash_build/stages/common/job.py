@@ -17,14 +17,9 @@ from pathlib import Path
 
 from dflash_build.plan import Plan
 from dflash_build.publish import release
+from dflash_build.stages.common.failure import StageFailure as StageFailure
+from dflash_build.stages.export import formats as export_formats
 from dflash_build.store import layout
-
-
-class StageFailure(RuntimeError):
-    """A stage refusing its output for a reason its message states whole (a source that lost too much,
-    a shard whose rows mostly failed, a missed share, an empty export): the job ends with that message and
-    exit status 1, without a traceback."""
-
 
 # What each rule declares, by name (rules/*.smk use the same names).
 INPUTS: dict[str, tuple[str, ...]] = {
@@ -186,7 +181,7 @@ def _config_paths(plan: Plan, stage: str, fmt: str | None, round_: int | None) -
     if stage == "export":
         assert fmt is not None
         store = [p for s in plan.sources for p in (plan.prompt_manifest(s), *plan.completion_shards(s))]
-        inputs = {**dataset, "store": tuple(store) if fmt == "conversations" else ()}
+        inputs = {**dataset, "store": tuple(store) if export_formats.get(fmt).reads_store else ()}
         return inputs, {"record": (release.record_dir(cfg.export_dir(fmt)),)}
     assert stage == "pack" and cfg.packed_dir is not None, stage
     return dataset, {"record": (release.record_dir(cfg.packed_dir),)}
