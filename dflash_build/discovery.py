@@ -19,7 +19,7 @@ def descriptors(package: str, attr: str) -> dict[str, Any]:
     root = importlib.import_module(package)
     for info in sorted(pkgutil.iter_modules(root.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{package}.{info.name}")
-        named = getattr(module, attr, None)
+        named = vars(module).get(attr)  # defined there, not a registry's own lazy view of what it finds
         for descriptor in named if isinstance(named, tuple) else ([] if named is None else [named]):
             if descriptor.name in found:
                 raise RuntimeError(f"{package}.{info.name}: a second descriptor named {descriptor.name!r}")

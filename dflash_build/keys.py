@@ -20,6 +20,7 @@ from typing import Any
 
 from dflash_build import hashing
 
+# The keys, one per keyed stage (store.layout's table names each stage's): each includes the one before.
 PROMPT = "prompt_key"
 GEN = "gen_key"
 TOK = "tok_key"

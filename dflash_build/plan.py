@@ -83,6 +83,16 @@ class SourcePlan:
         return hashing.content_key(self.tok_components)
 
     @property
+    def components(self) -> dict[str, dict[str, Any]]:
+        """Each keyed stage's components, by the key they make (layout.KEYS)."""
+        return dict(zip(layout.KEYS, (self.prompt_components, self.gen_components, self.tok_components), strict=True))
+
+    @functools.cached_property
+    def keys(self) -> dict[str, str]:
+        """Each keyed stage's key, by name (layout.KEYS: ``prompt_key``, ``gen_key``, ``tok_key``)."""
+        return dict(zip(layout.KEYS, (self.prompt_key, self.gen_key, self.tok_key), strict=True))
+
+    @property
     def shards(self) -> list[str]:
         return [shard_name(i) for i in range(self.n_shards)]
 
@@ -96,8 +106,13 @@ class Plan:
     reference_files: dict[str, tuple[Path, ...]] = field(default_factory=dict)  # decontaminate's local files
 
     # This plan's store paths (from layout, which owns them).
+    def stage_dir(self, stage: layout.Stage, source: str) -> Path:
+        """A keyed stage's folder of ``source`` under this plan's key."""
+        assert stage.key is not None, f"{stage.name} has no key"
+        return layout.stage_dir(self.config.store, stage, source, self.sources[source].keys[stage.key])
+
     def prompt_dir(self, source: str) -> Path:
-        return layout.stage_dir(self.config.store, layout.PROMPTS, source, self.sources[source].prompt_key)
+        return self.stage_dir(layout.PROMPTS, source)
 
     def prompt_manifest(self, source: str) -> Path:
         return self.prompt_dir(source) / layout.MANIFEST
@@ -107,7 +122,7 @@ class Plan:
         return self.prompt_dir(source) / layout.BANDS
 
     def completion_dir(self, source: str) -> Path:
-        return layout.stage_dir(self.config.store, layout.COMPLETIONS, source, self.sources[source].gen_key)
+        return self.stage_dir(layout.COMPLETIONS, source)
 
     def tokenizer_cache(self) -> Path:
         """The loaded tokenizer's cache: keyed by its files and template and by the versions of the
@@ -117,7 +132,7 @@ class Plan:
         return layout.tokenizer_cache_file(hashing.content_key(components))
 
     def token_dir(self, source: str) -> Path:
-        return layout.stage_dir(self.config.store, layout.TOKENS, source, self.sources[source].tok_key)
+        return self.stage_dir(layout.TOKENS, source)
 
     def journal_dir(self, source: str, shard: str) -> Path:
         return layout.journal_dir(self.config.store, self.sources[source].gen_key, shard)
@@ -301,12 +316,8 @@ def components_file(store: Path, key: str) -> Path:
 def record_components(plan: Plan) -> None:
     """Keep what each planned key is made of in the store (once per key: the file never changes)."""
     for sp in plan.sources.values():
-        for key, components in (
-            (sp.prompt_key, sp.prompt_components),
-            (sp.gen_key, sp.gen_components),
-            (sp.tok_key, sp.tok_components),
-        ):
-            path = components_file(plan.config.store, key)
+        for name, components in sp.components.items():
+            path = components_file(plan.config.store, sp.keys[name])
             if not path.exists():
                 atomic.write_json(path, components)
 

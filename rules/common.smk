@@ -91,34 +91,28 @@ def get_final_targets():
     return [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else []) + exports
 
 
-# Input paths by source, made once: an input function runs for every job.
-PROMPT_MANIFESTS = {s: str(PLAN.prompt_manifest(s)) for s in PLAN.sources}
-COMPLETION_DIRS = {s: PLAN.completion_dir(s) for s in PLAN.sources}
+def planned_input(stage, name, flag=None, sizing=None):
+    """The input function of a rule's input ``name``: what the planner declares for the job
+    (dflash_build.stages.common.job.planned, which tests/test_rules.py holds the rules to), each path with
+    ``flag`` (ancient); ``sizing``: the checkpoint whose sizing file names the shards (as_needed).
+    """
+
+    def paths(wildcards):
+        of = {
+            k: wildcards[k] for k in ("source", "shard", "fmt") if k in wildcards.keys()
+        }
+        if sizing is not None:
+            of["sizing"] = getattr(checkpoints, sizing).get().output.sizing
+        job = dflash_build.stages.common.job.planned(PLAN, stage, **of)
+        return [flag(str(p)) if flag else str(p) for p in job.inputs[name]]
+
+    return paths
 
 
-def get_prompt_manifest(wildcards):
-    # The job's prompt shard lies beside its source's manifest (see rules/prepare.smk).
-    return ancient(PROMPT_MANIFESTS[wildcards.source])
-
-
-# What a source's generate job reads to skip the prompts a source ranked above it keeps (its manifests
-# and band keys): ancient(), as the prompt manifest; their content is in the job's gen key.
-COPIES_INPUTS = {
-    s: [ancient(str(p)) for p in PLAN.copies_inputs(s)] for s in PLAN.sources
-}
-
-
-def get_copies_inputs(wildcards):
-    return COPIES_INPUTS[wildcards.source]
-
-
-def get_completion_shard(wildcards):
-    # Not ancient(), unlike the prompt manifest of a GPU job: Snakemake (9.27) skips every job downstream of
-    # a forced one whose inputs are all ancient and present, so after a killed Snakemake
-    # `--rerun-incomplete` would rerun the generate jobs and leave tokenize and mix undone. A
-    # completion is rewritten only with its token shard gone (restores keep its mtime), and tokenizing
-    # is cheap.
-    return str(layout.shard_file(COMPLETION_DIRS[wildcards.source], wildcards.shard))
+def planned_paths(stage, name, of_outputs=False, **of):
+    """A rule's input (or output) ``name`` of a job the plan alone decides (a source's prepare, the mix)."""
+    job = dflash_build.stages.common.job.planned(PLAN, stage, **of)
+    return [str(p) for p in (job.outputs if of_outputs else job.inputs)[name]]
 
 
 # The prepare job compares its own key with the one asked for; these say what differs if they do not
@@ -128,31 +122,11 @@ def get_prompt_components(source):
     return canonical_json(PLAN.sources[source].prompt_components)
 
 
-def get_token_shards():
-    # not ancient() either, for the same reason (see get_completion_shard)
-    return [str(p) for p in sorted(PLAN.all_token_shards())]
-
-
 # mix.generate: as_needed (rules/size.smk): the pilot's shards, and each round's sizing.
 AS_NEEDED = CONFIG.mix_generate == "as_needed"
-PILOT_TOKEN_SHARDS = (
-    dflash_build.stages.common.job.sized_shards(PLAN, None) if AS_NEEDED else []
-)
 SIZING = {
     n: layout.sizing_file(LOGS, CONFIG.dataset_name, n) for n in layout.SIZING_ROUNDS
 }
-
-
-def get_first_round_shards(wildcards):
-    return dflash_build.stages.common.job.sized_shards(
-        PLAN, checkpoints.size_pilot.get().output.sizing
-    )
-
-
-def get_sized_token_shards(wildcards):
-    return dflash_build.stages.common.job.sized_shards(
-        PLAN, checkpoints.size_topup.get().output.sizing
-    )
 
 
 def get_size_params():
@@ -168,30 +142,6 @@ def get_size_params():
             ],
         }
     )
-
-
-def get_reference_files():
-    # decontaminate's local reference files: their content is in every prompt key already
-    return sorted({f for files in PLAN.reference_files.values() for f in files})
-
-
-def get_prompt_bands(source):
-    # with dedup.near: prepare's second output, read by the mix across sources
-    if CONFIG.dedup.near is None:
-        return []
-    return [update(str(PLAN.prompt_bands(source)))]
-
-
-def get_all_prompt_bands():
-    if CONFIG.dedup.near is None or not CONFIG.dedup.across_sources:
-        return []
-    return [ancient(str(PLAN.prompt_bands(s))) for s in sorted(PLAN.sources)]
-
-
-def get_export_store(wildcards):
-    # a format that reads the store (conversations: the messages and answer texts) declares it
-    job = dflash_build.stages.common.job.planned(PLAN, "export", fmt=wildcards.fmt)
-    return [str(p) for p in job.inputs["store"]]
 
 
 def get_export_params(wildcards):

@@ -1,7 +1,8 @@
 rule export:
     input:
         dataset=rules.mix.output,
-        store=get_export_store,
+        # a format that reads the store (conversations: messages and answer texts) declares it
+        store=planned_input("export", "store"),
     output:
         record=directory(EXPORT_RECORD),
     log:

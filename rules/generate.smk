@@ -1,7 +1,9 @@
 rule generate:
     input:
-        prompts=get_prompt_manifest,
-        copies_of=get_copies_inputs,
+        # the job's prompt shard lies beside its source's manifest (see rules/prepare.smk); what it reads to
+        # skip the prompts a source ranked above it keeps: ancient(), their content is in the gen key
+        prompts=planned_input("generate", "prompts", ancient),
+        copies_of=planned_input("generate", "copies_of", ancient),
     output:
         data=update(shard_pattern(STORE, layout.COMPLETIONS, layout.DATA)),
         stats=update(shard_pattern(STORE, layout.COMPLETIONS, layout.SIDECAR)),

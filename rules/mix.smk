@@ -1,9 +1,15 @@
 rule mix:
     input:
-        tokens=get_sized_token_shards if AS_NEEDED else get_token_shards(),
-        bands=get_all_prompt_bands(),
+        # not ancient() either (see rules/tokenize.smk); as_needed: the shards the top-up's sizing names
+        tokens=(
+            planned_input("mix", "tokens", sizing="size_topup")
+            if AS_NEEDED
+            else planned_paths("mix", "tokens")
+        ),
+        # with dedup.near across sources: each source's band keys
+        bands=[ancient(p) for p in planned_paths("mix", "bands")],
         # the card's removed-rows table reads each source's prepare accounting
-        manifests=[ancient(m) for m in PROMPT_MANIFESTS.values()],
+        manifests=[ancient(p) for p in planned_paths("mix", "manifests")],
     output:
         # the card's plots and tables go into `snakemake --report report.html` too
         record=report(

@@ -10,11 +10,24 @@ for source_name, source_plan in PLAN.sources.items():
         name:
             layout.prepare_rule_name(source_name)
         input:
-            files=[ancient(str(f)) for f in source_plan.input_files],
-            references=[ancient(str(f)) for f in get_reference_files()],
+            files=[
+                ancient(p)
+                for p in planned_paths("prepare", "files", source=source_name)
+            ],
+            # decontaminate's local reference files: their content is in every prompt key already
+            references=[
+                ancient(p)
+                for p in planned_paths("prepare", "references", source=source_name)
+            ],
         output:
-            manifest=update(str(PLAN.prompt_manifest(source_name))),
-            bands=get_prompt_bands(source_name),
+            manifest=update(
+                planned_paths("prepare", "manifest", True, source=source_name)[0]
+            ),
+            # with dedup.near: the band keys the mix compares across sources
+            bands=[
+                update(p)
+                for p in planned_paths("prepare", "bands", True, source=source_name)
+            ],
         log:
             layout.prepare_log(LOGS, source_name, source_plan.prompt_key),
         conda:

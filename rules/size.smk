@@ -6,7 +6,7 @@
 
 checkpoint size_pilot:
     input:
-        tokens=PILOT_TOKEN_SHARDS,
+        tokens=planned_paths("size", "tokens", round_=1),
     output:
         sizing=SIZING[1],
     log:
@@ -21,7 +21,7 @@ checkpoint size_pilot:
 
 checkpoint size_topup:
     input:
-        tokens=get_first_round_shards,
+        tokens=planned_input("size", "tokens", sizing="size_pilot"),
     output:
         sizing=SIZING[2],
     log:

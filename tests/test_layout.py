@@ -134,7 +134,7 @@ def _declared(rule_text: str, section: str) -> set[str]:
     assert body is not None, section
     indent = len(body.group(1)) + 4
     items = [line for line in body.group(2).splitlines() if len(line) - len(line.lstrip()) == indent]
-    items = [line.strip() for line in items if not line.strip().startswith(("#", ")"))]
+    items = [line.strip() for line in items if not line.strip().startswith(("#", ")", "]", "}"))]
     return {m.group(1) if (m := re.match(r"(\w+)=", line)) else "" for line in items}
 
 

@@ -10,8 +10,9 @@ STORE/.cache/{fingerprints.json, components/KEY.json}   (file digests; what each
 LOGS/STAGE_DIR/SOURCE/KEY/SHARD.log              (one log per job, mirroring its store path)
 ```
 
-Each stage has one row of :data:`STAGES`: its folder, its rule and the key that names its folders.
-Rules format :func:`shard_pattern`; stages, commands and the plan call the functions below.
+Each stage has one row of :data:`TABLE`: its name, its rule's named inputs and outputs, what one job is
+for, and for a keyed stage its folder and the key that names its folders. Rules format
+:func:`shard_pattern`; stages, commands and the plan call the functions below.
 ``tests/test_layout.py`` fails when a store path is built anywhere else.
 """
 
@@ -24,18 +25,45 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_build.keys import GEN, PROMPT, TOK
+
 
 @dataclass(frozen=True)
 class Stage:
-    folder: str  # its folder under the store (and the logs)
-    rule: str  # the Snakemake rule that writes it
-    key: str  # the content key that names each source's folder
+    """One stage's row of the table: its name (its module ``dflash_build.stages.NAME``, its rule file
+    ``rules/NAME.smk`` and its rule), the names its rule gives its inputs and outputs (what the stage's
+    ``Job`` reads them by), what one of its jobs is for, and, for a keyed stage, its folder in the store
+    (and the logs) and the content key that names each source's folder there."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    per: str  # one job per: "source", "shard", "round" (mix.generate: as_needed), "format", or the whole "config"
+    folder: str | None = None
+    key: str | None = None
+
+    @property
+    def rule(self) -> str:
+        """The rule that writes it (prepare's, one per source: ``prepare_SOURCE``, :func:`prepare_rule_name`)."""
+        return self.name
 
 
-PROMPTS = Stage("prompts", "prepare", "prompt_key")
-COMPLETIONS = Stage("completions", "generate", "gen_key")
-TOKENS = Stage("tokens", "tokenize", "tok_key")
-STAGES = {s.folder: s for s in (PROMPTS, COMPLETIONS, TOKENS)}
+# Every stage, in the order the data flows; plan, the stage contract (stages.common.job), the rules and
+# the store's commands read this table. A new stage is a row here, its module, and its rules/NAME.smk.
+TABLE = (
+    Stage("prepare", ("files", "references"), ("manifest", "bands"), "source", "prompts", PROMPT),
+    Stage("generate", ("prompts", "copies_of"), ("data", "stats"), "shard", "completions", GEN),
+    Stage("tokenize", ("completions", "prompts"), ("data", "stats"), "shard", "tokens", TOK),
+    Stage("size", ("tokens",), ("sizing",), "round"),
+    Stage("mix", ("tokens", "bands", "manifests"), ("record",), "config"),
+    Stage("pack", ("dataset",), ("record",), "config"),
+    Stage("export", ("dataset", "store"), ("record",), "format"),
+)
+BY_NAME = {s.name: s for s in TABLE}
+PROMPTS, COMPLETIONS, TOKENS = BY_NAME["prepare"], BY_NAME["generate"], BY_NAME["tokenize"]
+STAGES = {s.folder: s for s in TABLE if s.folder is not None}  # the keyed stages, by store folder
+KEYS = tuple(s.key for s in STAGES.values())  # prompt_key, gen_key, tok_key: each includes the one before
+
 
 JOURNAL = "journal"
 CONFIGS = "configs"  # the configs registered on the store (gc keeps what they reference)
@@ -54,6 +82,7 @@ PUBLISHED_STATS = "published" + SIDECAR
 
 
 def stage_dir(store: Path, stage: Stage, source: str, key: str) -> Path:
+    assert stage.folder is not None, f"{stage.name} has no folder in the store"
     return Path(store) / stage.folder / source / key
 
 

@@ -21,25 +21,9 @@ from dflash_build.stages.common.failure import StageFailure as StageFailure
 from dflash_build.stages.export import formats as export_formats
 from dflash_build.store import layout
 
-# What each rule declares, by name (rules/*.smk use the same names).
-INPUTS: dict[str, tuple[str, ...]] = {
-    "prepare": ("files", "references"),
-    "generate": ("prompts", "copies_of"),
-    "tokenize": ("completions", "prompts"),
-    "mix": ("tokens", "bands", "manifests"),
-    "size": ("tokens",),
-    "export": ("dataset", "store"),
-    "pack": ("dataset",),
-}
-OUTPUTS: dict[str, tuple[str, ...]] = {
-    "prepare": ("manifest", "bands"),
-    "generate": ("data", "stats"),
-    "tokenize": ("data", "stats"),
-    "mix": ("record",),
-    "size": ("sizing",),
-    "export": ("record",),
-    "pack": ("record",),
-}
+# What each rule declares, by name (rules/*.smk use the same names): the stage table's.
+INPUTS: dict[str, tuple[str, ...]] = {s.name: s.inputs for s in layout.TABLE}
+OUTPUTS: dict[str, tuple[str, ...]] = {s.name: s.outputs for s in layout.TABLE}
 
 
 @dataclass(frozen=True)
@@ -124,67 +108,91 @@ def sized_shards(plan: Plan, sizing: str | Path | None) -> list[str]:
 Paths = dict[str, tuple[Path, ...]]
 
 
-def _source_paths(plan: Plan, stage: str, source: str, shard: str | None) -> tuple[Paths, Paths, str]:
-    """(inputs, outputs, key) of a source's job: prepare, or a shard's generate or tokenize."""
-    sp = plan.sources[source]
-    manifest = (plan.prompt_manifest(source),)
-    if stage == "prepare":
-        references = tuple(sorted({f for fs in plan.reference_files.values() for f in fs}))
-        bands = (plan.prompt_bands(source),) if plan.config.dedup.near else ()
-        return (
-            {"files": tuple(sp.input_files), "references": references},
-            {"manifest": manifest, "bands": bands},
-            sp.prompt_key,
-        )
-    assert shard is not None, f"{stage}: a shard job"
-    completions = layout.shard_file(plan.completion_dir(source), shard)
-    data = completions if stage == "generate" else layout.shard_file(plan.token_dir(source), shard)
-    inputs: Paths = {"prompts": manifest}
-    if stage == "generate":
-        inputs["copies_of"] = tuple(plan.copies_inputs(source))
-    else:
-        inputs["completions"] = (completions,)
+@dataclass(frozen=True)
+class _Of:
+    """What one job is for: its source (and shard), its format, its sizing round and file."""
+
+    source: str | None = None
+    shard: str | None = None
+    fmt: str | None = None
+    round_: int | None = None
+    sizing: str | Path | None = None
+
+
+def _shard_outputs(data: Path) -> Paths:
+    return {"data": (data,), "stats": (layout.sidecar(data),)}
+
+
+def _prepare(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    assert of.source is not None
+    references = tuple(sorted({f for fs in plan.reference_files.values() for f in fs}))
+    bands = (plan.prompt_bands(of.source),) if plan.config.dedup.near else ()
     return (
-        inputs,
-        {"data": (data,), "stats": (layout.sidecar(data),)},
-        sp.gen_key if stage == "generate" else sp.tok_key,
+        {"files": tuple(plan.sources[of.source].input_files), "references": references},
+        {"manifest": (plan.prompt_manifest(of.source),), "bands": bands},
     )
 
 
-def _mix_inputs(plan: Plan) -> Paths:
+def _generate(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    assert of.source is not None and of.shard is not None
+    inputs = {"prompts": (plan.prompt_manifest(of.source),), "copies_of": tuple(plan.copies_inputs(of.source))}
+    return inputs, _shard_outputs(layout.shard_file(plan.completion_dir(of.source), of.shard))
+
+
+def _tokenize(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    assert of.source is not None and of.shard is not None
+    completions = layout.shard_file(plan.completion_dir(of.source), of.shard)
+    inputs = {"completions": (completions,), "prompts": (plan.prompt_manifest(of.source),)}
+    return inputs, _shard_outputs(layout.shard_file(plan.token_dir(of.source), of.shard))
+
+
+def _size(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
     cfg = plan.config
-    final = layout.sizing_file(cfg.logs, cfg.dataset_name, layout.SIZING_ROUNDS[-1])
-    as_needed = cfg.mix_generate == "as_needed"
+    assert of.round_ in layout.SIZING_ROUNDS, f"size: a round of {layout.SIZING_ROUNDS}"
+    first = of.round_ == layout.SIZING_ROUNDS[0]
+    earlier = of.sizing or (None if first else layout.sizing_file(cfg.logs, cfg.dataset_name, of.round_ - 1))
+    sizing = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, of.round_))
+    decided = earlier is None or Path(earlier).exists()  # none before the round it measures is sized
+    tokens = tuple(Path(p) for p in sized_shards(plan, earlier)) if decided else ()
+    return {"tokens": tokens}, {"sizing": (sizing,)}
+
+
+def _mix(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    cfg = plan.config
+    final = of.sizing or layout.sizing_file(cfg.logs, cfg.dataset_name, layout.SIZING_ROUNDS[-1])
     across = cfg.dedup.near and cfg.dedup.across_sources
-    return {
-        "tokens": tuple(Path(p) for p in sized_shards(plan, final))
-        if as_needed
-        else tuple(sorted(plan.all_token_shards())),
+    if cfg.mix_generate != "as_needed":
+        tokens = tuple(sorted(plan.all_token_shards()))
+    else:  # the shards the top-up's sizing names; none before it is decided (Snakemake's checkpoint waits)
+        tokens = tuple(Path(p) for p in sized_shards(plan, final)) if Path(final).exists() else ()
+    inputs = {
+        "tokens": tokens,
         "bands": tuple(plan.prompt_bands(s) for s in sorted(plan.sources)) if across else (),
         "manifests": tuple(plan.prompt_manifest(s) for s in plan.sources),
     }
+    return inputs, {"record": (release.record_dir(cfg.dataset_dir),)}
 
 
-def _config_paths(plan: Plan, stage: str, fmt: str | None, round_: int | None) -> tuple[Paths, Paths]:
-    """(inputs, outputs) of a job of the whole config: size, mix, export, pack."""
+def _pack(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
     cfg = plan.config
-    if stage == "size":
-        assert round_ in layout.SIZING_ROUNDS, f"size: a round of {layout.SIZING_ROUNDS}"
-        earlier = (
-            None if round_ == layout.SIZING_ROUNDS[0] else layout.sizing_file(cfg.logs, cfg.dataset_name, round_ - 1)
-        )
-        sizing = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
-        return {"tokens": tuple(Path(p) for p in sized_shards(plan, earlier))}, {"sizing": (sizing,)}
-    if stage == "mix":
-        return _mix_inputs(plan), {"record": (release.record_dir(cfg.dataset_dir),)}
-    dataset = {"dataset": (release.record_dir(cfg.dataset_dir),)}
-    if stage == "export":
-        assert fmt is not None
-        store = [p for s in plan.sources for p in (plan.prompt_manifest(s), *plan.completion_shards(s))]
-        inputs = {**dataset, "store": tuple(store) if export_formats.get(fmt).reads_store else ()}
-        return inputs, {"record": (release.record_dir(cfg.export_dir(fmt)),)}
-    assert stage == "pack" and cfg.packed_dir is not None, stage
-    return dataset, {"record": (release.record_dir(cfg.packed_dir),)}
+    assert cfg.packed_dir is not None, "pack: the config has no pack section"
+    return {"dataset": (release.record_dir(cfg.dataset_dir),)}, {"record": (release.record_dir(cfg.packed_dir),)}
+
+
+def _export(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    cfg = plan.config
+    assert of.fmt is not None
+    store = [p for s in plan.sources for p in (plan.prompt_manifest(s), *plan.completion_shards(s))]
+    inputs = {
+        "dataset": (release.record_dir(cfg.dataset_dir),),
+        "store": tuple(store) if export_formats.get(of.fmt).reads_store else (),
+    }
+    return inputs, {"record": (release.record_dir(cfg.export_dir(of.fmt)),)}
+
+
+# Each stage's paths from the plan (layout.TABLE names each stage and what its rule declares).
+_PATHS = {"prepare": _prepare, "generate": _generate, "tokenize": _tokenize, "size": _size, "mix": _mix}
+_PATHS |= {"pack": _pack, "export": _export}
 
 
 def planned(
@@ -194,15 +202,15 @@ def planned(
     shard: str | None = None,
     fmt: str | None = None,
     round_: int | None = None,
+    sizing: str | Path | None = None,
 ) -> Job:
-    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile would declare);
-    ``round_``: the sizing round of a ``size`` job (1: on the pilot, 2: the top-up)."""
-    if stage not in INPUTS:
+    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile declares: the rules'
+    input functions call this); ``round_``: the sizing round of a ``size`` job (1: on the pilot, 2: the
+    top-up); ``sizing``: the sizing file a size or mix job reads its shards from (mix.generate:
+    as_needed; the checkpoint's output under Snakemake, else the one in the logs folder)."""
+    if stage not in layout.BY_NAME:
         raise ValueError(f"no stage named {stage!r}")
-    key = None
-    if stage in ("prepare", "generate", "tokenize"):
-        assert source is not None, f"{stage}: a source's job"
-        inputs, outputs, key = _source_paths(plan, stage, source, shard)
-    else:
-        inputs, outputs = _config_paths(plan, stage, fmt, round_)
+    table = layout.BY_NAME[stage]
+    inputs, outputs = _PATHS[stage](plan, _Of(source, shard, fmt, round_, sizing))
+    key = plan.sources[source].keys[table.key] if table.key is not None and source is not None else None
     return Job(stage, plan, inputs, outputs, source=source, shard=shard, key=key, fmt=fmt)
