@@ -56,6 +56,13 @@ def reuse_key(gen_components: Mapping[str, Any], conversations: bool = False) ->
     return hashing.content_key(parts)
 
 
+def unless_default(optional: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """The one rule for a key's optional components (``name: (value, default)``): each enters with its
+    value unless that is its default, so a config that does not use a feature keeps the key it had before
+    the feature existed, and a feature that does not apply to a source (a value of None) names nothing."""
+    return {name: value for name, (value, default) in optional.items() if value != default}
+
+
 @dataclass(frozen=True)
 class Decision:
     key: str | None

@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash_build import hashing, keys, lsh, readers
 from dflash_build.engines import registry
-from dflash_build.spec import LOCAL_SUFFIXES, Config, ConfigError, HubSpec, SourceSpec
+from dflash_build.spec import LOCAL_SUFFIXES, TOOL_TURNS, Config, ConfigError, HubSpec, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
 from dflash_build.versions import GEN_VERSION, LANGUAGE_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
 
@@ -341,6 +341,33 @@ def fingerprint_cache(config: Config) -> fingerprints.FingerprintCache:
     )
 
 
+def prompt_spec(spec: SourceSpec) -> dict[str, Any]:
+    """What in a source's config changes its prompts (the ``spec`` of its prompt_key)."""
+    return {
+        "format": spec.format,
+        "fields": dict(spec.fields),
+        "roles": dict(spec.roles),
+        "max_samples": spec.max_samples,
+        "seed": spec.seed,
+        "filters": {"min_chars": spec.min_chars, "max_chars": spec.max_chars},
+        "turns": spec.turns,
+        **keys.unless_default(
+            {
+                "chat_template_kwargs_from": ({k: v.as_dict() for k, v in spec.chat_template_kwargs_from.items()}, {}),
+                "languages": (None if spec.languages is None else sorted(spec.languages), None),
+                # turns: all keeps the dataset's tool calls in its answer slots (what a regenerated turn is
+                # compared with) and its tool results without their <tool_response> wrapper
+                "tool_turns": (TOOL_TURNS if spec.turns == "all" else None, None),
+                # history: source keeps the dataset's answers in the prompts (each later turn's history)
+                "history": (spec.history, "regenerated"),
+                # a variant source keeps the prompts drawn to its variant: the draw table decides which
+                "variant": (spec.variant if spec.draw is not None else None, None),
+                "draw": (None if spec.draw is None else spec.draw.as_dict(), None),
+            }
+        ),
+    }
+
+
 def _gen_components(
     config: Config,
     spec: SourceSpec,
@@ -351,7 +378,10 @@ def _gen_components(
 ) -> dict[str, Any]:
     """What determines a source's completions (its gen_key); ``above``: the prompt keys of the sources
     whose prompts it skips as copies (:func:`ranked_above`)."""
-    gen_components = {
+    multi_turn = spec.turns == "all"
+    parser = config.model.tool_call_parser
+    tool_calls = {"parser": parser, "match": spec.tool_match} if multi_turn and parser else None
+    return {
         "scheme": GEN_VERSION,
         "prompt_key": hashing.content_key(prompt_components),
         "model": model_fp["digest"],
@@ -360,27 +390,23 @@ def _gen_components(
         "sampling": spec.sampling.as_dict(),
         # only the options that change the numbers (each backend's descriptor decides); speed options stay out
         "engine": registry.keyed_options(config.engine.backend, config.engine.options),
+        **keys.unless_default(
+            {
+                # how later turns are prompted; nothing for turns: first, whose rows it does not change
+                "turn_samples": (spec.turn_samples if multi_turn else None, None),
+                # whose answers later turns follow; in the conversations' reuse key, which leaves out the prompts
+                "history": (spec.history, "regenerated"),
+                # where a tool conversation goes on; a conversation without tools is reused across it
+                keys.TOOL_CALLS: (tool_calls, None),
+                # an explicit window changes which prompts are skipped; the model's own is fingerprinted
+                "context_length": (config.model.context_length, None),
+                # each row's budget, under a trainer's window
+                "trainer_window": (asdict(config.trainer) if config.trainer.max_length is not None else None, None),
+                # which of its prompts another source keeps, skipped before generation (keys.CROSS_SOURCE)
+                keys.CROSS_SOURCE: ([[name, key] for name, key in above.items()], []),
+            }
+        ),
     }
-    if spec.turns == "all":
-        # how later turns are prompted; absent for turns: first, whose rows it does not change
-        gen_components["turn_samples"] = spec.turn_samples
-        if spec.history != "regenerated":
-            # whose answers later turns follow; in the conversations' reuse key, which leaves out the prompts
-            gen_components["history"] = spec.history
-        if config.model.tool_call_parser is not None:
-            # where a tool conversation goes on; a conversation without tools is reused across it
-            gen_components[keys.TOOL_CALLS] = {"parser": config.model.tool_call_parser, "match": spec.tool_match}
-    if config.model.context_length is not None:
-        # an explicit window changes which prompts are skipped; the model's own is fingerprinted
-        gen_components["context_length"] = config.model.context_length
-    if config.trainer.max_length is not None:
-        # each row's budget; absent without a window, so configs without one keep their keys
-        gen_components["trainer_window"] = asdict(config.trainer)
-    if above:
-        # which of its prompts another source keeps, skipped before generation (keys.CROSS_SOURCE);
-        # absent for the first source, and without dedup.across_sources
-        gen_components[keys.CROSS_SOURCE] = [[name, key] for name, key in above.items()]
-    return gen_components
 
 
 def ranked_above(config: Config, source: str) -> list[str]:
@@ -453,7 +479,7 @@ def _prepared(
         "scheme": PREP_VERSION,
         "source": name,
         "category": spec.category,
-        "spec": spec.content_spec(),
+        "spec": prompt_spec(spec),
         "input": identity,
         "n_shards": max(1, math.ceil(rows / config.shard_size)),
         **filtering,

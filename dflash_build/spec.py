@@ -51,7 +51,7 @@ class HubSpec:
         return os.path.isdir(self.path)
 
 
-TOOL_TURNS = 1  # how turns: all prepares tool conversations (SourceSpec.content_spec); bump when it changes
+TOOL_TURNS = 1  # how turns: all prepares tool conversations (plan.prompt_spec); bump when it changes
 TOOL_MATCHES = ("arguments", "name")
 
 # How ``turns: all`` makes samples of a conversation. sequence: one sample, each turn's prompt the ids
@@ -147,32 +147,6 @@ class SourceSpec:
         """A variant source's part of its parent's prompts, drawn by share; None without variants and for
         a variant that takes every prompt."""
         return None if self.draw is None or self.variant is None else self.draw.share(self.variant)
-
-    def content_spec(self) -> dict[str, Any]:
-        """What in this source's config changes the prompts (goes into prompt_key)."""
-        return {
-            "format": self.format,
-            "fields": dict(self.fields),
-            "roles": dict(self.roles),
-            "max_samples": self.max_samples,
-            "seed": self.seed,
-            "filters": {"min_chars": self.min_chars, "max_chars": self.max_chars},
-            "turns": self.turns,
-            # only when set, so sources without it keep their keys
-            **(
-                {"chat_template_kwargs_from": {k: v.as_dict() for k, v in self.chat_template_kwargs_from.items()}}
-                if self.chat_template_kwargs_from
-                else {}
-            ),
-            **({"languages": sorted(self.languages)} if self.languages is not None else {}),
-            # turns: all keeps the dataset's tool calls in its answer slots (what a regenerated turn is
-            # compared with) and its tool results without their <tool_response> wrapper
-            **({"tool_turns": TOOL_TURNS} if self.turns == "all" else {}),
-            # history: source keeps the dataset's answers in the prompts (each later turn's history)
-            **({"history": self.history} if self.history != "regenerated" else {}),
-            # a variant source keeps the prompts drawn to its variant: the draw table decides which
-            **({"variant": self.variant, "draw": self.draw.as_dict()} if self.draw is not None else {}),
-        }
 
 
 @dataclass(frozen=True)
