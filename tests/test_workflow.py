@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash_build.publish import report
+from dflash_build.publish import plots
 from tests.conftest import (
     TOOLS_TEMPLATE,
     Workflow,
@@ -223,7 +223,7 @@ def test_every_plot_is_a_valid_png_and_in_the_card_and_the_snakemake_report(
     dist = wf.workdir / "dist" / "test-mix"
     manifest = json.loads((dist / "manifest.json").read_text())
     card = (dist / "README.md").read_text()
-    assert [Path(p).name for p in manifest["plots"]] == list(report.PLOTS)
+    assert [Path(p).name for p in manifest["plots"]] == list(plots.PLOTS)
     for plot in manifest["plots"]:
         data = (dist / plot).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"

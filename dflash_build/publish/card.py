@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_build.publish import report
+from dflash_build.publish import plots, report
 from dflash_build.store import layout
 
 
@@ -127,4 +127,16 @@ Shortfalls:
 Finish reasons: {json.dumps(manifest["finish_reasons"])}
 
 {report.recipe(manifest)}
-{report.card_body(manifest)}"""
+{card_body(manifest)}"""
+
+
+def card_body(manifest: dict[str, Any]) -> str:
+    """The card's report: tables, then each plot with its caption."""
+    shown = "\n\n".join(f"![{caption}]({path})\n\n*{caption}*" for path, caption in plots.captions(manifest))
+    sections = [
+        report.markdown(manifest["report"]),
+        report.languages_section(manifest),
+        report.removals(manifest),
+        report.multi_turn(manifest["report"]),
+    ]
+    return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{shown}\n"

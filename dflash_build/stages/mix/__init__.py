@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import hashing, killpoints
 from dflash_build.plan import Plan
-from dflash_build.publish import release, report
+from dflash_build.publish import plots, release, report
 from dflash_build.publish.card import dataset_card, summary
 from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
@@ -353,7 +353,7 @@ def run(job: Job) -> dict[str, Any]:
         manifest = _manifest(plan, choice, written, shards, job.inputs["manifests"])
         report.write_tables(tmp, manifest)
         manifest["tables"] = list(report.TABLES)
-        manifest["plots"] = report.write_plots(tmp, manifest, written.tally)
+        manifest["plots"] = plots.write_plots(tmp, manifest, written.tally)
         atomic.write_json(tmp / layout.MANIFEST, manifest)
         atomic.write_text(tmp / "README.md", dataset_card(manifest))
     log.info("%s", summary(manifest, cfg.dataset_dir))
