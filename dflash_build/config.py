@@ -187,12 +187,12 @@ def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> d
 def _tool_match(raw: Mapping[str, Any], key: str) -> str:
     if "tool_match" in raw and raw["turns"] != "all":
         raise ConfigError(f"{key}.tool_match", "applies to turns: all only (turns: first answers the first turn only)")
-    return str(raw.get("tool_match", "arguments"))
+    return str(raw.get("tool_match", configfile.unfilled_default("sources.*.tool_match")))
 
 
 def _history(raw: Mapping[str, Any], key: str) -> str:
     if "history" not in raw:
-        return "regenerated"
+        return str(configfile.unfilled_default("sources.*.history"))
     if raw["turns"] != "all":
         raise ConfigError(f"{key}.history", "applies to turns: all only (turns: first has no history to regenerate)")
     if raw["history"] == "source" and raw.get("turn_samples") == "sequence":
@@ -207,7 +207,7 @@ def _history(raw: Mapping[str, Any], key: str) -> str:
 def _turn_samples(raw: Mapping[str, Any], key: str) -> str:
     if "turn_samples" in raw and raw["turns"] != "all":
         raise ConfigError(f"{key}.turn_samples", "applies to turns: all only (turns: first makes one sample a row)")
-    return str(raw.get("turn_samples", "auto"))
+    return str(raw.get("turn_samples", configfile.unfilled_default("sources.*.turn_samples")))
 
 
 def _kwargs_from(raw: Mapping[str, Any], key: str) -> dict[str, TemplateKwargFrom]:

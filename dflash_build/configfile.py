@@ -165,3 +165,13 @@ def validate(raw: dict[str, Any]) -> None:
     """Check ``raw`` against the schema (a one-line error naming the key) and fill its defaults, in place."""
     check_schema(raw)
     fill_defaults(raw)
+
+
+def unfilled_default(path: str) -> Any:
+    """The default the schema writes as ``x-default`` for a key it does not fill in (``path``: dotted, ``*``
+    for a source's name): the config must see whether a source set it, since it applies to ``turns: all``
+    only (``sources.*.tool_match``)."""
+    node: Any = schema()
+    for part in path.split("."):
+        node = node["additionalProperties"] if part == "*" else node["properties"][part]
+    return node["x-default"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from pathlib import Path
@@ -488,3 +489,50 @@ def test_history_needs_turns_all_and_per_turn_samples(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as e:
             cfg.load(tmp_path / "c.yaml")
         assert e.value.key == key, e.value
+
+
+# -- one place for every default ----------------------------------------------------------------------------
+CONFIG_MAPPINGS = ("raw", "options", "engine_options", "settings", "given", "config")
+
+
+def _defaults_in_code(tree: ast.Module) -> list[int]:
+    """Lines of ``raw.get("name", VALUE)`` (a config mapping or engine options, VALUE a literal): a default
+    written in code."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"):
+            continue
+        receiver = node.func.value
+        name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+        if name in CONFIG_MAPPINGS and len(node.args) == 2 and isinstance(node.args[0], ast.Constant):
+            default = node.args[1]
+            if isinstance(default, ast.Constant | ast.Tuple | ast.List | ast.Dict) and ast.unparse(default) != "()":
+                found.append(node.lineno)
+    return found
+
+
+def test_no_default_is_written_outside_the_schema_and_the_backend_descriptors() -> None:
+    """A config key's default is the schema's (``default``, or ``x-default`` for a key it cannot fill in);
+    an engine option's is its backend's descriptor's (engines/backends/). Nothing else writes one."""
+    written = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sorted((REPO / "dflash_build").rglob("*.py"))
+        if "backends" not in path.parts
+        for line in _defaults_in_code(ast.parse(path.read_text()))
+    ]
+    assert not written, written
+    assert _defaults_in_code(ast.parse('raw.get("tool_match", "arguments")\noptions.get("urls")')) == [1]
+
+
+@pytest.mark.parametrize("key", ["tool_match", "history", "turn_samples"])
+def test_a_key_the_schema_cannot_fill_takes_its_unfilled_default(key: str, tmp_path: Path) -> None:
+    """x-default: what a turns: all source has when it does not set the key (and turns: first refuses it)."""
+    data = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    raw = {"model": {"path": str(tmp_path)}, "mix": {"categories": {"x": 1}}}
+    raw["sources"] = {"a": {"category": "x", "format": "messages", "files": [str(data)], "turns": "all"}}
+    (tmp_path / "config.json").write_text("{}")
+    schema_default = configfile.unfilled_default(f"sources.*.{key}")
+    assert getattr(cfg.from_dict(_defaults(raw)).sources["a"], key) == schema_default
+    raw["sources"]["a"].update({"turns": "first", key: schema_default})
+    with pytest.raises(ConfigError, match=f"sources.a.{key}"):
+        cfg.from_dict(_defaults(raw))

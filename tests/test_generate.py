@@ -116,10 +116,16 @@ def test_a_template_that_ignores_tools_is_refused(tmp_path: Path, tiny_model: Pa
         generate.run(planned(plan, "generate", "s", "00000"))
 
 
-def test_row_seeds_are_stable_and_distinct() -> None:
+def test_row_seeds_are_stable_distinct_and_31_bits() -> None:
+    """The seed contract, where seeds are made: every row seed is below 2**31 (what every engine's seed
+    field takes: SGLang's int64, vLLM's int, llama.cpp's uint32), and the seeds use all 31 bits."""
+    assert generate.SEED_BITS == 31
     assert generate.row_seed(0, "a", 0) == generate.row_seed(0, "a", 0)
     seeds = {generate.row_seed(s, p, i) for s in (0, 1) for p in ("a", "b") for i in (0, 1)}
-    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert len(seeds) == 8
+    many = [generate.row_seed(base, f"{i:016x}", i % 3, i % 4) for i, base in enumerate([0, 7, 2**62] * 700)]
+    assert all(0 <= s < 2**31 for s in many) and max(many) >= 2**30 > min(many)
+    assert len(set(many)) == len(many), "2,100 rows, 2,100 seeds"
 
 
 def _multi_turn_plan(tmp_path: Path, tiny_model: Path, template: Path, **model: Any) -> plan_mod.Plan:

@@ -192,8 +192,14 @@ def _check(plan: plan_mod.Plan, chosen: dict[str, int], by_source: dict[str, int
     )
 
 
-def test_checks_pass_a_dataset_that_meets_its_mix(tmp_path: Path) -> None:
-    _check(_plan(tmp_path), {"a": 50, "b": 49}, {"a1": 30, "a2": 20, "b1": 49})
+def test_checks_pass_a_dataset_that_meets_its_mix_within_the_tolerance_and_no_further(tmp_path: Path) -> None:
+    """checks.share_tolerance 0.02 (the default): b at 48.5% of the tokens passes, at 47.6% it fails."""
+    plan = _plan(tmp_path)
+    assert plan.config.checks.share_tolerance == 0.02
+    _check(plan, {"a": 50, "b": 49}, {"a1": 30, "a2": 20, "b1": 49})  # b 49.5%: no MixError
+    _check(plan, {"a": 53, "b": 50}, {"a1": 30, "a2": 23, "b1": 50})  # b 48.5%: within the tolerance
+    with pytest.raises(mix.checks.MixError, match=r"category 'b' reaches 47\.6% of tokens, target 50\.0%"):
+        _check(plan, {"a": 55, "b": 50}, {"a1": 30, "a2": 25, "b1": 50})
 
 
 @pytest.mark.parametrize(

@@ -267,11 +267,19 @@ def test_changing_one_sources_sampling_lists_only_its_jobs(built: tuple[Workflow
     assert _sources_of(jobs, "generate") == _sources_of(jobs, "tokenize") == ["beta"]
 
 
-def test_engine_options_are_not_part_of_any_key(built: tuple[Workflow, dict[str, Any]]) -> None:
+def test_engine_speed_options_rerun_nothing_and_a_numerics_option_regenerates(
+    built: tuple[Workflow, dict[str, Any]],
+) -> None:
+    """The descriptor's decisions, through the real build: batch size and threads enter no key; dtype
+    (the numbers the model computes) re-keys every generate job, and only what follows from them."""
     wf, config = built
     changed = copy.deepcopy(config)
     changed["engine"]["options"] = {"device": "cpu", "batch_size": 1, "threads": 2}
     assert _dry_run_with(wf, config, changed) == {}
+    changed["engine"]["options"]["dtype"] = "bfloat16"
+    jobs = _dry_run_with(wf, config, changed)
+    assert set(jobs) == {"generate", "tokenize", "mix"}
+    assert set(_sources_of(jobs, "generate")) == set(config["sources"]) == set(_sources_of(jobs, "tokenize"))
 
 
 def test_adding_a_source_lists_only_its_jobs(built: tuple[Workflow, dict[str, Any]]) -> None:
