@@ -91,10 +91,12 @@ def get_final_targets():
     return [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else []) + exports
 
 
-def planned_input(stage, name, flag=None, sizing=None):
+def planned_input(stage, name, flag=None, sizing=None, **fixed):
     """The input function of a rule's input ``name``: what the planner declares for the job
-    (dflash_build.stages.common.job.planned, which tests/test_rules.py holds the rules to), each path with
-    ``flag`` (ancient); ``sizing``: the checkpoint whose sizing file names the shards (as_needed).
+    (dflash_build.stages.common.job.planned, which tests/test_rules.py holds the rules to), each path
+    with ``flag`` (ancient); ``sizing``: the name of the checkpoint whose sizing file names the shards
+    (as_needed; by name: rules/size.smk is read after the rules that name it); ``fixed``: more of what
+    the job is for (a size job's round).
     """
 
     def paths(wildcards):
@@ -103,7 +105,7 @@ def planned_input(stage, name, flag=None, sizing=None):
         }
         if sizing is not None:
             of["sizing"] = getattr(checkpoints, sizing).get().output.sizing
-        job = dflash_build.stages.common.job.planned(PLAN, stage, **of)
+        job = dflash_build.stages.common.job.planned(PLAN, stage, **of, **fixed)
         return [flag(str(p)) if flag else str(p) for p in job.inputs[name]]
 
     return paths

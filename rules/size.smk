@@ -21,7 +21,7 @@ checkpoint size_pilot:
 
 checkpoint size_topup:
     input:
-        tokens=planned_input("size", "tokens", sizing="size_pilot"),
+        tokens=planned_input("size", "tokens", sizing="size_pilot", round_=2),
     output:
         sizing=SIZING[2],
     log:
