@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -525,3 +526,45 @@ def test_the_window_budget_has_one_rule(max_length: int | None, prompt: int, bud
     if max_length is not None:
         assert effect is not None and effect.skipped_rows == float(skipped)
         assert effect.output_tokens == (0 if skipped else min(64, budget))
+
+
+# -- the keys the shipped configs have, pinned ----------------------------------------------------------
+PINNED_KEYS = REPO / "tests" / "data" / "pinned_keys.json"
+
+
+def shipped_keys(root: Path) -> dict[str, dict[str, list[str]]]:
+    """Every source's keys (prompt, gen, tok, reuse, conversation reuse) of the demo config (SmolLM2's
+    GGUF) and of the production config on its upstream-shaped fixtures with a stand-in model folder."""
+    from tests.conftest import smollm2_gguf
+    from tests.test_production_rehearsal import production_config, substitute
+
+    model = root / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w")
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer.json").write_text("{}")
+    demo = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
+    demo["model"]["path"] = str(smollm2_gguf())
+    demo["model"]["chat_template"] = str(REPO / demo["model"]["chat_template"])
+    for source in demo["sources"].values():
+        source["files"] = [str(REPO / f) for f in source["files"]]
+    out = {}
+    for name, raw in (("demo", demo), ("production", substitute(production_config(), model))):
+        raw["store"] = str(root / f"store-{name}")
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        plan = plan_mod.build(cfg.load(root / f"{name}.yaml"))
+        out[name] = {
+            s: [sp.prompt_key, sp.gen_key, sp.tok_key, sp.reuse_key, sp.conversation_reuse_key]
+            for s, sp in sorted(plan.sources.items())
+        }
+    return out
+
+
+def test_the_shipped_configs_keep_their_keys(tmp_path: Path) -> None:
+    """A refactor re-keys nothing: the demo's and the production config's keys are the pinned ones. A
+    change that means to re-key (a *_VERSION bump) says so in CHANGELOG.md and rewrites the pin with
+    ``DFLASH_BUILD_PIN_KEYS=1 pytest tests/test_keys.py -k shipped``."""
+    keys_now = shipped_keys(tmp_path)
+    if os.environ.get("DFLASH_BUILD_PIN_KEYS"):
+        PINNED_KEYS.write_text(json.dumps(keys_now, indent=1, sort_keys=True) + "\n")
+    assert keys_now == json.loads(PINNED_KEYS.read_text())
