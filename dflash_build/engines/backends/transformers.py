@@ -32,7 +32,8 @@ def _argv(
 ) -> list[str]:
     return [
         *(sys.executable, "-m", "dflash_build.engines.server", "--model", model.path),
-        *("--options", hashing.canonical_json(dict(options)), "--stop-ids", ",".join(map(str, stop_ids))),
+        *("--options", hashing.canonical_json(BACKEND.engine_options(options))),
+        *("--stop-ids", ",".join(map(str, stop_ids))),
         *("--port", str(port), *(("--revision", model.revision) if model.revision else ())),
     ]
 

@@ -55,11 +55,11 @@ def launch_spec(
     backend = registry.get(engine.backend)
     # the driver's own options (how a job talks to the engine) are not what the engine is
     options = backend.engine_options(engine.options)
-    env = {"CUDA_VISIBLE_DEVICES": lease.gpu} if lease is not None else {}
     serve = backend.serve
     if serve is None:
         raise ValueError(f"config key 'engine.backend': {engine.backend} engines run in the job, not as servers")
-    argv = serve.argv(model, options, stop_ids, port, context, lease)
+    argv = serve.argv(model, engine.options, stop_ids, port, context, lease)
+    env = {**serve.env(engine.options), **({"CUDA_VISIBLE_DEVICES": lease.gpu} if lease is not None else {})}
     identity = {
         "backend": engine.backend,
         "model": model.path,

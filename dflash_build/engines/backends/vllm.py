@@ -1,0 +1,214 @@
+"""vllm: one vLLM OpenAI server per GPU (``python -m vllm.entrypoints.openai.api_server``), run by a host.
+
+Jobs talk to it as they talk to any served engine (the openai client): token-id prompts on
+``/v1/completions`` with ``return_token_ids``, every sampling knob and the row's own ``seed``, the stop
+ids; the answer's token ids come back with the stop token that ended it. ``samples_per_prompt`` goes as
+one request per sample, each with its own recorded seed: vLLM's ``n`` gives sample i the seed + i
+(``v1/engine/parallel_sampling.py``), not the row seed the record names, and its prefix cache serves
+the shared prompt once either way.
+
+Any engine argument of the pinned release (``vllm_fields``, its ``EngineArgs`` CLI flags) passes
+through as an option, as ``--kebab-case`` (a bool as ``--flag``/``--no-flag``, a mapping as JSON),
+except those the driver sets itself (``DRIVER_FIELDS``); one the table below does not decide is keyed.
+The server runs from ``python`` (an interpreter with vLLM: its own env, ``envs/vllm.yaml``, since vLLM
+pins its own transformers), on ``device`` (``cpu`` for vLLM's CPU build).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash_build.engines import vllm_fields
+from dflash_build.engines.base import closest
+from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Option, Serve
+from dflash_build.keys import GEN
+from dflash_build.spec import ConfigError, EngineSpec, ModelSpec
+
+VLLM_VERSION = vllm_fields.VERSION  # pyproject's `vllm` extra and envs/vllm.yaml pin the same release
+
+# Engine arguments the driver sets itself: the options cannot override them.
+DRIVER_FIELDS: dict[str, str] = {
+    "model": "set from model.path",
+    "served_model_name": "set to model.path (the client checks the server serves it)",
+    "tokenizer": "set from model.tokenizer (or model.path)",
+    "revision": "set from model.revision",
+    "skip_tokenizer_init": "the driver renders prompts; the server keeps its tokenizer for its own checks",
+    "tensor_parallel_size": "one engine per GPU",
+    "pipeline_parallel_size": "one engine per GPU",
+    "data_parallel_size": "one engine per GPU",
+    "device_ids": "the job's pinned GPU is the server's only one (CUDA_VISIBLE_DEVICES)",
+}
+_SERVED_ONLY = "the server's own window, when smaller than model.context_length: it refuses longer prompts"
+_SPECULATIVE = "drafts checked by the target's own rejection sampling: the same distribution, faster"
+
+
+def installed_engine_args(python: str) -> tuple[str, frozenset[str]]:
+    """(version, engine argument names) of the vLLM that ``python`` imports (a few seconds)."""
+    code = (
+        "import json, vllm; from vllm.engine.arg_utils import EngineArgs; "
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
+        "EngineArgs.add_cli_args(p); "
+        "print(json.dumps([vllm.__version__, sorted(a.dest for a in p._actions if a.option_strings "
+        "and a.dest != 'help')]))"
+    )
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    version, names = json.loads(done.stdout.strip().splitlines()[-1])
+    return version, frozenset(names)
+
+
+def render_fields_module(version: str, fields: Iterable[str]) -> str:
+    """The source of ``vllm_fields.py`` for one vLLM release's engine arguments."""
+    lines = [
+        f'"""Engine arguments of vLLM {version} (its EngineArgs CLI flags): generated from the installed',
+        "package, do not edit.",
+        "",
+        "Regenerate after changing VLLM_VERSION (tests/test_vllm_contract.py says when):",
+        "    python -c 'from dflash_build.engines.backends import vllm; vllm.write_fields_module(PYTHON)'",
+        '"""',
+        "",
+        f'VERSION = "{version}"',
+        "ENGINE_ARGS = frozenset(",
+        "    {",
+        *(f'        "{name}",' for name in sorted(fields)),
+        "    }",
+        ")",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_fields_module(python: str) -> None:
+    Path(vllm_fields.__file__).write_text(render_fields_module(*installed_engine_args(python)))
+
+
+def check_names(options: Mapping[str, Any]) -> None:
+    """Refuse an option the pinned vLLM has no engine argument for (naming the closest) or one the driver sets."""
+    own = {name for name, option in BACKEND.options.items() if option.driver}
+    for name in sorted(options):
+        if name in own:
+            continue
+        if name in DRIVER_FIELDS:
+            raise ConfigError(f"engine.options.{name}", f"{DRIVER_FIELDS[name]}; remove it from the options")
+        if name not in vllm_fields.ENGINE_ARGS:
+            raise ConfigError(
+                f"engine.options.{name}",
+                f"vLLM {VLLM_VERSION} has no such engine argument{closest(name, vllm_fields.ENGINE_ARGS | own)}",
+            )
+
+
+def flags(options: Mapping[str, Any]) -> list[str]:
+    """Engine options as vLLM's command line: ``--kebab-case VALUE``, a bool as ``--flag``/``--no-flag``, a
+    mapping or list as JSON; None leaves the engine's own default."""
+    argv: list[str] = []
+    for name, value in sorted(options.items()):
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, Mapping | list | tuple):
+            argv += [flag, json.dumps(value, sort_keys=True)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _argv(
+    model: ModelSpec, options: Mapping[str, Any], stop_ids: list[int], port: int, context: int | None, lease: Any
+) -> list[str]:
+    python = BACKEND.value(options, "python") or sys.executable
+    served = BACKEND.engine_options(options)
+    if context is not None and "max_model_len" not in served:
+        served = {**served, "max_model_len": context}  # the window the driver skips prompts by
+    return [
+        *(python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)),
+        *("--model", model.path, "--served-model-name", model.path, "--tokenizer", model.tokenizer or model.path),
+        *(("--revision", model.revision) if model.revision else ()),
+        "--disable-uvicorn-access-log",
+        *flags(served),
+    ]
+
+
+def _env(options: Mapping[str, Any]) -> dict[str, str]:
+    space = BACKEND.value(options, "cpu_kvcache_space")
+    return {} if space is None else {"VLLM_CPU_KVCACHE_SPACE": str(space)}
+
+
+def _uses_gpu(engine: EngineSpec) -> bool:
+    return engine.gpus is not None or BACKEND.value(engine.options, "device") != "cpu"
+
+
+BACKEND = Backend(
+    "vllm",
+    options={
+        "dtype": Option(GEN, NUMERICS, default="auto"),
+        "quantization": Option(GEN, NUMERICS),
+        "quantization_config": Option(GEN, NUMERICS),
+        "kv_cache_dtype": Option(GEN, NUMERICS, default="auto"),
+        "kv_cache_dtype_skip_layers": Option(GEN, NUMERICS),
+        "mamba_cache_dtype": Option(GEN, "the precision of a hybrid model's recurrent state: " + NUMERICS),
+        "mamba_ssm_cache_dtype": Option(GEN, "the precision of a hybrid model's recurrent state: " + NUMERICS),
+        "use_fp64_gumbel": Option(GEN, "the sampler's own arithmetic: which token a seed draws"),
+        "hf_overrides": Option(GEN, "edits the model's config"),
+        "load_format": Option(GEN, "which weights load ('dummy' is random weights)"),
+        "model_impl": Option(GEN, "vLLM's or transformers' implementation of the model: " + NUMERICS),
+        "enable_lora": Option(GEN, "adapters change the model"),
+        "seed": Option(GEN, "the engine's own random state (every request carries its row's seed too)"),
+        "generation_config": Option(GEN, "the sampling defaults the model's generation config gives the server"),
+        "override_generation_config": Option(GEN, "the sampling defaults the server applies"),
+        "logits_processors": Option(GEN, "changes the sampled distribution"),
+        "max_model_len": Option(GEN, _SERVED_ONLY),
+        "speculative_config": Option(None, _SPECULATIVE),
+        "attention_backend": Option(None, KERNELS),
+        "attention_config": Option(None, KERNELS),
+        "mamba_backend": Option(None, KERNELS),
+        "linear_backend": Option(None, KERNELS),
+        "disable_cascade_attn": Option(None, KERNELS),
+        "gpu_memory_utilization": Option(None, SPEED),
+        "kv_cache_memory_bytes": Option(None, SPEED),
+        "max_num_seqs": Option(None, SPEED),
+        "max_num_batched_tokens": Option(None, SPEED),
+        "enable_chunked_prefill": Option(None, SPEED),
+        "enable_prefix_caching": Option(None, SPEED),
+        "block_size": Option(None, SPEED),
+        "cpu_offload_gb": Option(None, SPEED),
+        "enforce_eager": Option(None, SPEED),
+        "cudagraph_capture_sizes": Option(None, SPEED),
+        "max_cudagraph_capture_size": Option(None, SPEED),
+        "compilation_config": Option(None, SPEED),
+        "optimization_level": Option(None, SPEED),
+        "performance_mode": Option(None, SPEED),
+        "async_scheduling": Option(None, SPEED),
+        "scheduling_policy": Option(None, SPEED),
+        "long_prefill_token_threshold": Option(None, SPEED),
+        "num_gpu_blocks_override": Option(None, SPEED),
+        "max_logprobs": Option(None, "how many logprobs a request may ask for; the driver asks for none"),
+        "disable_log_stats": Option(None, "logging only"),
+        "log_level": Option(None, "logging only"),
+        "trust_remote_code": Option(None, "the remote code itself is fingerprinted with the model (*.py)"),
+        "download_dir": Option(None, "where files go"),
+        # ours: how a job reaches and feeds the server
+        "python": Option(None, "the interpreter the server runs in (with vLLM); where it runs", driver=True),
+        "device": Option(None, "where the server runs: cuda, or cpu for vLLM's CPU build", default="cuda", driver=True),
+        "cpu_kvcache_space": Option(None, SPEED + " (GiB of KV cache on vLLM's CPU build)", driver=True),
+        "max_inflight": Option(None, SPEED + ": requests one job keeps in the server", default=256, driver=True),
+        "retries": Option(None, FAULTS, default=3, driver=True),
+    },
+    load=None,  # a server only: the host runs it, every job talks to it over HTTP
+    serve=Serve(
+        _argv,
+        health_path="/health",
+        api="completions",
+        concurrency=lambda options: int(BACKEND.value(options, "max_inflight")),
+        env=_env,
+    ),
+    uses_gpu=_uses_gpu,
+    always_through_server=True,
+    conda_env="vllm",
+    undecided=Option(GEN, "an engine argument not decided here: keyed, it may change what the model writes"),
+    check_names=check_names,
+)
