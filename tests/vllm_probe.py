@@ -1,0 +1,40 @@
+"""Run in vLLM's own environment (``.venv-vllm``) by tests/test_vllm_contract.py: what the pinned vLLM makes
+of the requests and the command line the vllm backend writes. Reads JSON on stdin, prints JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    asked = json.load(sys.stdin)
+    import vllm
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    parsed = vars(parser.parse_args(asked["argv"]))
+    requests = []
+    for body in asked["bodies"]:
+        request = CompletionRequest.model_validate(body)
+        params = request.to_sampling_params(body["max_tokens"], default_sampling_params={"temperature": 99.0})
+        requests.append(
+            {
+                "unsent_defaults": sorted(k for k in request._DEFAULT_SAMPLING_PARAMS if body.get(k) is None),
+                "params": {k: getattr(params, k) for k in asked["params"]},
+                "return_token_ids": request.return_token_ids,
+                "prompt_is_ids": request.prompt == body["prompt"],
+            }
+        )
+    print(
+        json.dumps(
+            {"version": vllm.__version__, "parsed": {k: parsed[k] for k in asked["dests"]}, "requests": requests},
+            default=str,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
