@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_build.keys import reuse_key
 from dflash_build.store.rowindex import RowIndex
 
 SHARD = 4096
@@ -36,6 +37,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp)
         index = RowIndex(store)
+        components = {"model": "m", "engine": {}, "sampling": {"seed": 0, "max_new_tokens": 8192}}
         start = time.perf_counter()
         for shard, lo in enumerate(range(0, args.rows, SHARD)):
             rows = [
@@ -45,12 +47,12 @@ def main() -> None:
             path = store / "completions" / "src" / "k" / f"{shard:05d}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(pa.Table.from_pylist(rows), path)
-            index.add_shard("reuse", "old", path, rows, 8192)
+            index.add_shard("old", components, path, rows)
         print(f"built {args.rows} rows in {time.perf_counter() - start:.1f}s")
 
         wanted = [(pid(i), 0) for i in random.Random(0).sample(range(args.rows), SHARD)]
         start = time.perf_counter()
-        found = index.lookup("reuse", wanted, 8192, exclude_gen_key="new")
+        found = index.lookup(reuse_key(components), wanted, 8192)
         indexed = time.perf_counter() - start
         assert len(found) == SHARD
 

@@ -248,10 +248,12 @@ def measure_index(root: str, rows: int) -> dict[str, Any]:
 
     store = Path(root) / f"store-{rows}"
     index = rowindex.RowIndex(store)
+    components = {"model": "m", "engine": {}, "sampling": {"seed": 0, "max_new_tokens": 128}}
+    key = rowindex.reuse_key(components)
     shards = rows // INDEX_SHARD
     start = time.perf_counter()
     for shard in range(shards):
-        index.add_shard("rk", "gk", store / f"completions/s/gk/{shard:05d}.parquet", _index_rows(shard), 128)
+        index.add_shard("gk", components, store / f"completions/s/gk/{shard:05d}.parquet", _index_rows(shard))
     fill = time.perf_counter() - start
     holds: list[float] = []
     original = rowindex.RowIndex._writing
@@ -267,10 +269,10 @@ def measure_index(root: str, rows: int) -> dict[str, Any]:
     new = store / "completions/s/gk/new.parquet"
     rows_new = _index_rows(shards + 1)
     t = time.perf_counter()
-    found = index.lookup("rk", [(r["prompt_id"], 0) for r in _index_rows(shards // 2)], 128)
+    found = index.lookup(key, [(r["prompt_id"], 0) for r in _index_rows(shards // 2)], 128)
     lookup = time.perf_counter() - t
     t = time.perf_counter()
-    index.add_shard("rk", "gk", new, rows_new, 128)
+    index.add_shard("gk", components, new, rows_new)
     add = time.perf_counter() - t
     t = time.perf_counter()
     index.remove_shard(new)

@@ -34,25 +34,39 @@ TOOL_CALLS = "tool_calls"
 # What gen_key holds that is not how a row is generated: the prompt set, which of it other sources keep,
 # and the budgets (a row generated under another max_new_tokens or window is cut or continued;
 # samples_per_prompt only adds rows).
-NOT_IN_REUSE_KEY = ("prompt_key", CROSS_SOURCE, "trainer_window")
+NOT_IN_GENERATION_KEY = ("prompt_key", CROSS_SOURCE, "trainer_window")
 SAMPLING_NOT_IN_REUSE_KEY = ("max_new_tokens", "samples_per_prompt")
+# What a request to the engine is, apart from what each row holds itself (its prompt token ids and its
+# seed) and its budget: the model, the engine options that change the numbers, and the sampling (the
+# base seed included, from which every row's seed derives).
+REQUEST_COMPONENTS = ("model", "engine", "sampling")
+
+
+def _sampling_without_budgets(components: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in components["sampling"].items() if k not in SAMPLING_NOT_IN_REUSE_KEY}
 
 
 def reuse_key(gen_components: Mapping[str, Any], conversations: bool = False) -> str:
-    """gen_key without the prompt set and the budgets: rows under one reuse key are interchangeable (the
-    row index reuses them across configs). The one rule, for a plan and for a sidecar's recorded
-    components alike.
+    """The key the row index finds earlier rows under: what the engine is asked besides each row's own
+    prompt ids, seed and budget (:data:`REQUEST_COMPONENTS`). A row found under it is reused when its
+    prompt ids and seed are the ones this build would send and its answer is what the engine returns
+    under this build's stop ids and budget (``stages.generate.reuse`` checks each): GPU time goes only to
+    requests no engine has answered, whatever re-keyed them (a template edit no prompt uses, a scheme
+    bump). The one rule, for a plan and for a sidecar's recorded components alike.
 
-    ``conversations``: the key under which a ``turns: all`` row is reused. Such a row is taken whole or
-    not at all (each later turn's prompt holds the earlier answers, so a cut or continued turn would
-    change every turn after it), so the budgets stay in this key and only the prompt set leaves it (and
-    the tool-call settings, which decide nothing of a conversation without tools: one with tools is
-    reused only from a row generated under the same settings, which reuse checks)."""
-    if conversations:
-        parts = {k: v for k, v in gen_components.items() if k not in (PROMPT, CROSS_SOURCE, TOOL_CALLS)}
-        return hashing.content_key({"conversations": parts})
-    parts = {k: v for k, v in gen_components.items() if k not in NOT_IN_REUSE_KEY}
-    parts["sampling"] = {k: v for k, v in parts["sampling"].items() if k not in SAMPLING_NOT_IN_REUSE_KEY}
+    ``conversations``: the key of ``turns: all`` rows, which are reused turn by turn from the first
+    while each turn's request is the same (its prompt on the history, its seed, its budget)."""
+    parts = {k: gen_components[k] for k in REQUEST_COMPONENTS}
+    parts["sampling"] = _sampling_without_budgets(gen_components)
+    return hashing.content_key({"conversations": parts} if conversations else parts)
+
+
+def generation_key(gen_components: Mapping[str, Any]) -> str:
+    """gen_key without the prompt set and the budgets: rows under one generation key were generated with
+    the same settings (template, template kwargs, scheme, turns policy); one reused across two of them
+    is counted apart (a template, prepare or scheme change that left its request as it was)."""
+    parts = {k: v for k, v in gen_components.items() if k not in NOT_IN_GENERATION_KEY}
+    parts["sampling"] = _sampling_without_budgets(gen_components)
     return hashing.content_key(parts)
 
 

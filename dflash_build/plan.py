@@ -79,6 +79,10 @@ class SourcePlan:
         return keys.reuse_key(self.gen_components, conversations=True)
 
     @functools.cached_property
+    def generation_key(self) -> str:
+        return keys.generation_key(self.gen_components)
+
+    @functools.cached_property
     def tok_key(self) -> str:
         return hashing.content_key(self.tok_components)
 

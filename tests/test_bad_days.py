@@ -133,7 +133,8 @@ def test_a_full_disk_under_the_index_is_one_line_not_a_damaged_index(tmp_path: P
             for i in range(5000)
         ]
         with pytest.raises(filesystem.StoreFault) as err:
-            index.add_shard("k", "g", store / "completions/s/g/00000.parquet", rows, 8)
+            components = {"model": "m", "engine": {}, "sampling": {"seed": 0, "max_new_tokens": 8}}
+            index.add_shard("g", components, store / "completions/s/g/00000.parquet", rows)
         index.close()
         message = str(err.value)
         assert message.startswith(

@@ -102,6 +102,15 @@ class Workspace:
         plan = plan_mod.build(cfg.load(path))
         return {name: (sp.prompt_key, sp.gen_key, sp.tok_key) for name, sp in plan.sources.items()}
 
+    def reuse_keys(self, raw: dict[str, Any]) -> dict[str, str]:
+        """The key each source's rows are found under in the row index (a conversation's for turns: all)."""
+        path = self.root / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        plan = plan_mod.build(cfg.load(path))
+        return {
+            n: sp.reuse_key if sp.spec.turns == "first" else sp.conversation_reuse_key for n, sp in plan.sources.items()
+        }
+
 
 def random_config(ws: Workspace, rng: random.Random) -> dict[str, Any]:
     names = rng.sample(["a", "b", "c"], rng.randint(1, 3))
@@ -325,6 +334,43 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
             assert changed == expected, f"edit {name!r} on source {source}: changed {changed}, expected {expected}"
 
 
+# The edits that change what the engine is asked besides each row's prompt ids and seed: the model, its
+# numerics, the sampling and its base seed (and turns, which makes a source's rows conversations).
+REQUEST_EDITS = {"model.path", "model.path config.json", "engine.options.dtype", "sources.*.sampling"}
+REQUEST_EDITS |= {f"sampling.{k}" for k in ("temperature", "top_p", "top_k", "min_p", "seed")} | {"sources.*.turns"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_row_is_found_for_reuse_only_under_the_same_model_numerics_seed_and_sampling(
+    tmp_path: Path, seed: int
+) -> None:
+    """Every other edit (template, tokenizer, template kwargs, budgets, prompt set, scheme-like settings)
+    leaves the row index's key as it was: reuse then checks each row's prompt ids, seed, stop ids and
+    budget against the request this build sends (tests/test_request_reuse.py)."""
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(seed))
+    before = ws.reuse_keys(base)
+    for name, (edit, _) in EDITS.items():
+        config = copy.deepcopy(base)
+        readme, config_json = ws.model / "README.md", (ws.model / "config.json").read_text()
+        touched = edit(config, ws)
+        if name == "sources.*.format":
+            config["sources"][touched]["fields"] = {"prompt": "instruction"}
+        if name == "sources.*.fields":
+            config["sources"][touched]["fields"] = {"input": "instruction"}
+        after = ws.reuse_keys(config)
+        readme.unlink(missing_ok=True)
+        (ws.model / "config.json").write_text(config_json)
+        for source, old in before.items():
+            hit = touched is None or (source in touched if isinstance(touched, set) else touched == source)
+            moved = (
+                name in REQUEST_EDITS
+                and hit
+                and not (name == "sources.*.turns" and base["sources"][source].get("turns") == "first")
+            )
+            assert (after.get(source, old) != old) is moved, f"edit {name!r} on source {source}"
+
+
 def _variant_config(ws: Workspace) -> dict[str, Any]:
     return {
         "store": str(ws.root / "store"),
@@ -491,24 +537,35 @@ def test_a_hub_models_commit_is_its_identity(tmp_path: Path) -> None:
     assert all(before[s][0] == after[s][0] and before[s][1] != after[s][1] for s in before)
 
 
-def test_the_reuse_key_is_the_gen_key_without_the_prompt_set_and_the_budgets() -> None:
-    """keys.reuse_key is the one rule, for a plan and for a sidecar's recorded components alike: rows
-    that differ only in their prompt set or budget are interchangeable; any other part of gen_key is not."""
+def test_the_reuse_key_is_the_request_without_the_prompt_and_the_budgets() -> None:
+    """keys.reuse_key is the one rule, for a plan and for a sidecar's recorded components alike: rows that
+    differ in their prompt set, budget, template or scheme are found (reuse checks each row's request);
+    another model, engine numerics or sampling never; the generation key tells the settings apart."""
     sampling = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "seed": 0}
     base = {
         "scheme": 1,
         "prompt_key": "a" * 16,
         "model": "m",
+        "template": "t",
+        "engine": {"dtype": "auto"},
         "sampling": {**sampling, "max_new_tokens": 64, "samples_per_prompt": 1},
     }
     same = [
         {**base, "prompt_key": "b" * 16},
         {**base, "trainer_window": {"max_length": 128, "min_new_tokens": 8}},
         {**base, "sampling": {**base["sampling"], "max_new_tokens": 8, "samples_per_prompt": 3}},
+        {**base, "template": "t2", "scheme": 2, "chat_template_kwargs": {"enable_thinking": True}},
     ]
     assert {keys.reuse_key(c) for c in same} == {keys.reuse_key(base)}
-    other = [{**base, "model": "n"}, {**base, "sampling": {**base["sampling"], "temperature": 0.7}}]
+    other = [
+        {**base, "model": "n"},
+        {**base, "engine": {"dtype": "bfloat16"}},
+        {**base, "sampling": {**base["sampling"], "temperature": 0.7}},
+        {**base, "sampling": {**base["sampling"], "seed": 1}},
+    ]
     assert keys.reuse_key(base) not in {keys.reuse_key(c) for c in other}
+    assert keys.reuse_key(base) != keys.reuse_key(base, conversations=True)
+    assert keys.generation_key(same[3]) != keys.generation_key(base) == keys.generation_key(same[0])
 
 
 @pytest.mark.parametrize(
@@ -533,7 +590,7 @@ PINNED_KEYS = REPO / "tests" / "data" / "pinned_keys.json"
 
 
 def shipped_keys(root: Path) -> dict[str, dict[str, list[str]]]:
-    """Every source's keys (prompt, gen, tok, reuse, conversation reuse) of the demo config (SmolLM2's
+    """Every source's keys (prompt, gen, tok: the store's paths) of the demo config (SmolLM2's
     GGUF) and of the production config on its upstream-shaped fixtures with a stand-in model folder."""
     from tests.conftest import smollm2_gguf
     from tests.test_production_rehearsal import production_config, substitute
@@ -553,10 +610,7 @@ def shipped_keys(root: Path) -> dict[str, dict[str, list[str]]]:
         raw["store"] = str(root / f"store-{name}")
         (root / f"{name}.yaml").write_text(yaml.safe_dump(raw))
         plan = plan_mod.build(cfg.load(root / f"{name}.yaml"))
-        out[name] = {
-            s: [sp.prompt_key, sp.gen_key, sp.tok_key, sp.reuse_key, sp.conversation_reuse_key]
-            for s, sp in sorted(plan.sources.items())
-        }
+        out[name] = {s: [sp.prompt_key, sp.gen_key, sp.tok_key] for s, sp in sorted(plan.sources.items())}
     return out
 
 

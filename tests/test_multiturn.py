@@ -98,8 +98,12 @@ class ThinkingEngine:
             turn = self.tokenizer.decode(r.prompt_ids).count("<|im_start|>assistant") - 1
             text = f"reasoning {turn} of {r.prompt_id[:6]}\n</think>\n\nanswer {turn} of {r.prompt_id[:6]}"
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if turn == self.length_at_turn:
-                yield Result(r.prompt_id, r.sample_idx, ids[:3], "length")
+            if turn == self.length_at_turn:  # runs out: the whole budget, as an engine does
+                yield Result(
+                    r.prompt_id, r.sample_idx, (ids * r.params.max_new_tokens)[: r.params.max_new_tokens], "length"
+                )
+            elif len(ids) + 1 > r.params.max_new_tokens:  # as an engine does: never past the budget
+                yield Result(r.prompt_id, r.sample_idx, ids[: r.params.max_new_tokens], "length")
             else:
                 yield Result(r.prompt_id, r.sample_idx, ids, "stop", stop_token_id=STOP)
 
@@ -120,7 +124,7 @@ def _plan(
         "store": str(tmp_path / "store"),
         "model": {"path": str(model), "chat_template": str(template), **(model_settings or {})},
         "engine": {"backend": "transformers", "options": {"device": "cpu", "batch_size": 4, "threads": 1}},
-        "sampling": {"max_new_tokens": 24, "temperature": 0.8, "seed": 3},
+        "sampling": {"max_new_tokens": 40, "temperature": 0.8, "seed": 3},
         "sources": {"s": {"category": "c", "turns": "all", **source}},
         "mix": {"categories": {"c": 1}},
         "truncated": "drop",
@@ -325,7 +329,9 @@ def test_conversations_are_reused_whole_from_an_earlier_prompt_set_and_only_unde
     """Another prompt set (a row added) with the same model, template and sampling: every earlier
     conversation is taken from the row index, every turn of it, one ending on a truncated turn too;
     only the new one reaches the engine, and the rows equal a fresh build's. Under another
-    max_new_tokens nothing is taken: a later turn's prompt holds the earlier answers."""
+    max_new_tokens a turn is taken only where the engine would answer it the same (its answer stopped
+    within the new budget; one that ran out, not), from the first turn on: the rows equal that budget's
+    fresh build's."""
     tok = _tokenizer(tiny_model)
     first = _messages_plan(tmp_path, tiny_model)
     plan_mod.record_components(first)  # as the Snakefile does: reuse reads what an earlier key was made of
@@ -347,15 +353,23 @@ def test_conversations_are_reused_whole_from_an_earlier_prompt_set_and_only_unde
     assert pq.read_table(grown.completion_dir("s") / "00000.parquet", columns=columns).to_pylist() == (
         pq.read_table(fresh.completion_dir("s") / "00000.parquet", columns=columns).to_pylist()
     )
-    shorter = _plan(
-        tmp_path,
-        tiny_model,
-        {"format": "messages", "files": [str(tmp_path / "chat.jsonl")], "sampling": {"max_new_tokens": 20}},
-    )
-    assert shorter.sources["s"].conversation_reuse_key != first.sources["s"].conversation_reuse_key
+    # 30 new tokens: every answer that stopped still fits; the turn that ran out at 40 would run out sooner
+    shorter_source = {"format": "messages", "files": [str(tmp_path / "chat.jsonl")], "sampling": {"max_new_tokens": 30}}
+    shorter = _plan(tmp_path, tiny_model, shorter_source)
+    assert shorter.sources["s"].conversation_reuse_key == first.sources["s"].conversation_reuse_key
     again = ThinkingEngine(tok, length_at_turn=2)
     monkeypatch.setattr(engines, "load", lambda *a, **k: again)
-    assert generate.run(planned(shorter, "generate", "s", "00000"))["reused"] == 0
+    stats = generate.run(planned(shorter, "generate", "s", "00000"))
+    # under another budget a turn is taken only if the engine answers it the same (it stopped within the
+    # new budget, or ran out at exactly it): the rows are a fresh build's under that budget
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(tok, length_at_turn=2))
+    fresh_short = _plan(tmp_path / "fresh-short", tiny_model, shorter_source)
+    generate.run(planned(fresh_short, "generate", "s", "00000"))
+    assert pq.read_table(shorter.completion_dir("s") / "00000.parquet", columns=columns).to_pylist() == (
+        pq.read_table(fresh_short.completion_dir("s") / "00000.parquet", columns=columns).to_pylist()
+    )
+    rows = pq.read_table(shorter.completion_dir("s") / "00000.parquet").to_pylist()
+    assert stats["reused"] == 2 and 0 < stats["generated"] < sum(len(r["turns"] or []) for r in rows), stats
 
 
 def test_a_column_sets_thinking_per_row(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from dflash_build.keys import reuse_key
 from dflash_build.store import rowindex
 from dflash_build.store.rowindex import RowIndex
 
 ROWS_PER_SHARD = 300
+COMPONENTS = {"model": "m", "engine": {}, "sampling": {"temperature": 1.0, "seed": 0, "max_new_tokens": 16}}
+KEY = reuse_key(COMPONENTS)
 
 
 def _rows(writer: int, shard: int, finish: str = "stop") -> list[dict[str, object]]:
@@ -32,10 +35,10 @@ def _writer(store: Path, writer: int, shards: int) -> None:
     try:
         for shard in range(shards):
             path = _shard_path(store, writer, shard)
-            index.add_shard("rk", "gk", path, _rows(writer, shard, "length"), 16)
-            index.add_shard("rk", "gk", path, _rows(writer, shard), 16)
-            found = index.lookup("rk", [(r["prompt_id"], 0) for r in _rows(writer, shard)], 16)
-            assert len(found) == ROWS_PER_SHARD and all(c.finish_reason == "stop" for c in found.values())
+            index.add_shard("gk", COMPONENTS, path, _rows(writer, shard, "length"))
+            index.add_shard("gk", COMPONENTS, path, _rows(writer, shard))
+            found = index.lookup(KEY, [(r["prompt_id"], 0) for r in _rows(writer, shard)], 16)
+            assert len(found) == ROWS_PER_SHARD and all(c.finish_reason == "stop" for [c] in found.values())
             if shard % 3 == 2:
                 index.remove_shard(path)
     finally:
@@ -66,8 +69,8 @@ def test_every_lookup_and_delete_uses_an_index(tmp_path: Path) -> None:
     statements: list[str] = []
     index.db.set_trace_callback(statements.append)
     path = _shard_path(tmp_path, 0, 0)
-    index.add_shard("rk", "gk", path, _rows(0, 0), 16)
-    index.lookup("rk", [("x", 0)], 16)
+    index.add_shard("gk", COMPONENTS, path, _rows(0, 0))
+    index.lookup(KEY, [("x", 0)], 16)
     index.remove_shard(path)
     index.db.set_trace_callback(None)
     checked = 0
@@ -86,14 +89,14 @@ def test_a_lock_held_by_another_process_is_waited_for_never_taken_for_damage(tmp
     index (rows included) is not rebuilt under it."""
     index = RowIndex(tmp_path)
     index.db.execute(f"PRAGMA user_version = {rowindex.LAYOUT}")
-    index.add_shard("rk", "gk", _shard_path(tmp_path, 0, 0), _rows(0, 0), 16)
+    index.add_shard("gk", COMPONENTS, _shard_path(tmp_path, 0, 0), _rows(0, 0))
     index.close()
     holder = sqlite3.connect(tmp_path / "index" / "rows.sqlite", isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN EXCLUSIVE")
     release = threading.Timer(1.0, lambda: holder.execute("COMMIT"))
     release.start()
     with RowIndex.open(tmp_path, sync=False) as waited:
-        found = waited.lookup("rk", [(r["prompt_id"], 0) for r in _rows(0, 0)], 16)
+        found = waited.lookup(KEY, [(r["prompt_id"], 0) for r in _rows(0, 0)], 16)
     release.join()
     assert len(found) == ROWS_PER_SHARD, "the rows written before are still there: nothing was rebuilt"
 

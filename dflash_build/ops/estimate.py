@@ -14,8 +14,11 @@ from dflash_build.ops import forecast
 from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
+from dflash_build.stages import generate
 from dflash_build.stages.common import crosssource, neardup
-from dflash_build.stages.common.job import sized_counts
+from dflash_build.stages.common.job import planned, sized_counts
+from dflash_build.stages.generate.reuse import reuse, reuse_conversations
+from dflash_build.stages.generate.work import ShardPaths
 from dflash_build.stages.prepare import checks as prepare_checks
 from dflash_build.stages.prepare.identity import shard_bounds
 from dflash_build.stages.prepare.selection import Selection, select
@@ -413,14 +416,33 @@ def _count_rows(
         done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
         est.rows_journaled += len(wanted & done)
         wanted -= done
-    if sp.spec.turns == "first":
-        found = index.lookup(sp.reuse_key, wanted, sampling.max_new_tokens)
-        taken = {pair for pair, cand in found.items() if cand.use_for(sampling.max_new_tokens) != "continue"}
-        est.rows_reused += len(taken)
-        est.rows_continued += len(found) - len(taken)
-        wanted -= taken
-    else:  # a conversation is taken whole, under a key that keeps the budgets
-        taken = set(index.lookup(sp.conversation_reuse_key, wanted, sampling.max_new_tokens))
-        est.rows_reused += len(taken)
-        wanted -= taken
-    est.rows_to_generate += len(wanted)
+    taken, continued = _reused(plan, index, source, shard, wanted)
+    est.rows_reused += len(taken)
+    est.rows_continued += len(continued)
+    est.rows_to_generate += len(wanted - taken)
+
+
+def _reused(
+    plan: Plan, index: RowIndex, source: str, shard: str, wanted: set[tuple[str, int]]
+) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """(rows the job takes from earlier completions, truncated ones the engine continues) of ``wanted``.
+    Single-turn rows generated with this source's settings are taken as their index entry says; where
+    some come from other settings (a template edit, a scheme bump), and for conversations (whose turns'
+    budgets are checked one by one), the shard's requests are rendered and checked as the job checks
+    them (stages.generate.reuse), so the count is the job's."""
+    sp = plan.sources[source]
+    key = sp.reuse_key if sp.spec.turns == "first" else sp.conversation_reuse_key
+    found = index.lookup(key, wanted, sp.spec.sampling.max_new_tokens)
+    other_settings = any(c.generation_key != sp.generation_key for cands in found.values() for c in cands)
+    if found and (other_settings or sp.spec.turns != "first"):  # a conversation's budgets are per turn
+        work = generate.open_shard(plan, source, shard, ShardPaths.of(planned(plan, "generate", source, shard)))
+        work.convs = {k: conv for k, conv in work.convs.items() if k in wanted}
+        if sp.spec.turns == "first":
+            reuse(work, None, index)
+        else:
+            reuse_conversations(work, None, index)
+        done = {k for k, conv in work.convs.items() if conv.turns and conv.finish_reason is not None}
+        return done, {k for k, conv in work.convs.items() if conv.prefix}
+    limit = sp.spec.sampling.max_new_tokens
+    taken = {pair for pair, cands in found.items() if cands[0].use_for(limit) != "continue"}
+    return taken, set(found) - taken

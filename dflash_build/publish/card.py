@@ -8,6 +8,7 @@ from typing import Any
 
 from dflash_build.publish import plots, report
 from dflash_build.store import layout
+from dflash_build.store import records as R
 
 
 def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str:
@@ -31,6 +32,14 @@ def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str
             f"used: {use['used_tokens']} of the {use['generated_tokens']} tokens generated ({use['used_share']:.1%}); "
             "the mix left out the rest"
         )
+    across = {
+        name: s["generation"][R.STAT_REUSED_ACROSS]
+        for name, s in manifest.get("report", {}).get("by_source", {}).items()
+        if s["generation"].get(R.STAT_REUSED_ACROSS)
+    }
+    if across:  # a template, prepare or scheme change re-keyed them; their requests were the same
+        shown = ", ".join(f"{name} {n}" for name, n in sorted(across.items()))
+        lines.append(f"reused across settings: {sum(across.values())} rows whose requests did not change ({shown})")
     lines.extend(f"note: {s}" for s in manifest["shortfalls"])
     if sources and "report" in manifest:
         lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]

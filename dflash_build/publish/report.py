@@ -91,7 +91,7 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
             turns = _add_turns(turns, stats[R.STAT_TURNS])
         for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED,
                     R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE, R.STAT_REUSED, R.STAT_CONTINUED,
-                    R.STAT_GENERATED):  # fmt: skip
+                    R.STAT_REUSED_ACROSS, R.STAT_GENERATED):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
         # a restored shard's sidecar keeps the numbers of the one run that generated it
         seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
@@ -111,6 +111,8 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         "window_rate": round(total[R.STAT_WINDOW] / rows, 6) if rows else 0.0,  # ended at trainer.max_length
         "error_rate": round(R.failed_rows(total) / rows, 6) if rows else 0.0,
         "reuse_rate": round((total[R.STAT_REUSED] + total[R.STAT_CONTINUED]) / rows, 6) if rows else 0.0,
+        # of those, rows a generation under other settings made (the same requests: keys.reuse_key)
+        **({R.STAT_REUSED_ACROSS: total[R.STAT_REUSED_ACROSS]} if total[R.STAT_REUSED_ACROSS] else {}),
         "job_hours": round(wall / 3600, 4),
         "gpu_hours": round(wall / 3600 * gpus_per_job, 4),
         "engine_tok_per_s": round(engine_tokens / wall, 2) if wall else None,

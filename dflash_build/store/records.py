@@ -147,6 +147,7 @@ STAT_LOSS_TOKENS = "loss_tokens"
 STAT_DATA = "data"  # {"rows", "sha256"} of the parquet file the sidecar describes
 STAT_REUSED = "reused"  # rows taken from completions already in the store
 STAT_CONTINUED = "continued"  # rows whose earlier truncated answer the engine continued
+STAT_REUSED_ACROSS = "reused_across_settings"  # reused (or continued) rows a generation under other settings made
 STAT_REUSED_FROM = "reused_from"  # {"gen_key/shard": rows}, reused and continued
 STAT_GENERATED = "generated"  # rows the engine produced in the run that generated the shard
 STAT_TURNS = "turns"  # turns: all: what became of the conversations (generate.turn_counts)

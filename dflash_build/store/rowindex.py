@@ -1,19 +1,25 @@
-"""Per-row index of published completions, for regenerating rows rather than shards.
+"""Per-row index of published completions, for regenerating requests rather than shards.
 
-Shard targets stay per shard, but before generating, a job looks up every (prompt_id, sample_idx) in
-the completions already in the store for the same model, template, template kwargs and sampling
-(everything of gen_key but the prompt set and max_new_tokens: the ``reuse_key``). A row's seed
-depends only on (seed, prompt_id, sample_idx), so a row generated for another prompt set is a valid
-sample of this one. Under a new max_new_tokens M, a row with n output tokens is used:
+Shard targets stay per shard, but before generating, a job looks up every (prompt_id, sample_idx) among
+the completions already in the store whose requests were made to the same engine: the same model, the
+same engine options that change the numbers, the same sampling (``keys.reuse_key``). What else decides
+an answer each row holds: the prompt token ids the engine saw and the row's seed (which depends only on
+the base seed, the prompt id and the sample index). So a row found here answers this build's request when
+its prompt ids are the ones this build renders, its seed is this build's, and its answer is what the
+engine returns under this build's stop ids and budget; ``stages.generate.reuse`` checks each, whatever
+changed the key around it (a template edit no prompt uses, a scheme bump, another prompt set). Under a new
+max_new_tokens M, a row with n output tokens is used:
 
 - whole, when it stopped and n + 1 <= M (it stopped before the limit);
 - cut to its first M tokens (a truncated sample under M), when n >= M;
 - as a prefix to continue from, when it was truncated with n < M: the engine generates the rest,
   which is as valid a sample as one generated from scratch.
 
-A ``turns: all`` row is reused whole, every turn of it, or not at all, under a key that keeps the
-budgets (``keys.reuse_key(..., conversations=True)``): each later turn's prompt holds the earlier
-answers, so a cut or continued turn would change every turn after it.
+A ``turns: all`` row is reused turn by turn from the first, while each turn's request is the same (its
+prompt on the history, its budget), under a key of its own (``keys.reuse_key(..., conversations=True)``):
+each later turn's prompt holds the earlier answers, so a turn is never cut or continued. Each row also
+keeps its generation key (``keys.generation_key``), so a row reused across a template, prepare or scheme
+change is counted apart from one reused within the same generation settings.
 
 SQLite (one file per store) keeps the lookup fast at millions of rows and safe for concurrent jobs:
 every lookup and delete goes through an index, and a write transaction holds the lock only for its own
@@ -40,24 +46,27 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build.keys import reuse_key
+from dflash_build.keys import generation_key, reuse_key
 from dflash_build.store import filesystem, layout
 
 log = logging.getLogger(__name__)
 INDEX_FILE = layout.INDEX_FILE
 LOCK_FILE = layout.INDEX_LOCK
-LAYOUT = 3  # PRAGMA user_version: 2 = store-relative paths and per-shard row counts; 3 = turns: all rows
+# PRAGMA user_version: 2 = store-relative paths and per-shard row counts; 3 = turns: all rows; 4 = rows by
+# their requests (keys.reuse_key), with their generation key
+LAYOUT = 4
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
     reuse_key TEXT NOT NULL,
     prompt_id TEXT NOT NULL,
     sample_idx INTEGER NOT NULL,
     gen_key TEXT NOT NULL,
+    generation_key TEXT NOT NULL,
     path TEXT NOT NULL,
     row INTEGER NOT NULL,
     finish_reason TEXT NOT NULL,
@@ -74,16 +83,14 @@ class IndexCorrupt(RuntimeError):
     """The index file is damaged in a way found only while using it."""
 
 
-def _indexed(rows: Iterable[dict[str, Any]], conversations: bool) -> list[tuple[int, dict[str, Any]]]:
-    """The rows worth indexing: rows that stopped or ran out; ``turns: all`` rows only with ``conversations``."""
+def _indexed(rows: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """The rows worth indexing: rows that stopped or ran out."""
     reusable = ("stop", "length", "window")  # a row that ended at a trainer's window continues like a truncated one
-    return [
-        (i, r) for i, r in enumerate(rows) if r["finish_reason"] in reusable and (conversations or not r.get("turns"))
-    ]
+    return [(i, r) for i, r in enumerate(rows) if r["finish_reason"] in reusable]
 
 
-def _outcome(row: dict[str, Any], max_new_tokens: int) -> tuple[str, int, int]:
-    return row["finish_reason"], row["n_output_tokens"], max_new_tokens
+def _outcome(row: dict[str, Any]) -> tuple[str, int]:
+    return row["finish_reason"], row["n_output_tokens"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class Candidate:
     prompt_id: str
     sample_idx: int
     gen_key: str
+    generation_key: str
     path: str
     row: int
     finish_reason: str
@@ -172,6 +180,7 @@ class RowIndex:
         """Connect for writing, without any check (use :meth:`open`); or wrap ``db``, to read only."""
         self.store = store
         self.path = store / INDEX_FILE
+        self.read_only = db is not None
         if db is not None:
             self.db = db
             return
@@ -294,29 +303,23 @@ class RowIndex:
         return os.path.relpath(os.path.abspath(path), os.path.abspath(self.store))
 
     def add_shard(
-        self,
-        key: str,
-        gen_key: str,
-        path: Path,
-        rows: Iterable[dict[str, Any]],
-        max_new_tokens: int,
-        conversation_key: str | None = None,
+        self, gen_key: str, components: Mapping[str, Any], path: Path, rows: Iterable[dict[str, Any]]
     ) -> None:
-        """Index a published completion shard: single-turn rows under ``key``, ``turns: all`` rows under
-        ``conversation_key`` (keys.reuse_key; without it they are not indexed)."""
+        """Index a published completion shard of ``gen_key`` (its recorded ``components``): single-turn rows
+        and ``turns: all`` rows each under their key (keys.reuse_key), with the shard's generation key."""
         name = self.relative(path)
-        indexed = _indexed(rows, conversation_key is not None)
+        keys = {False: reuse_key(components), True: reuse_key(components, conversations=True)}
+        generation = generation_key(components)
+        max_new_tokens = components["sampling"]["max_new_tokens"]
         values = [
-            (
-                *(conversation_key if r.get("turns") else key, r["prompt_id"], r["sample_idx"], gen_key, name, i),
-                *_outcome(r, max_new_tokens),
-            )
-            for i, r in indexed
+            (keys[bool(r.get("turns"))], r["prompt_id"], r["sample_idx"], gen_key, generation, name, i, *_outcome(r))
+            for i, r in _indexed(rows)
         ]
+        values = [(*v, max_new_tokens) for v in values]
         with self._writing():
             self.db.execute("DELETE FROM rows WHERE path = ?", (name,))
-            self.db.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
-            self.db.execute("INSERT OR REPLACE INTO shards VALUES (?, ?, ?)", (name, gen_key, len(indexed)))
+            self.db.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+            self.db.execute("INSERT OR REPLACE INTO shards VALUES (?, ?, ?)", (name, gen_key, len(values)))
 
     def remove_shard(self, path: Path) -> None:
         name = self.relative(path)
@@ -367,30 +370,31 @@ class RowIndex:
 
     def lookup(
         self, key: str, wanted: Iterable[tuple[str, int]], max_new_tokens: int
-    ) -> dict[tuple[str, int], Candidate]:
-        """The best usable earlier row for each wanted (prompt_id, sample_idx); paths relative to the store."""
-        best: dict[tuple[str, int], Candidate] = {}
+    ) -> dict[tuple[str, int], list[Candidate]]:
+        """Every earlier row of each wanted (prompt_id, sample_idx) under ``key``, the best first: a whole or
+        cut row costs nothing, and among continuations the longest prefix wastes least. Reuse takes the
+        first that answers its request (the others were made under other settings); paths are relative to
+        the store."""
+        found: dict[tuple[str, int], list[Candidate]] = {}
         wanted = list(wanted)
         for start in range(0, len(wanted), 500):
             chunk = wanted[start : start + 500]
             ids = sorted({pid for pid, _ in chunk})
             marks = ",".join("?" * len(ids))
             cursor = self.db.execute(
-                f"SELECT prompt_id, sample_idx, gen_key, path, row, finish_reason, n_output, max_new_tokens "
-                f"FROM rows WHERE reuse_key = ? AND prompt_id IN ({marks})",
+                f"SELECT prompt_id, sample_idx, gen_key, generation_key, path, row, finish_reason, n_output, "
+                f"max_new_tokens FROM rows WHERE reuse_key = ? AND prompt_id IN ({marks})",
                 (key, *ids),
             )
             keys = set(chunk)
             for values in cursor:
                 cand = Candidate(*values)
                 pair = (cand.prompt_id, cand.sample_idx)
-                if pair not in keys:
-                    continue
-                # a whole or cut row costs nothing; among continuations the longest prefix wastes least
-                old = best.get(pair)
-                if old is None or _rank(cand, max_new_tokens) > _rank(old, max_new_tokens):
-                    best[pair] = cand
-        return best
+                if pair in keys:
+                    found.setdefault(pair, []).append(cand)
+        for cands in found.values():
+            cands.sort(key=lambda c: (_rank(c, max_new_tokens), c.gen_key), reverse=True)
+        return found
 
 
 def published_shards(store: Path) -> list[Path]:
@@ -416,14 +420,7 @@ def _index_file(index: RowIndex, data: Path) -> None:
     except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are OSError/ValueError
         log.warning("cannot index %s (%s): `dflash-build verify` checks it", data, e)
         return
-    index.add_shard(
-        reuse_key(components),
-        stats["gen_key"],
-        data,
-        rows,
-        components["sampling"]["max_new_tokens"],
-        reuse_key(components, conversations=True),
-    )
+    index.add_shard(stats["gen_key"], components, data, rows)
 
 
 def rebuild(store: Path, force: bool = True) -> int:

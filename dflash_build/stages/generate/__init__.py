@@ -222,6 +222,7 @@ def replay(work: ShardWork, journal: Journal) -> int:
             continue
         turn = work.apply(conv, work.renderer.next_context(conv), result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
+        turn.across = row.get("across", False)
         applied += 1
     if skipped:
         log.warning("%s: %d journal rows in %s do not fit the shard and are skipped", work.label, skipped, journal.path)
@@ -299,7 +300,7 @@ def take_result(work: ShardWork, generated: Result, context: tuple[list[int], in
         )
     turn = work.apply(conv, context_ids, result)
     if conv.prefix_from is not None:
-        turn.reused_from, turn.continued = conv.prefix_from, True
+        turn.reused_from, turn.continued, turn.across = conv.prefix_from, True, conv.prefix_across
         conv.prefix, conv.prefix_from = [], None
     return turn
 
@@ -308,7 +309,7 @@ def start_engine(work: ShardWork, lease: gpus.GpuLease | None) -> engines.Engine
     """The job's own engine, or (``engine.shared``, or a server backend) a client of the long-lived
     engine servers this config's jobs share (see engine_host)."""
     cfg = work.plan.config
-    stop_ids = chat.stop_token_ids(work.tokenizer, cfg.model.path)
+    stop_ids = work.stop_ids
     if engine_host.through_server(cfg.engine):
         fingerprint = work.plan.model_fingerprint
         return engine_host.open_engine(cfg, stop_ids, lease, work.tokenizer, fingerprint, work.context)
@@ -425,13 +426,15 @@ def publish(
     stats[R.STAT_RETOKENIZED_TURNS] = retokenized
     stats[R.STAT_RETOKENIZE_DRIFT] = round(sum(t.drifted for t in turns) / retokenized, 6) if retokenized else 0.0
     reused_from: dict[str, int] = {}
-    continued = 0
+    continued = across = 0
     for conv in convs:
         if conv.turns and conv.turns[0].reused_from:
             reused_from[conv.turns[0].reused_from] = reused_from.get(conv.turns[0].reused_from, 0) + 1
             continued += conv.turns[0].continued
+            across += conv.turns[0].across
     stats[R.STAT_REUSED] = sum(reused_from.values()) - continued
     stats[R.STAT_CONTINUED] = continued
+    stats[R.STAT_REUSED_ACROSS] = across  # of those, from another generation's settings (same requests)
     stats[R.STAT_REUSED_FROM] = reused_from
     stats[R.STAT_GENERATED] = engine_run.journaled
     if engine_run.engine_identity is not None:
@@ -463,6 +466,4 @@ def _link_outputs(journal: Journal, paths: ShardPaths) -> None:
 def _index_shard(plan: Plan, source: str, data: Path, rows: list[dict[str, Any]]) -> None:
     sp = plan.sources[source]
     with RowIndex.open(plan.config.store, sync=False) as index:
-        index.add_shard(
-            sp.reuse_key, sp.gen_key, data, rows, sp.spec.sampling.max_new_tokens, sp.conversation_reuse_key
-        )
+        index.add_shard(sp.gen_key, sp.gen_components, data, rows)

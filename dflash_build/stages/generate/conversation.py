@@ -22,6 +22,7 @@ class Turn:
     drifted: bool = False  # re-tokenized length differs from the server's own count
     reused_from: str | None = None  # "gen_key/shard" of the completion this row was taken from
     continued: bool = False  # the engine extended the reused (truncated) answer
+    across: bool = False  # reused from a generation under other settings (template, prepare, scheme)
     history_retokenized: bool = False  # the prompt holds earlier answers as text the template wrote
     tool_calls: str | None = None  # a tool conversation's turn: "matched" the dataset's calls, or "mismatched"
 
@@ -40,6 +41,7 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)
     prefix: list[int] = field(default_factory=list)  # an earlier truncated answer to continue
     prefix_from: str | None = None
+    prefix_across: bool = False  # the prefix comes from a generation under other settings
     finish_reason: str | None = None  # set when the conversation is finished
     error: str | None = None
     template_kwargs: dict[str, Any] | None = None  # this row's own (chat_template_kwargs_from)

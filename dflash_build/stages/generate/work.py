@@ -3,6 +3,7 @@ how a turn's result becomes a journal row and a completion row."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from dflash_build import hashing
 from dflash_build.engines import Result, SamplingParams
 from dflash_build.plan import Plan
 from dflash_build.spec import SourceSpec
+from dflash_build.stages.common import chat
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.conversation import Conversation, Renderer, Turn
 from dflash_build.store import records as R
@@ -49,6 +51,7 @@ def journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
         "drifted": turn.drifted,
         "reused_from": turn.reused_from,
         "continued": turn.continued,
+        "across": turn.across,
         "at": round(time.time(), 1),  # when it finished: `dflash-build status` reads rates from it
     }
 
@@ -93,6 +96,11 @@ class ShardWork:
 
     def pending(self) -> list[Conversation]:
         return [c for c in self.convs.values() if c.finish_reason is None]
+
+    @functools.cached_property
+    def stop_ids(self) -> list[int]:
+        """The token ids the engine stops on: the target's end of turn and its generation config's."""
+        return chat.stop_token_ids(self.tokenizer, self.plan.config.model.path)
 
     def budget(self, prompt_tokens: int) -> int:
         """New tokens an answer after ``prompt_tokens`` may have (the window's rule: TrainerSpec.budget)."""
