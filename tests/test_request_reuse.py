@@ -70,11 +70,14 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, stoppy_model: Path) -> 
 
 @pytest.fixture
 def built(built_once: Path, tmp_path: Path) -> Workflow:
-    """This test's copy of the build (its data, template and store), with its config pointing at the copy."""
-    shutil.copytree(built_once / "data", tmp_path / "data")
+    """This test's copy of the build (its store and a template of its own to edit); the inputs stay where
+    they were (moved, Snakemake would prepare them again for the new paths)."""
     wf = Workflow(built_once / "work").copy_to(tmp_path / "work")
-    text = (wf.workdir / "config.yaml").read_text().replace(str(built_once / "data"), str(tmp_path / "data"))
-    wf.write_config(yaml.safe_load(text))
+    config = yaml.safe_load((wf.workdir / "config.yaml").read_text())
+    template = tmp_path / "template.jinja"
+    shutil.copy2(config["model"]["chat_template"], template)
+    config["model"]["chat_template"] = str(template)
+    wf.write_config(config)
     return wf
 
 
