@@ -11,6 +11,7 @@ configfile: "config/config.yaml"
 
 include: "rules/common.smk"
 include: "rules/prepare.smk"
+include: "rules/prepared.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"
 include: "rules/mix.smk"
@@ -48,3 +49,4 @@ onsuccess:
 
 onerror:
     stop_engines()
+    explain_failure()

@@ -32,7 +32,7 @@ from typing import Any
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
-from dflash_build.ops import estimate, explain, gc, registrations, status, verify
+from dflash_build.ops import estimate, explain, gc, registrations, standing, status, verify
 from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
 from dflash_build.store import filesystem, layout, rowindex
@@ -64,6 +64,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hours = sum(e.gpu_hours for e in estimates)
     jobs = sum(len(e.generate_jobs) for e in estimates)
     print(f"total: {jobs} generate jobs, {total} rows to generate, {tokens:.0f} output tokens, {hours:.2f} GPU-hours")
+    if (lost := standing.standing(plan)) is not None:
+        print(lost.line((sum(e.rows_held for e in estimates), sum(e.rows_held_reused for e in estimates))))
     shared = [e for e in estimates if e.cross_source_prompts]
     if shared:
         each = ", ".join(f"{e.source} {e.cross_source_prompts}" for e in shared)
@@ -211,6 +213,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{'CANNOT READ' if p.unreadable else 'BAD'} {p.path}: {p.reason}")
     for line in release.pending(plan.config.dist_folders):
         print(line)
+    if (lost := standing.standing(plan)) is not None:  # not damage: what a build does about it is known
+        print(lost.line())
     unreadable = sum(p.unreadable for p in problems)
     cannot = f", {unreadable} not readable by this user (--repair leaves them)" if unreadable else ""
     print(f"checked {checked + 1} files, {len(problems) - unreadable} bad{cannot}")
@@ -224,6 +228,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_reindex(args: argparse.Namespace) -> int:
     plan = _plan(args)
+    filesystem.check_writable(Path(plan.config.store))  # the index is rewritten in place: say so before
     print(f"indexed {rowindex.rebuild(plan.config.store)} completion shards")
     return 0
 
@@ -266,11 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         # not complain about the closed pipe either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except filesystem.StoreFault as e:
-        print(f"dflash-build {args.command}: {e}", file=sys.stderr)
-        return 2
     except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
         print(f"dflash-build {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        # a read-only store or a full disk (any command that writes: reindex, gc, clean): one line that
+        # names the path and what to do, as the build's jobs say it
+        fault = filesystem.fault(e)
+        if fault is None:
+            raise
+        print(f"dflash-build {args.command}: {fault}", file=sys.stderr)
         return 2
 
 

@@ -109,6 +109,17 @@ def _placed(candidate: list[str], where: list[str]) -> list[str]:
     return out
 
 
+def _enum_message(value: Any, allowed: list[Any]) -> str:
+    """'is not one of ...' for a value outside an enum, with the closest valid value first."""
+    import difflib
+
+    names = [str(a) for a in allowed if a is not None]
+    near = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    shown = ", ".join("null" if a is None else str(a) for a in allowed)
+    return f"{value!r} is not a valid value; {hint}valid values: {shown}"
+
+
 def check_schema(raw: Mapping[str, Any]) -> None:
     """The schema's checks, with a short message naming the key: an unknown key gets the closest valid one.
 
@@ -130,6 +141,8 @@ def check_schema(raw: Mapping[str, Any]) -> None:
         near = _closest(unknown[0], where, allowed)
         hint = f"; did you mean '{near}'?" if near else f"; valid keys here: {', '.join(allowed)}"
         raise ConfigError(key, f"is not a config key{hint}")
+    if error.validator == "enum":
+        raise ConfigError(where, _enum_message(error.instance, error.validator_value))
     shown = repr(error.instance)
     message = (
         error.message.replace(shown, f"{shown[:60]}... ({len(shown)} characters)") if len(shown) > 80 else error.message

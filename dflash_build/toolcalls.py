@@ -303,3 +303,19 @@ def same_calls(ours: tuple[ToolCall, ...], theirs: list[dict[str, Any]], match: 
         return True
     canonical = [json.dumps(c.arguments, sort_keys=True) for c in ours]
     return canonical == [json.dumps(t["function"]["arguments"], sort_keys=True) for t in theirs]
+
+
+def call_difference(ours: tuple[ToolCall, ...], theirs: list[dict[str, Any]]) -> str:
+    """How the target's calls differ from the dataset's, for the mismatch note: the functions where they
+    differ, else the first call whose arguments differ, with both arguments."""
+    names = [c.name for c in ours]
+    wanted = [t["function"]["name"] for t in theirs]
+    if names != wanted:
+        return f"answered {names or 'text'} where the dataset has {wanted or 'text'}"
+    for i, (call, their) in enumerate(zip(ours, theirs, strict=True)):
+        mine = json.dumps(call.arguments, sort_keys=True)
+        want = json.dumps(their["function"]["arguments"], sort_keys=True)
+        if mine != want:
+            where = f"call {i + 1} of {len(ours)}"
+            return f"called {call.name} ({where}) with arguments {mine} where the dataset has {want}"
+    return f"answered {names} as the dataset does"

@@ -92,21 +92,6 @@ def warnings_to_stderr() -> None:
         root.addHandler(handler)
 
 
-def fix_list_params_changes() -> None:
-    """Make ``snakemake --list-changes params`` list only outputs whose params changed.
-
-    Snakemake 9's ``ParamsChange`` (persistence) iterates its files even when it holds no change, and
-    ``params_changed`` returns one for every output with recorded params, so the command listed the
-    last output of every job: ``snakemake -R $(snakemake --list-changes params)`` then reran prepare
-    jobs for nothing. An iteration that yields files only for a real change is what the listing (its
-    one user that iterates) means; a Snakemake that already does so is left alone.
-    """
-    from snakemake.persistence import ParamsChange
-
-    if list(ParamsChange(files={"probe"})):
-        ParamsChange.__iter__ = lambda self: iter(self.files if self else ())  # type: ignore[method-assign]
-
-
 def warn_if_recorded_but_missing(config: Config) -> None:
     """Say so when a dataset folder was deleted by hand: its build record keeps Snakemake from rebuilding it."""
     for folder in config.dist_folders:
@@ -117,6 +102,20 @@ def warn_if_recorded_but_missing(config: Config) -> None:
                 folder,
                 release.record_dir(folder),
             )
+
+
+def unprepared_line(plan: plan_mod.Plan) -> str | None:
+    """After a failed build: the sources it left unprepared, which every generate job waited for (the
+    ``prepared`` gate), with their logs and what to do; None when every source is prepared."""
+    missing = [name for name in plan.sources if not plan.prompt_manifest(name).exists()]
+    if not missing:
+        return None
+    logs = ", ".join(layout.prepare_log(plan.config.logs, name, plan.sources[name].prompt_key) for name in missing)
+    return (
+        f"dflash-build: no generate job started: every one waits for all sources to be prepared, and these are "
+        f"not prepared: {', '.join(missing)} (its prepare's error above; log: {logs}). Fix what the error names "
+        "and run again: what was prepared is kept"
+    )
 
 
 def check_store(config: Config) -> None:

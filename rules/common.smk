@@ -9,7 +9,9 @@ import dflash_build.plan
 import dflash_build.stages.prepare.checks
 import dflash_build.stages.common.job
 import dflash_build.stages.size
+import dflash_build.stages.mix
 import dflash_build.publish.release
+import dflash_build.snakemake_fixes
 import dflash_build.versions
 import dflash_build.workflow
 from dflash_build.store import layout
@@ -26,7 +28,7 @@ dflash_build.configfile.validate(config)
 
 
 dflash_build.workflow.warnings_to_stderr()
-dflash_build.workflow.fix_list_params_changes()
+dflash_build.snakemake_fixes.apply()
 CONFIG = dflash_build.config.from_dict(config)
 PLAN = dflash_build.plan.build(CONFIG)
 STORE = str(CONFIG.store)
@@ -129,21 +131,23 @@ AS_NEEDED = CONFIG.mix_generate == "as_needed"
 SIZING = {
     n: layout.sizing_file(LOGS, CONFIG.dataset_name, n) for n in layout.SIZING_ROUNDS
 }
+# a dataset that stands over lost store shards: a dry run says so as plan, verify and status do
+if DRY_RUN:
+    import dflash_build.ops.standing
+
+    if (lost := dflash_build.ops.standing.standing(PLAN)) is not None:
+        print(f"dflash-build: {lost.line()}", file=sys.stderr)
+# jobs behind a size checkpoint that reruns are not in a dry run's list: one line says which will run
+if DRY_RUN and AS_NEEDED:
+    import dflash_build.ops.estimate  # its imports cost a dry run only
+
+    if (note := dflash_build.ops.estimate.dry_run_note(PLAN)) is not None:
+        print(note, file=sys.stderr)
 
 
 def get_size_params():
     # a changed share, budget or weight sizes the rounds again (the params trigger); nothing regenerates
-    return canonical_json(
-        {
-            "categories": dict(CONFIG.mix_categories),
-            "budget_tokens": CONFIG.mix_budget_tokens,
-            "weights": {s: spec.weight for s, spec in CONFIG.sources.items()},
-            "rounds": [
-                dflash_build.stages.size.FIRST_ROUND,
-                dflash_build.stages.size.MARGIN,
-            ],
-        }
-    )
+    return canonical_json(dflash_build.stages.size.params(CONFIG))
 
 
 def get_export_params(wildcards):
@@ -162,28 +166,8 @@ def get_generate_threads():
 
 
 def get_mix_params():
-    # Recorded so that a mix edit (shares, budget, seed) reruns the mix via the params trigger, and so
-    # does a changed mix check (a tightened tolerance is checked again, nothing regenerated); canonical,
-    # so that reordering the config does not.
-    checks = CONFIG.checks
-    return canonical_json(
-        {
-            "categories": dict(CONFIG.mix_categories),
-            "budget_tokens": CONFIG.mix_budget_tokens,
-            "seed": CONFIG.mix_seed,
-            "languages": {c: dict(f) for c, f in CONFIG.mix_languages.items()},
-            "rows_per_file": CONFIG.rows_per_file,
-            "dedup": {
-                "across_sources": CONFIG.dedup.across_sources,
-                "priority": CONFIG.dedup.source_priority(CONFIG.sources),
-            },
-            "checks": {
-                "share_tolerance": checks.share_tolerance,
-                "allow_shortfall": sorted(checks.allow_shortfall),
-            },
-            "scheme": dflash_build.versions.MIX_VERSION,
-        }
-    )
+    # canonical, so that reordering the config does not rerun the mix
+    return canonical_json(dflash_build.stages.mix.params(CONFIG))
 
 
 def get_pack_params():
@@ -213,6 +197,12 @@ def stop_engines():
     import dflash_build.engines.host
 
     dflash_build.engines.host.stop_workflow_engines(CONFIG)
+
+
+def explain_failure():
+    # a prepare that failed held back every generate job: say which, once, after Snakemake's own lines
+    if (line := dflash_build.workflow.unprepared_line(PLAN)) is not None:
+        print(line, file=sys.stderr)
 
 
 def print_summary():

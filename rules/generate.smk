@@ -4,6 +4,10 @@ rule generate:
         # skip the prompts a source ranked above it keeps: ancient(), their content is in the gen key
         prompts=planned_input("generate", "prompts", ancient),
         copies_of=planned_input("generate", "copies_of", ancient),
+        # every source prepared (rules/prepared.smk): waited for, never a reason to regenerate
+        prepared=planned_input(
+            "generate", "prepared", dflash_build.snakemake_fixes.order_only
+        ),
     output:
         data=update(shard_pattern(STORE, layout.COMPLETIONS, layout.DATA)),
         stats=update(shard_pattern(STORE, layout.COMPLETIONS, layout.SIDECAR)),

@@ -152,3 +152,32 @@ def test_as_needed_generates_what_the_mix_takes_topping_up_once_and_all_regenera
     assert under_all["generated_tokens"] > 1.5 * use["generated_tokens"]
     assert under_all["used_share"] < 0.75 < 0.9 <= use["used_share"]
     assert under_all["used_tokens"] == pytest.approx(use["used_tokens"], rel=0.05)
+
+
+def test_a_raised_share_is_listed_by_plan_and_the_dry_run_before_the_build_generates_it(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    config = _config(tmp_path, tiny_model, "as_needed")
+    wf = Workflow.at(tmp_path / "work", config)
+    wf.build()
+    before = _generated_shards(wf.workdir, "long")
+    assert wf.dry_run() == {} and "not listed below" not in wf.run("-n").stderr
+    # more of the coding category: agent binds (taken whole), so coding's target grows with its share
+    config["mix"]["categories"] = {"coding": 0.7, "agent": 0.3}
+    wf.write_config(config)
+    planned = wf.cli("plan", "--jobs").stdout
+    jobs = sorted(line.split()[1] for line in planned.splitlines() if line.startswith("generate "))
+    assert jobs and all(j.startswith("long/") for j in jobs), planned
+    line = next(li for li in planned.splitlines() if li.startswith("as needed (mix.generate): the size jobs will name"))
+    assert f"(+{len(jobs)} to generate)" in line, line
+    total = next(li for li in planned.splitlines() if li.startswith("total:"))
+    assert total.startswith(f"total: {len(jobs)} generate jobs"), total
+    # the dry run lists the sizing it reruns, and says in one line which jobs come after it
+    dry = wf.run("-n")
+    note = next(li for li in dry.stderr.splitlines() if "not listed below will run too" in li)
+    assert note.startswith(f"dflash-build: {len(jobs)} generate jobs") and jobs[0] in note, note
+    assert "size_pilot" in parse_dry_run(dry.stdout)
+    wf.build()
+    added = sorted(f"long/{s}" for s in _generated_shards(wf.workdir, "long") - before)
+    assert added == jobs, (added, jobs, line)
+    assert "total: 0 generate jobs" in wf.cli("plan").stdout

@@ -179,6 +179,7 @@ def test_inspection_works_on_a_read_only_store_and_a_build_there_fails_in_one_li
         verify = wf.cli("verify")
         gc = wf.cli("gc")
         explain = wf.cli("explain", "objs", "00000")
+        reindex = wf.cli("reindex", check=False)
         failed = wf.run(check=False)
         assert tree_state(store) == before, "nothing in the store was written"
     assert "total: 0 generate jobs, 0 rows to generate" in plan.stdout, plan.stdout + plan.stderr
@@ -187,6 +188,9 @@ def test_inspection_works_on_a_read_only_store_and_a_build_there_fails_in_one_li
     assert "nothing unreferenced" in gc.stdout or "dry run" in gc.stdout
     assert "exists" in explain.stdout or "built" in explain.stdout, explain.stdout
     assert list(env_cache.glob("dflash-build/fingerprints/*.json")), "the digests went to the user's cache"
+    # the one command that rewrites the store says so in one line, as the build does
+    assert reindex.returncode == 2 and reindex.stderr.strip().count("\n") == 0, reindex.stderr
+    assert f"dflash-build reindex: cannot write {store}: the filesystem is mounted read-only" in reindex.stderr
     assert failed.returncode != 0
     said = failed.stdout + failed.stderr
     assert f"cannot write {store}: the filesystem is mounted read-only" in said, said[-3000:]

@@ -133,16 +133,22 @@ def test_ranks_follow_seed_prompt_and_sample_not_position() -> None:
             hashing.hex_to_u64(pa.array(["0000000000000001", bad]))
 
 
-def test_shortfalls_are_stated() -> None:
+def test_shortfalls_and_overshoots_are_stated_apart() -> None:
     shares = {"a": 0.5, "b": 0.3, "c": 0.2}
-    notes = mix.checks.shortfalls(
+    below, above = mix.checks.deviations(
         shares, {"a": 500, "b": 300, "c": 200}, Counter(a=500, b=50), Counter(a=900, b=50), 1000
     )
-    assert any("'b' falls short" in n for n in notes)
-    assert any("'c' has no samples" in n for n in notes)
-    # with b and c short, a's share of what was built is far above its target: said too
-    assert any("'a' reaches 90.9% instead of 50.0%" in n for n in notes)
-    assert mix.checks.shortfalls(shares, {}, Counter(a=500, b=300, c=200), Counter(a=500, b=300, c=200), None) == []
+    assert [n.split("'")[1] for n in below] == ["b", "c"]
+    assert "'b' falls short" in below[0] and "'c' has no samples" in below[1]
+    # with b and c short, a's share of what was built is far above its target: said, and not as a shortfall
+    assert above == [
+        "category 'a' reaches 90.9% instead of 50.0%: it meets its target of 500 tokens; the other categories' "
+        "misses move its share"
+    ]
+    targets = {"a": 500, "b": 300, "c": 200}
+    assert mix.checks.shortfalls(shares, targets, Counter(a=500, b=50), Counter(a=900, b=50), 1000) == below
+    exact = Counter(a=500, b=300, c=200)
+    assert mix.checks.deviations(shares, {}, exact, exact, None) == ([], [])
 
 
 def test_a_share_note_never_contradicts_the_token_counts() -> None:
@@ -151,9 +157,11 @@ def test_a_share_note_never_contradicts_the_token_counts() -> None:
     shares = {"coding": 0.465, "general": 0.263, "other": 0.272}
     targets = {"coding": 1201.0, "general": 679.0, "other": 703.0}
     got, available = Counter(coding=1201, general=695, other=600), Counter(coding=1201, general=900, other=900)
-    notes = {n.split("'")[1]: n for n in mix.checks.shortfalls(shares, targets, got, available, None)}
+    below, above = mix.checks.deviations(shares, targets, got, available, None)
+    notes = {n.split("'")[1]: n for n in below + above}
     assert "it meets its target of 1201 tokens; the other categories' misses move its share" in notes["coding"]
     assert "too long to hit a target of 703 tokens closely (it has 600)" in notes["other"]
+    assert [n.split("'")[1] for n in below] == ["other"]
 
 
 def test_length_stats() -> None:

@@ -616,7 +616,9 @@ def test_a_tool_conversation_goes_on_while_the_targets_calls_are_the_datasets(
     assert stats["turns"]["tool_call_mismatch"] == (2 if tool_match == "arguments" else 1)
     assert stats["error"] == 0 and stats["ok"] == 3, "an ended conversation keeps its turns as samples"
     if tool_match == "arguments":
-        assert lyon["error"].startswith("tool_call_mismatch: turn 0")
+        assert lyon["error"].startswith("tool_call_mismatch: turn 0 called get_weather (call 1 of 1) with arguments")
+        # the note shows both arguments, so the operator sees what differed
+        assert '{"city": "Paris"} where the dataset has {"city": "Lyon"}' in lyon["error"], lyon["error"]
     # the prompt of the turn after the call: an independent render of the history with the call, structured
     called = {
         "role": "assistant",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -10,11 +11,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_build.ops import forecast
+from dflash_build.hashing import canonical_json
+from dflash_build.ops import forecast, standing
 from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
-from dflash_build.stages import generate
+from dflash_build.stages import generate, size
 from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import planned, sized_counts
 from dflash_build.stages.generate.reuse import reuse, reuse_conversations
@@ -54,6 +56,11 @@ class SourceEstimate:
     cross_source_gpu_hours: float = 0.0  # what generating those rows would have cost
     outside_window: TurnWindow | None = None  # prepared prompts trainer.max_length leaves out, by turn position
     variant: str | None = None  # the sampling variant (config variants) the source generates under
+    # shards a standing dataset was built from that the store lost (ops.standing): a build makes them
+    # only when it makes that dataset again, so they are not among generate_jobs; what they would generate
+    held_jobs: list[str] = field(default_factory=list)
+    rows_held: int = 0
+    rows_held_reused: int = 0
 
 
 WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
@@ -248,9 +255,11 @@ def estimate_with_disk(
     windows = {w.source: w for w in turn_windows(plan)}
     selections: dict[str, Selection] = {}
     cross, copies = _cross_source(plan, selections)
+    lost = standing.standing(plan)
+    held = frozenset(lost.missing) if lost is not None else frozenset()
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         means = {None: mean_tokens, **_variant_means(sidecars)}
-        estimates = _estimate(plan, index, means, rate, default_tokens_per_second, lengths, selections, copies)
+        estimates = _estimate(plan, index, means, rate, default_tokens_per_second, lengths, selections, copies, held)
     _cross_source_cost(estimates, cross)
     for e in estimates:
         e.outside_window = windows.get(e.source)
@@ -260,17 +269,75 @@ def estimate_with_disk(
     }
     source_lengths = forecast.source_lengths(plan, sidecars)
     mix = forecast.forecast(plan, prompt_rows, source_lengths, rate or default_tokens_per_second)
+    if plan.config.mix_generate == "as_needed" and (replayed := size.replay(plan)) is not None:
+        counts = replayed.shards
+        mix = dataclasses.replace(
+            mix,
+            as_needed={n: (counts[n], sp.n_shards) for n, sp in plan.sources.items()},
+            replayed_built={n: sum(p.exists() for p in plan.completion_shards(n)[: counts[n]]) for n in plan.sources},
+            replayed_estimated=tuple(replayed.estimated),
+        )
     return estimates, disk_need(plan, estimates, sidecars), mix
 
 
 def wanted_shards(plan: Plan) -> dict[str, int]:
-    """Under mix.generate as_needed, how many of each source's shards the build will generate as things
-    stand: the latest round's sizing, else the pilot's; empty under all."""
+    """Under mix.generate as_needed, how many of each source's shards the build will generate as the store
+    stands: the sizing its size jobs will run, replayed on what they will measure (a changed share, budget
+    or weight sizes again, as the size jobs' params trigger makes them), the pilot's alone while a pilot is
+    not built; empty under all."""
+    if plan.config.mix_generate != "as_needed":
+        return {}
+    replayed = size.replay(plan)
+    return replayed.shards if replayed is not None else sized_counts(plan, None)
+
+
+def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
+    """Under mix.generate as_needed: the generate jobs (SOURCE/SHARD) a build will run that ``snakemake -n``
+    cannot list, since they come after a size checkpoint that will run again (its sizing missing or stale,
+    or its shards still to build); None while a pilot is not built (the size jobs decide everything after
+    it); empty under all, or when the dry run lists every job."""
     cfg = plan.config
     if cfg.mix_generate != "as_needed":
-        return {}
-    rounds = [Path(layout.sizing_file(cfg.logs, cfg.dataset_name, n)) for n in reversed(layout.SIZING_ROUNDS)]
-    return sized_counts(plan, next((p for p in rounds if p.exists()), None))
+        return []
+    if size.replay(plan) is None:
+        return None
+    listed = sized_counts(plan, None)  # the pilot's jobs are always listed
+    for round_ in layout.SIZING_ROUNDS:
+        path = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
+        reads = [p for n in plan.sources for p in plan.token_shards(n)[: listed[n]]]
+        record = json.loads(path.read_text()) if path.exists() else None
+        if record is None or record.get("params") != json.loads(canonical_json(size.params(cfg))):
+            break
+        if not all(layout.sidecar(p).exists() for p in reads):
+            break
+        listed = sized_counts(plan, path)
+    wanted = wanted_shards(plan)
+    return [
+        f"{name}/{shard}"
+        for name, sp in plan.sources.items()
+        for shard, path in list(zip(sp.shards, plan.completion_shards(name), strict=True))[listed[name] : wanted[name]]
+        if not path.exists()
+    ]
+
+
+def dry_run_note(plan: Plan) -> str | None:
+    """Under mix.generate as_needed, what a dry run cannot list: the generate jobs after a size checkpoint
+    that runs again (Snakemake decides them only once it has run); None when it lists every job."""
+    unlisted = unlisted_by_dry_run(plan)
+    if unlisted is None:
+        return (
+            "dflash-build: mix.generate is as_needed: this dry run lists the pilot (each source's first shard); "
+            "the size checkpoints decide the shards after it once the pilot is built (`dflash-build plan` "
+            "forecasts them)"
+        )
+    if not unlisted:
+        return None
+    shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+    return (
+        f"dflash-build: {len(unlisted)} generate jobs not listed below will run too: they come after a size "
+        f"checkpoint that runs again (mix.generate: as_needed), which a dry run cannot run: {shown}; "
+        "`dflash-build plan --jobs` lists them with their rows"
+    )
 
 
 def _cross_source(
@@ -320,10 +387,12 @@ def _estimate(
     lengths: list[tuple[int, int]],
     selections: dict[str, Selection],
     copies: dict[str, set[str]],
+    held: frozenset[str] = frozenset(),
 ) -> list[SourceEstimate]:
     """``selections``: prepare's selection of sources not prepared yet, run once (shared with the
     cross-source count); ``copies``: each source's prompts a source ranked above keeps (skipped);
-    ``means``: output tokens per row, the model's (None) and under each sampling variant measured."""
+    ``means``: output tokens per row, the model's (None) and under each sampling variant measured;
+    ``held``: the missing shards (SOURCE/SHARD) a standing dataset holds, counted apart."""
     out = []
     sized = wanted_shards(plan)
     for name, sp in plan.sources.items():
@@ -341,10 +410,14 @@ def _estimate(
         )
         ids_of = _ShardIds(plan, name, est, selections)
         wanted = sized.get(name, sp.n_shards)
+        apart = SourceEstimate(name, 0, True, 0, 0, 0)  # the held shards, counted as jobs are
         for shard, path in zip(sp.shards[:wanted], plan.completion_shards(name)[:wanted], strict=True):
             if not path.exists():
-                est.generate_jobs.append(f"{name}/{shard}")
-                _count_rows(plan, index, name, shard, ids_of(shard), est, copies.get(name, set()))
+                into = apart if f"{name}/{shard}" in held else est
+                into.generate_jobs.append(f"{name}/{shard}")
+                _count_rows(plan, index, name, shard, ids_of(shard), into, copies.get(name, set()))
+        est.held_jobs, est.rows_held = apart.generate_jobs, apart.rows_to_generate
+        est.rows_held_reused = apart.rows_reused + apart.rows_journaled
         mean_tokens = means.get(sp.spec.variant) or means[None]
         per_row = mean_tokens if mean_tokens is not None else sampling.max_new_tokens / 2
         est.output_tokens = est.rows_to_generate * min(per_row, sampling.max_new_tokens)

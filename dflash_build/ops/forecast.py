@@ -59,6 +59,10 @@ class MixForecast:
     tokens_per_second: float
     # mix.generate as_needed: the shards each source would be generated to, of its shards (else empty)
     as_needed: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # once every pilot is built, the sizing replayed on the store (size.replay): each source's shards built
+    # of those it names, and the rounds estimated (measured on fewer shards than they name)
+    replayed_built: dict[str, int] | None = None
+    replayed_estimated: tuple[int, ...] = ()
 
     @property
     def expected_tokens(self) -> float:
@@ -87,9 +91,21 @@ class MixForecast:
                 f"{c.category:<16}{c.share:>7.1%}{c.expected_tokens:>12.0f}{c.target_tokens:>12.0f}"
                 f"{c.left_out_tokens:>12.0f}{hours:>8.2f}" + ("  binds" if c.binds else "")
             )
-        if self.as_needed:
+        if self.as_needed and self.replayed_built is None:
             each = ", ".join(f"{s} {k} of {n}" for s, (k, n) in self.as_needed.items())
             out.append(f"as needed (mix.generate): shards per source {each}, sized again on the pilot's measurements")
+        elif self.as_needed and self.replayed_built is not None:
+            built = self.replayed_built
+            each = ", ".join(
+                f"{s} {k} of {n}" + (f" (+{k - built[s]} to generate)" if k > built[s] else "")
+                for s, (k, n) in self.as_needed.items()
+            )
+            basis = (
+                f"round {', '.join(map(str, self.replayed_estimated))} estimated from the shards built so far"
+                if self.replayed_estimated
+                else "measured on the shards they read"
+            )
+            out.append(f"as needed (mix.generate): the size jobs will name {each} ({basis})")
         bases = Counter(self.bases.values())
         out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
         return out

@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build.engines import host as engine_host
-from dflash_build.ops import estimate
+from dflash_build.ops import estimate, standing
 from dflash_build.plan import Plan
 from dflash_build.store import layout
 from dflash_build.store import records as R
@@ -76,6 +76,7 @@ class Status:
     sources: list[SourceStatus] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     engines: list[dict[str, Any]] = field(default_factory=list)
+    standing: str | None = None  # a standing dataset's lost shards (ops.standing): not left to build
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,11 +119,20 @@ def collect(plan: Plan, window: float = WINDOW_SECONDS, now: float | None = None
     status = Status(at=now, window_seconds=window)
     recent = _Window(now, window)
     wanted = estimate.wanted_shards(plan)  # mix.generate as_needed: the shards the build will generate
+    lost = standing.standing(plan)
+    held = frozenset(lost.missing) if lost is not None else frozenset()
+    status.standing = lost.line() if lost is not None else None
     for name, sp in plan.sources.items():
         samples = sp.spec.sampling.samples_per_prompt
         n = wanted.get(name, sp.n_shards)
-        source = SourceStatus(name, 0, True, shards=n)
-        shards = zip(sp.shards[:n], plan.prompt_shards(name)[:n], plan.completion_shards(name)[:n], strict=True)
+        shards = [
+            (shard, prompts, completion)
+            for shard, prompts, completion in zip(
+                sp.shards[:n], plan.prompt_shards(name)[:n], plan.completion_shards(name)[:n], strict=True
+            )
+            if f"{name}/{shard}" not in held  # a build makes none of them while the dataset stands
+        ]
+        source = SourceStatus(name, 0, True, shards=len(shards))
         for shard, prompts, completion in shards:
             stats_file = layout.sidecar(completion)
             if completion.exists() and stats_file.exists():
@@ -243,6 +253,8 @@ def text(status: Status) -> str:
         since = f"running {_duration(status.at - j.since)}" if j.since else ""
         last = "no row yet" if j.last_row_ago is None else f"last row {_duration(j.last_row_ago)} ago"
         lines.append(f"  {j.source}/{j.shard}: {j.rows_done}/{j.rows} rows, {last}; pid {j.pid} on {j.host} {since}")
+    if status.standing is not None:
+        lines.append(status.standing)
     lines.append(f"engines running: {len(status.engines)}")
     for e in status.engines:
         lines.append(

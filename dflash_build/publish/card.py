@@ -40,7 +40,7 @@ def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str
     if across:  # a template, prepare or scheme change re-keyed them; their requests were the same
         shown = ", ".join(f"{name} {n}" for name, n in sorted(across.items()))
         lines.append(f"reused across settings: {sum(across.values())} rows whose requests did not change ({shown})")
-    lines.extend(f"note: {s}" for s in manifest["shortfalls"])
+    lines.extend(f"note: {s}" for s in [*manifest["shortfalls"], *manifest.get("overshoots", [])])
     if sources and "report" in manifest:
         lines += ["", report.plain(manifest["report"]), f"card, plots and tables: {where}/README.md"]
     return "\n".join(lines)
@@ -115,6 +115,7 @@ def dataset_card(manifest: dict[str, Any]) -> str:
         for name, s in manifest["sources"].items()
     )
     shortfalls = "\n".join(f"- {s}" for s in manifest["shortfalls"]) or "- none"
+    overshoots = "\n".join(f"- {s}" for s in manifest.get("overshoots", [])) or "- none"
     return f"""{card_header(manifest)}
 Built by dflash-build. Each row is one training sample: `input_ids` are the prompt as the target model's
 chat template rendered it, followed by the model's own answer; `loss_mask` is 1 on the generated tokens
@@ -130,8 +131,11 @@ only. Content keys of every input shard are in `{layout.MANIFEST}`.
 
 {use_table(manifest)}
 {variants_section(manifest)}
-Shortfalls:
+Shortfalls (below the configured mix):
 {shortfalls}
+
+Above the configured mix:
+{overshoots}
 
 Finish reasons: {json.dumps(manifest["finish_reasons"])}
 

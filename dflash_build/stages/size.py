@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build.plan import Plan
+from dflash_build.spec import Config
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import binds, category_targets
 from dflash_build.store import atomic, layout
@@ -109,8 +110,9 @@ def shards_needed(
     return shards, targets
 
 
-def measured(plan: Plan, shards: Mapping[str, list[Path]]) -> list[Supply]:
-    """Each source's supply, measured on its token shards ``shards`` (their stats sidecars)."""
+def measured(plan: Plan, shards: Mapping[str, list[Path]], named: Mapping[str, int] | None = None) -> list[Supply]:
+    """Each source's supply, measured on its token shards ``shards`` (their stats sidecars); ``named``: how
+    many shards the round names per source, where that is more than those measured (``replay``)."""
     supplies = []
     for name, sp in plan.sources.items():
         samples = tokens = 0
@@ -124,7 +126,7 @@ def measured(plan: Plan, shards: Mapping[str, list[Path]]) -> list[Supply]:
                 name,
                 sp.spec.category,
                 sp.n_shards,
-                built,
+                (named or {}).get(name, built),
                 samples / built if built else 0.0,
                 tokens / samples if samples else 0.0,
                 sp.spec.weight,
@@ -133,18 +135,27 @@ def measured(plan: Plan, shards: Mapping[str, list[Path]]) -> list[Supply]:
     return supplies
 
 
-def run(job: Job) -> dict[str, Any]:
-    """Size the next round from the token shards the job declares (the pilot's, or the first round's)."""
-    plan = job.plan
+def params(cfg: Config) -> dict[str, Any]:
+    """What the sizing depends on besides the shards it measures: the size rules' params (a change sizes the
+    rounds again, the params trigger), and recorded in each sizing so that a stale one is known as such."""
+    return {
+        "categories": dict(cfg.mix_categories),
+        "budget_tokens": cfg.mix_budget_tokens,
+        "weights": {s: spec.weight for s, spec in cfg.sources.items()},
+        "rounds": [FIRST_ROUND, MARGIN],
+    }
+
+
+def sizing(plan: Plan, supplies: list[Supply], round_: int) -> dict[str, Any]:
+    """Round ``round_``'s sizing record: the shards per source it names for these supplies."""
     cfg = plan.config
-    supplies = measured(plan, job.by_source("tokens"))
-    round_ = layout.sizing_round(job.output("sizing"))
     part = FIRST_ROUND if round_ == layout.SIZING_ROUNDS[0] else 1 + MARGIN
     shards, targets = shards_needed(cfg.mix_categories, cfg.mix_budget_tokens, supplies, part)
-    record = {
+    return {
         "stage": "size",
         "round": round_,
         "part_of_target": part,
+        "params": params(cfg),
         "shards": dict(sorted(shards.items())),
         "targets": {c: round(t) for c, t in targets.items()},
         "measured": {
@@ -158,6 +169,43 @@ def run(job: Job) -> dict[str, Any]:
             for s in supplies
         },
     }
+
+
+def run(job: Job) -> dict[str, Any]:
+    """Size the next round from the token shards the job declares (the pilot's, or the first round's)."""
+    record = sizing(job.plan, measured(job.plan, job.by_source("tokens")), layout.sizing_round(job.output("sizing")))
     atomic.write_json(job.output("sizing"), record)
     log.info("round %d: shards per source %s for targets %s", record["round"], record["shards"], record["targets"])
     return record
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What a build's size jobs will name, replayed from the store: each round's shards per source, and
+    the rounds measured on fewer shards than they name (those not built yet; estimated from the rest)."""
+
+    rounds: list[dict[str, int]]
+    estimated: list[int]
+
+    @property
+    def shards(self) -> dict[str, int]:
+        return self.rounds[-1]
+
+
+def replay(plan: Plan) -> Replayed | None:
+    """The rounds of sizing a build of this config will run (the size jobs' own function on what they will
+    measure: the pilot's shards, then the shards the first round names), as the store stands; a round's
+    shards not built yet are estimated from those that are. None while a source's pilot is not built."""
+    named = dict.fromkeys(plan.sources, 1)  # the pilot: each source's first shard
+    rounds: list[dict[str, int]] = []
+    estimated: list[int] = []
+    for round_ in layout.SIZING_ROUNDS:
+        paths = {name: plan.token_shards(name)[: named[name]] for name in plan.sources}
+        built = {name: [p for p in found if layout.sidecar(p).exists()] for name, found in paths.items()}
+        if not all(built.values()):
+            return None if not rounds else Replayed(rounds, estimated)
+        if any(len(built[name]) < len(paths[name]) for name in plan.sources):
+            estimated.append(round_)
+        named = sizing(plan, measured(plan, built, {n: len(p) for n, p in paths.items()}), round_)["shards"]
+        rounds.append(dict(named))
+    return Replayed(rounds, estimated)

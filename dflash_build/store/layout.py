@@ -52,7 +52,8 @@ class Stage:
 # the store's commands read this table. A new stage is a row here, its module, and its rules/NAME.smk.
 TABLE = (
     Stage("prepare", ("files", "references"), ("manifest", "bands"), "source", "prompts", PROMPT),
-    Stage("generate", ("prompts", "copies_of"), ("data", "stats"), "shard", "completions", GEN),
+    Stage("prepared", ("manifests",), ("record",), "config"),
+    Stage("generate", ("prompts", "copies_of", "prepared"), ("data", "stats"), "shard", "completions", GEN),
     Stage("tokenize", ("completions", "prompts"), ("data", "stats"), "shard", "tokens", TOK),
     Stage("size", ("tokens",), ("sizing",), "round"),
     Stage("mix", ("tokens", "bands", "manifests"), ("record",), "config"),
@@ -142,6 +143,12 @@ def sizing_file(logs: str | Path, name: str, round_: int) -> str:
     """Round ``round_``'s sizing of dataset ``name`` (mix.generate as_needed): derived from the shards it
     measured and the config, so it lives with the config's logs, not in the content-addressed store."""
     return f"{logs}/sizing/{name}-round-{round_}.json"
+
+
+def prepared_record(logs: str | Path, name: str) -> str:
+    """The record that every source of dataset ``name``'s config is prepared (the gate every generate job
+    waits on, stages.prepared): derived from the config, so it lives with its logs."""
+    return f"{logs}/prepared/{name}.json"
 
 
 def sizing_round(path: str | Path) -> int:

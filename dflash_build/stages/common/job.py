@@ -133,9 +133,19 @@ def _prepare(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
     )
 
 
+def _prepared(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    cfg = plan.config
+    inputs = {"manifests": tuple(plan.prompt_manifest(s) for s in plan.sources)}
+    return inputs, {"record": (Path(layout.prepared_record(cfg.logs, cfg.dataset_name)),)}
+
+
 def _generate(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
     assert of.source is not None and of.shard is not None
-    inputs = {"prompts": (plan.prompt_manifest(of.source),), "copies_of": tuple(plan.copies_inputs(of.source))}
+    inputs = {
+        "prompts": (plan.prompt_manifest(of.source),),
+        "copies_of": tuple(plan.copies_inputs(of.source)),
+        "prepared": _prepared(plan, of)[1]["record"],
+    }
     return inputs, _shard_outputs(layout.shard_file(plan.completion_dir(of.source), of.shard))
 
 
@@ -191,8 +201,8 @@ def _export(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
 
 
 # Each stage's paths from the plan (layout.TABLE names each stage and what its rule declares).
-_PATHS = {"prepare": _prepare, "generate": _generate, "tokenize": _tokenize, "size": _size, "mix": _mix}
-_PATHS |= {"pack": _pack, "export": _export}
+_PATHS = {"prepare": _prepare, "prepared": _prepared, "generate": _generate, "tokenize": _tokenize}
+_PATHS |= {"size": _size, "mix": _mix, "pack": _pack, "export": _export}
 
 
 def planned(

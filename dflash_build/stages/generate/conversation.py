@@ -126,11 +126,9 @@ class Renderer:
         turn.tool_calls = "mismatched"
         if self.source_history:  # the next turn follows the dataset's calls whatever the target called
             return
-        ours = [c.name for c in parsed.calls] or "text"
-        wanted = [t["function"]["name"] for t in theirs] or "text"
         conv.finish(
             turn.finish_reason,
-            f"{R.TOOL_CALL_MISMATCH}: turn {len(conv.turns) - 1} answered {ours} where the dataset has {wanted} "
+            f"{R.TOOL_CALL_MISMATCH}: turn {len(conv.turns) - 1} {toolcalls.call_difference(parsed.calls, theirs)} "
             f"(tool_match: {self.tool_match})",
         )
 

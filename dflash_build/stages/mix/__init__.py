@@ -27,10 +27,11 @@ from dflash_build.publish import plots, release, report
 from dflash_build.publish.card import dataset_card, summary
 from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
+from dflash_build.spec import Config
 from dflash_build.stages.common import crosssource
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import variants
-from dflash_build.stages.mix.checks import check, missed_floors, shortfalls
+from dflash_build.stages.mix.checks import check, deviations, missed_floors
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 from dflash_build.versions import MIX_VERSION
@@ -336,6 +337,23 @@ class _Written:
             self.variants.add(table, variant, category)
 
 
+def params(cfg: Config) -> dict[str, Any]:
+    """What the mix depends on besides its input shards: the mix rule's params, so that a mix edit (shares,
+    budget, seed) or a changed check (a tightened tolerance is checked again, nothing regenerated) reruns
+    it through the params trigger; ``ops.standing`` compares them with those Snakemake recorded."""
+    checks = cfg.checks
+    return {
+        "categories": dict(cfg.mix_categories),
+        "budget_tokens": cfg.mix_budget_tokens,
+        "seed": cfg.mix_seed,
+        "languages": {c: dict(f) for c, f in cfg.mix_languages.items()},
+        "rows_per_file": cfg.rows_per_file,
+        "dedup": {"across_sources": cfg.dedup.across_sources, "priority": cfg.dedup.source_priority(cfg.sources)},
+        "checks": {"share_tolerance": checks.share_tolerance, "allow_shortfall": sorted(checks.allow_shortfall)},
+        "scheme": MIX_VERSION,
+    }
+
+
 def run(job: Job) -> dict[str, Any]:
     """Select the samples of the job's token shards and write the dataset, in memory that grows only with
     the number of samples, never with their size.
@@ -384,6 +402,7 @@ def _manifest(
     tokens = written.tokens_by["category"]
     total = sum(tokens.values())
     all_lengths = np.concatenate(written.lengths) if written.lengths else np.zeros(0, dtype=np.int32)
+    below, above = deviations(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens)
     categories = {
         c: {
             "target_share": share,
@@ -424,7 +443,8 @@ def _manifest(
         ),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
         "prompts": _prompt_summaries(manifests),
-        "shortfalls": shortfalls(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens),
+        "shortfalls": below,  # where the dataset ends below its configured mix
+        "overshoots": above,
         "sources": {name: _source_entry(plan, name, written, shards[name]) for name in plan.sources},
         "model": {"path": cfg.model.path, "revision": cfg.model.revision},
         "model_fingerprint": plan.model_fingerprint,

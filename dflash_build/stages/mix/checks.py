@@ -150,15 +150,23 @@ def _token_drops(shards: list[Path]) -> tuple[Counter[str], str]:
 def shortfalls(
     shares: dict[str, float], targets: dict[str, float], got: Counter[str], available: Counter[str], budget: int | None
 ) -> list[str]:
-    """Plain statements of every way the dataset misses its configured mix."""
-    notes = []
+    """Plain statements of every way the dataset falls below its configured mix."""
+    return deviations(shares, targets, got, available, budget)[0]
+
+
+def deviations(
+    shares: dict[str, float], targets: dict[str, float], got: Counter[str], available: Counter[str], budget: int | None
+) -> tuple[list[str], list[str]]:
+    """Plain statements of every way the dataset misses its configured mix: (below it, above it)."""
+    below: list[str] = []
+    above: list[str] = []
     total = sum(got.values())
     for category, share in shares.items():
         achieved = got[category] / total if total else 0.0
         if available[category] == 0:
-            notes.append(f"category '{category}' has no samples: its target share {share:.1%} is not met")
+            below.append(f"category '{category}' has no samples: its target share {share:.1%} is not met")
         elif budget is not None and available[category] < targets[category]:
-            notes.append(
+            below.append(
                 f"category '{category}' falls short: {available[category]} tokens available, "
                 f"{round(targets[category])} targeted; all of them are used"
             )
@@ -171,5 +179,7 @@ def shortfalls(
                 why = f"it meets its target of {target} tokens; the other categories' misses move its share"
             else:
                 why = f"its samples are too long to hit a target of {target} tokens closely (it has {got[category]})"
-            notes.append(f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: {why}")
-    return notes
+            (above if achieved > share else below).append(
+                f"category '{category}' reaches {achieved:.1%} instead of {share:.1%}: {why}"
+            )
+    return below, above
