@@ -79,6 +79,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     if any(e.variant is not None for e in estimates):
         print(_variants_line(estimates))
+    if dropped := [e for e in estimates if e.drops]:
+        each = "; ".join(f"{e.source} {sum(e.drops.values())} ({_reasons(e.drops)})" for e in dropped)
+        print(f"prepare leaves out: {each}")
     print("\n".join(mix_forecast.lines()))
     window = plan.config.trainer.max_length if total else None
     if window is not None:
@@ -201,6 +204,10 @@ def cmd_configs(args: argparse.Namespace) -> int:
             f"last build {entry.get('updated_at')}, {len(entry['references'])} store entries)"
         )
     return 0
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

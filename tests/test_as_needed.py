@@ -181,3 +181,12 @@ def test_a_raised_share_is_listed_by_plan_and_the_dry_run_before_the_build_gener
     added = sorted(f"long/{s}" for s in _generated_shards(wf.workdir, "long") - before)
     assert added == jobs, (added, jobs, line)
     assert "total: 0 generate jobs" in wf.cli("plan").stdout
+    assert not _manifest(wf.workdir)["use"]["unread"], "the mix reads every shard built"
+    # the share back down: the shards the raise added stay in the store, and the card counts them apart
+    config["mix"]["categories"] = {"coding": 0.5, "agent": 0.5}
+    wf.write_config(config)
+    wf.build()
+    unread = _manifest(wf.workdir)["use"]["unread"]
+    assert list(unread) == ["long"] and unread["long"]["shards"] == len(jobs) and unread["long"]["tokens"] > 0
+    card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
+    assert f"also generated: {unread['long']['tokens']} tokens in {len(jobs)} shards the current sizing" in card

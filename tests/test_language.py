@@ -223,6 +223,11 @@ def test_a_language_floor_is_met_and_a_short_language_fails_loudly(bilingual: tu
     assert "mix.languages.general.ja" in message
     assert not (root / "dist" / "short").exists()  # nothing published
 
+    # a floor below the tolerance with nothing of its language still fails: no mix can meet it
+    tolerance = raw["checks"]["share_tolerance"]
+    with pytest.raises(mix.checks.MixError, match=r"language 'ja' reaches 0\.0% of its tokens"):
+        _mix(root, raw, "none-within", languages={"general": {"ja": round(tolerance / 2, 3)}})
+
     # general's target is all it has, of which 90% in Chinese is more than there is
     budget = 2 * plain["mix"]["categories"]["general"]["available_tokens"]
     with pytest.raises(mix.checks.MixError, match="language 'zh' reaches"):

@@ -151,6 +151,29 @@ def test_shortfalls_and_overshoots_are_stated_apart() -> None:
     assert mix.checks.deviations(shares, {}, exact, exact, None) == ([], [])
 
 
+def test_a_language_floor_missed_within_the_tolerance_is_stated_and_one_with_nothing_of_it_fails(
+    tmp_path: Path,
+) -> None:
+    plan = _plan(tmp_path)  # checks.share_tolerance: the schema's default
+
+    def got(share: float, floor: float, available: int) -> dict[str, Any]:
+        return {"floor": floor, "achieved_share": share, "tokens": round(share * 100), "available_tokens": available}
+
+    tolerance = plan.config.checks.share_tolerance
+    close = {"a": {"zh": got(0.30 - tolerance / 2, 0.30, 500), "en": got(0.7, 0.5, 900)}}
+    assert mix.checks.missed_floors(plan, close, {"a": 100}) == []
+    [note] = mix.checks.floor_shortfalls(close)
+    assert note == (
+        f"category 'a': language 'zh' reaches {0.30 - tolerance / 2:.1%} of its tokens, floor 30.0% "
+        f"({round((0.30 - tolerance / 2) * 100)} tokens of it, 500 available)"
+    )
+    nothing = {"a": {"ja": got(0.0, tolerance / 2, 0)}}
+    [problem] = mix.checks.missed_floors(plan, nothing, {"a": 100})
+    assert problem.startswith("category 'a': language 'ja' reaches 0.0% of its tokens") and "hold 0 tokens" in problem
+    far = {"a": {"zh": got(0.30 - 2 * tolerance, 0.30, 500)}}
+    assert len(mix.checks.missed_floors(plan, far, {"a": 100})) == 1
+
+
 def test_a_share_note_never_contradicts_the_token_counts() -> None:
     """The demo's note said a category's samples were "too long to hit a target of 1201 tokens" when it
     had exactly 1201: its share moved because another category missed its own target."""

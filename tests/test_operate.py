@@ -290,6 +290,24 @@ def test_plan_fails_on_a_source_its_prepare_would_lose_before_anything_runs(tmp_
     assert not (tmp_path / "store" / "completions").exists(), "planning ran nothing"
 
 
+@pytest.mark.workflow  # runs snakemake
+def test_plan_names_the_rows_prepare_leaves_out_within_its_limits_before_and_after_prepare(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Malformed rows under checks.max_drop_fraction: `plan` names them before anything runs, as the
+    manifest counts them after prepare (before, only the card showed them, after the build)."""
+    rows = [*ROWS, *({"instruction": f"Say {i}."} for i in range(20))]
+    (tmp_path / "some-bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{\n[1,\n")
+    sources = {"some": {"category": "general", "files": ["some-bad.jsonl"], "format": "alpaca"}}
+    wf = Workflow.at(tmp_path, base_config(tiny_model, sources))
+    before = wf.cli("plan").stdout
+    assert "prepare leaves out: some 2 (malformed_row 2)" in before, before
+    wf.run("--until", "prepare_some")
+    manifest = json.loads(next((tmp_path / "store" / "prompts").rglob("manifest.json")).read_text())
+    assert manifest["drops"] == {"malformed_row": 2}
+    assert "prepare leaves out: some 2 (malformed_row 2)" in wf.cli("plan").stdout
+
+
 def test_configfile_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from dflash_build import cli
 

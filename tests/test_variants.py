@@ -195,3 +195,32 @@ def test_a_new_draw_generates_only_the_prompts_that_moved_and_reuses_the_rest(
         moved += stats["generated"]
     assert moved > 0  # prompts moved from fast to think; think grew
     assert len(_completions(after, "a@think")) > len(old["a@think"])
+
+
+def test_a_draw_that_leaves_a_small_sources_variant_empty_is_a_selection_not_a_failure(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One prompt, two variants: the draw gives it to one of them. The other variant generates nothing, and
+    plan, prepare and the mix take that as the selection it is (it failed both before)."""
+    write_jsonl(tmp_path / "one.jsonl", [{"instruction": "Name one prime number."}])
+    write_jsonl(tmp_path / "many.jsonl", [{"instruction": f"Describe animal number {i}."} for i in range(6)])
+    sources = {
+        "one": {"category": "chat", "format": "alpaca", "files": [str(tmp_path / "one.jsonl")]},
+        "many": {"category": "chat", "format": "alpaca", "files": [str(tmp_path / "many.jsonl")]},
+    }
+    config = base_config(tiny_model, sources, variants=copy.deepcopy(VARIANTS), shard_size=16)
+    config["model"]["chat_template"] = str(QWEN3_TEMPLATE)
+    config["checks"] = {"share_tolerance": 0.5}
+    wf = Workflow.at(tmp_path / "w", config)
+    planned = wf.cli("plan", check=False)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert "every one of its" not in planned.stdout + planned.stderr
+    built = wf.build()
+    said = built.stdout + built.stderr
+    assert "the variant draw gave this variant none of its 1 prompts (other_variant 1)" in said, said[-3000:]
+    monkeypatch.chdir(wf.workdir)  # the config's store is relative to its working directory
+    plan = plan_mod.build(cfg.load(wf.workdir / "config.yaml"))
+    rows = {name: sum(pq.read_metadata(p).num_rows for p in plan.completion_shards(name)) for name in plan.sources}
+    assert sorted(rows[f"one@{v}"] for v in VARIANTS) == [0, 1], rows
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / "manifest.json").read_text())
+    assert sum(manifest["sources"][f"one@{v}"]["rows"] for v in VARIANTS) == 1

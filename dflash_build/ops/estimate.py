@@ -61,6 +61,8 @@ class SourceEstimate:
     held_jobs: list[str] = field(default_factory=list)
     rows_held: int = 0
     rows_held_reused: int = 0
+    # the rows prepare leaves out of the source, by reason (its manifest, else its selection run here)
+    drops: dict[str, int] = field(default_factory=dict)
 
 
 WINDOW_SAMPLE_SHARDS = 64  # completion shards of this model read for the window's estimate (bounded time)
@@ -407,6 +409,7 @@ def _estimate(
             completions_built=sum(p.exists() for p in plan.completion_shards(name)),
             tokens_built=sum(p.exists() for p in plan.token_shards(name)),
             variant=sp.spec.variant,
+            drops=dict(manifest.get(R.PROMPTS_DROPS, {})) if manifest else {},
         )
         ids_of = _ShardIds(plan, name, est, selections)
         wanted = sized.get(name, sp.n_shards)
@@ -450,6 +453,7 @@ class _ShardIds:
             self.selections[self.source] = selection
             self.by_shard = selection.shard_prompt_ids()
             self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
+            self.est.drops = dict(sorted(selection.drops.counts.items()))
             try:  # the check its prepare job will make: a lost source is found before generation
                 prepare_checks.check_losses(sp.spec, selection)
             except prepare_checks.SourceLossError as e:

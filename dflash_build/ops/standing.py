@@ -42,9 +42,7 @@ class Standing:
         """What every command says of it; ``rows``: what making the missing shards again generates, and
         what it takes from earlier answers (the row index, the journals)."""
         shown = ", ".join(self.missing[:4]) + (f" and {len(self.missing) - 4} more" if len(self.missing) > 4 else "")
-        cost = (
-            f": {rows[0]} rows to generate, {rows[1]} reused" if rows else " (`dflash-build plan` counts their rows)"
-        )
+        cost = f": {rows[0]} rows to generate, {rows[1]} reused" if rows else " (`dflash-build plan` counts their rows)"
         return (
             f"dataset {self.folder} stands: {len(self.missing)} of the {self.shards} store shards it was built from "
             f"are missing ({shown}); a build runs nothing for them while it stands. A build that makes the "

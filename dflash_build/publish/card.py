@@ -32,6 +32,14 @@ def summary(manifest: dict[str, Any], where: Path, sources: bool = False) -> str
             f"used: {use['used_tokens']} of the {use['generated_tokens']} tokens generated ({use['used_share']:.1%}); "
             "the mix left out the rest"
         )
+        if unread := use.get("unread"):  # as_needed: built for an earlier, larger need
+            shards = sum(u["shards"] for u in unread.values())
+            tokens = sum(u["tokens"] for u in unread.values())
+            each = ", ".join(f"{name} {u['shards']}" for name, u in sorted(unread.items()))
+            lines.append(
+                f"also generated: {tokens} tokens in {shards} shards the current sizing does not name ({each}); "
+                "kept in the store, used when the need grows"
+            )
     across = {
         name: s["generation"][R.STAT_REUSED_ACROSS]
         for name, s in manifest.get("report", {}).get("by_source", {}).items()

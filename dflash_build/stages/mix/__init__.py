@@ -31,7 +31,7 @@ from dflash_build.spec import Config
 from dflash_build.stages.common import crosssource
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import variants
-from dflash_build.stages.mix.checks import check, deviations, missed_floors
+from dflash_build.stages.mix.checks import check, deviations, floor_shortfalls, missed_floors
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 from dflash_build.versions import MIX_VERSION
@@ -403,6 +403,7 @@ def _manifest(
     total = sum(tokens.values())
     all_lengths = np.concatenate(written.lengths) if written.lengths else np.zeros(0, dtype=np.int32)
     below, above = deviations(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens)
+    below += floor_shortfalls(choice.floors)
     categories = {
         c: {
             "target_share": share,
@@ -434,7 +435,7 @@ def _manifest(
             f"by_{col}": {name: dict(counts.most_common()) for name, counts in sorted(written.languages[col].items())}
             for col in ("category", "source")
         },
-        "use": _use(choice, written),
+        "use": _use(choice, written, _built_unread(plan, shards)),
         # sampling variants (config variants): drawn, held, and their samples; absent without variants
         **(
             {"variants": variants.report(plan, choice.drawn, choice.taken, written.variants)}
@@ -455,16 +456,32 @@ def _manifest(
     }
 
 
-def _use(choice: _Choice, written: _Written) -> dict[str, Any]:
+def _built_unread(plan: Plan, shards: Mapping[str, list[Path]]) -> dict[str, dict[str, int]]:
+    """Token shards of this config built earlier that the mix does not read (mix.generate as_needed: past
+    what the current sizing names), per source: their shards and tokens, from their stats sidecars. Only
+    counted for the card (the GPU time they cost is spent; a grown need uses them), never mixed."""
+    read = {Path(p) for paths in shards.values() for p in paths}
+    out: dict[str, dict[str, int]] = {}
+    for name in plan.sources:
+        for path in plan.token_shards(name):
+            if path not in read and (stats_file := layout.sidecar(path)).exists():
+                got = out.setdefault(name, {"shards": 0, "tokens": 0})
+                got["shards"] += 1
+                got["tokens"] += int(json.loads(stats_file.read_text())[R.STAT_TOKENS])
+    return out
+
+
+def _use(choice: _Choice, written: _Written, unread: dict[str, dict[str, int]]) -> dict[str, Any]:
     """Generated against used: the tokens (prompts and answers) of every sample that reached the mix,
     and those the dataset took, by category and by source; the share is the headline of what the GPU
-    time bought."""
+    time bought. ``unread``: what was generated earlier for shards the mix does not read (as_needed)."""
     generated = sum(choice.generated["category"].values())
     used = sum(written.tokens_by["category"].values())
     return {
         "generated_tokens": generated,
         "used_tokens": used,
         "used_share": round(used / generated, 6) if generated else 0.0,
+        "unread": unread,
         **{
             f"by_{col}": {
                 name: {"generated_tokens": n, "used_tokens": written.tokens_by[col][name]}

@@ -29,7 +29,10 @@ def missed_floors(plan: Plan, reached: dict[str, dict[str, dict[str, Any]]], tar
     problems = []
     for category, by_language in reached.items():
         for lang, got in by_language.items():
-            if got["floor"] - got["achieved_share"] <= checks.share_tolerance or category in checks.allow_shortfall:
+            short = got["floor"] - got["achieved_share"]
+            # a floor with nothing of its language fails whatever the tolerance: no mix can meet it
+            within = short <= checks.share_tolerance and got["available_tokens"] > 0
+            if short <= 0 or within or category in checks.allow_shortfall:
                 continue
             needed = round(got["floor"] * targets[category])
             problems.append(
@@ -40,6 +43,17 @@ def missed_floors(plan: Plan, reached: dict[str, dict[str, dict[str, Any]]], tar
                 f"checks.allow_shortfall: [{category}]"
             )
     return problems
+
+
+def floor_shortfalls(reached: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Every language floor the dataset misses (within the tolerance, or allowed): stated, never silent."""
+    return [
+        f"category '{category}': language '{lang}' reaches {got['achieved_share']:.1%} of its tokens, floor "
+        f"{got['floor']:.1%} ({got['tokens']} tokens of it, {got['available_tokens']} available)"
+        for category, by_language in reached.items()
+        for lang, got in by_language.items()
+        if got["floor"] - got["achieved_share"] > 0
+    ]
 
 
 def check(
@@ -63,6 +77,8 @@ def check(
     problems: list[str] = []
     for name, sp in plan.sources.items():
         taken_by_others = cross.counts.get(name, {}) if cross is not None else {}
+        if available_by_source[name] == 0 and drawn_empty(plan, name):
+            continue  # its draw gave this variant no prompt: a selection, stated on the card's variants table
         if (
             available_by_source[name] == 0
             and sp.spec.category not in checks.allow_shortfall
@@ -99,6 +115,15 @@ def check(
     problems += missed or []
     if problems:
         raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def drawn_empty(plan: Plan, name: str) -> bool:
+    """Whether source ``name`` is a sampling variant its draw gave no prompt (its siblings hold them all)."""
+    manifest_file = plan.prompt_manifest(name)
+    if plan.sources[name].spec.variant is None or not manifest_file.exists():
+        return False
+    manifest = json.loads(manifest_file.read_text())
+    return manifest[R.PROMPTS_ROWS_OUT] == 0 and bool(manifest[R.PROMPTS_DROPS].get("other_variant"))
 
 
 def _missed_share(

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 from dflash_build.inputs import to_prompt
 from dflash_build.inputs.rows import row_template_kwargs
 from dflash_build.plan import Plan
 from dflash_build.spec import SourceSpec
 from dflash_build.stages.common.job import StageFailure
-from dflash_build.stages.prepare.drops import DROP_SETTINGS, INTENDED_DROPS, Drop, DropCounter
+from dflash_build.stages.prepare.drops import DROP_OTHER_VARIANT, DROP_SETTINGS, INTENDED_DROPS, Drop, DropCounter
 from dflash_build.stages.prepare.read import raw_rows
 from dflash_build.stages.prepare.selection import Selection
+
+log = logging.getLogger(__name__)
 
 
 class SourceLossError(StageFailure):
@@ -74,6 +77,16 @@ def check_losses(spec: SourceSpec, selection: Selection) -> None:
     if selection.rows_in == 0:
         raise SourceLossError(f"{where}: the input has no rows; check {key}.files / {key}.hf (path, name, split)")
     intended = {r: n for r, n in drops.counts.items() if r in INTENDED_DROPS}
+    if rows_out == 0 and drops.counts.get(DROP_OTHER_VARIANT) and lost / selection.rows_in <= spec.max_drop_fraction:
+        # the source's prompts went to its other variants: a selection (variants.*.share), never a defect
+        log.warning(
+            "%s: the variant draw gave this variant none of its %d prompts (other_variant %d): it generates "
+            "nothing; its siblings hold them",
+            where,
+            selection.rows_in,
+            drops.counts[DROP_OTHER_VARIANT],
+        )
+        return
     if rows_out == 0 and intended and sum(intended.values()) >= lost:
         steps = "; ".join(
             f"{reason} {n} ({DROP_SETTINGS[reason]}"
