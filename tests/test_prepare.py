@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -412,7 +413,16 @@ def test_variants_split_the_selection_by_prompt_id_and_every_takes_all(tmp_path:
     assert set(second["s@fast"]) & both == fast & both
 
 
-def test_a_variant_the_draw_leaves_empty_fails_naming_the_share(tmp_path: Path) -> None:
+def test_a_variant_the_draw_leaves_empty_is_a_selection_said_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its prompts went to its sibling: no defect (it failed prepare before), and the warning says so."""
     rows = [{"instruction": f"task {i}"} for i in range(3)]
-    with pytest.raises(prepare.checks.SourceLossError, match=r"other_variant 3 \(variants\.\*\.share"):
-        _prepare_variants(tmp_path, rows, {"big": {"share": 1000}, "tiny": {"share": 0.0001}})
+    with caplog.at_level(logging.WARNING):
+        drawn = _prepare_variants(tmp_path, rows, {"big": {"share": 1000}, "tiny": {"share": 0.0001}})
+    assert len(drawn["s@big"]) == 3 and drawn["s@tiny"] == []
+    assert "the variant draw gave this variant none of its 3 prompts (other_variant 3)" in caplog.text
+    # a variant emptied by defects is still one: the draw does not hide them
+    bad = [{"instruction": f"task {i}"} for i in range(3)] + [{"no": "instruction"}] * 3
+    with pytest.raises(prepare.checks.SourceLossError, match="dropped for defects"):
+        _prepare_variants(tmp_path / "bad", bad, {"big": {"share": 1000}, "tiny": {"share": 0.0001}})
