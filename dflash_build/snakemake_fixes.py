@@ -7,6 +7,9 @@ leaves a Snakemake that differs alone (tests/test_snakemake_fixes.py fails then,
   never evaluated, so its own missing outputs went unlisted by ``-n`` and unbuilt until the next run.
 - :func:`quiet_restore_without_backup`: every failed job with an ``update()`` output that did not exist before
   it ran (every new shard) was followed by "Cannot restore ...: no backup found", a warning about nothing.
+- :func:`fix_sigterm_during_job_selection`: a SIGTERM (Ctrl-C's cousin, a SLURM preemption) that came
+  while Snakemake selected jobs deadlocked it for good: its handler takes the scheduler's lock, which the
+  interrupted main thread holds (found by the fault soak, bench/soak.py).
 - :func:`order_only`: Make's order-only prerequisite, an input that orders jobs and decides nothing about
   whether they run (not its time, not its presence in the recorded set of inputs).
 """
@@ -34,6 +37,37 @@ def apply() -> None:
     fix_needrun_behind_ancient_inputs()
     record_order_only_inputs_apart()
     quiet_restore_without_backup()
+    fix_sigterm_during_job_selection()
+
+
+def fix_sigterm_during_job_selection() -> bool:
+    """Make the job scheduler's lock re-entrant, so its SIGTERM handler can take it in the main thread.
+
+    ``JobScheduler.exit_gracefully`` (its SIGTERM handler) does ``with self._lock``; the main thread holds
+    that lock while it selects jobs (``run_selector``, which waits on the ILP solver's process). A SIGTERM
+    then runs the handler in the main thread, inside that section: it waits for a lock its own thread holds,
+    forever, and the jobs' error callbacks queue behind it. With a re-entrant lock the handler only marks
+    the shutdown, as it means to; other threads are excluded as before. True if Snakemake was changed.
+    """
+    import threading
+
+    from snakemake.scheduling import job_scheduler
+
+    scheduler = job_scheduler.JobScheduler
+    if getattr(scheduler.__init__, "dflash_fixed", False):
+        return True
+    handler = inspect.getsource(scheduler.exit_gracefully)
+    if "self._lock = threading.Lock()" not in inspect.getsource(scheduler.__init__) or "self._lock" not in handler:
+        return False
+    init = scheduler.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._lock = threading.RLock()  # nothing holds it yet: no thread has started
+
+    __init__.dflash_fixed = True  # type: ignore[attr-defined]
+    scheduler.__init__ = __init__  # type: ignore[method-assign]
+    return True
 
 
 def quiet_restore_without_backup() -> bool:

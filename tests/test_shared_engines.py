@@ -254,6 +254,41 @@ def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_mode
 
 
 @pytest.mark.workflow
+def test_a_host_lost_once_it_served_is_started_again_by_the_job_that_waited_for_it(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak's find (bench/soak.py, seed 7: kill -9 of an engine host): a host killed just after it
+    wrote its state, before the job that started it saw it ready, failed that job ("did not start"). It
+    had started; the job starts it again, as a job replaces any engine it loses."""
+    import importlib
+
+    attach_mod = importlib.import_module("dflash_build.engines.host.attach")  # the package's `attach` is its function
+
+    spec = _spec(tmp_path, tiny_model)
+    first: list[dict[str, Any]] = []
+    real_read_state = attach_mod.read_state
+
+    def read_state(lock_dir: Any, slot: str) -> dict[str, Any] | None:
+        state = real_read_state(lock_dir, slot)
+        if state is not None and not first:  # the first host, as it serves: gone before the job looks
+            first.append(state)
+            os.kill(state["pid"], signal.SIGKILL)
+            wait_until(lambda: not _alive(state["pid"]), 10, "the first host is gone")
+            return None
+        return state
+
+    monkeypatch.setattr(attach_mod, "read_state", read_state)
+    attached = attach_mod.attach(spec, pool=False)
+    try:
+        [state] = attached.engines
+        assert first and state["pid"] != first[0]["pid"] and attached.started
+        assert _alive(state["pid"]) and not _alive(first[0]["server_pid"])
+    finally:
+        attached.release()
+        engine_host.stop_idle(spec.lock_dir)
+
+
+@pytest.mark.workflow
 def test_in_an_allocation_the_batch_steps_broker_keeps_the_engine_until_the_allocation_ends(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

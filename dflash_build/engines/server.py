@@ -101,8 +101,12 @@ class BatchingEngine:
                 self.waiting.put(item)
             futures = {r.prompt_id: f for r, f in batch}
             try:
+                answered = tokens = 0
                 for result in self.engine.generate([r for r, _ in batch]):
                     futures.pop(result.prompt_id).set_result(result)
+                    answered, tokens = answered + 1, tokens + len(result.output_ids)
+                # a count the engine's log keeps across restarts: what it answered, wasted or not
+                log.info("answered %d requests (%d output tokens)", answered, tokens)
             except Exception as e:  # the engine failed: every waiting request hears of it
                 log.exception("engine failed")
                 for f in futures.values():

@@ -24,6 +24,7 @@ from dflash_build.engines.host.slots import (
     lock_path,
     open_lock,
     read_state,
+    recorded_pid,
     running,
     stop_host,
 )
@@ -31,6 +32,7 @@ from dflash_build.store import atomic
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
+START_ATTEMPTS = 2  # a host lost once it served is started again, once
 
 
 @dataclass
@@ -119,7 +121,9 @@ def _ensure(spec: LaunchSpec, use_fd: int) -> dict[str, Any] | None:
 
 
 def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
-    """Start a host for ``spec`` (the use lock is held exclusively) and wait until it serves."""
+    """Start a host for ``spec`` (the use lock is held exclusively) and wait until it serves. A host lost
+    right after it came up (killed before this job saw it ready) is started once more: the engine did
+    start, and a job that waits for one must not fail for what any job that uses one recovers from."""
     fcntl.flock(use_fd, fcntl.LOCK_SH)  # we are its first user; held before the host can see it idle
     log_dir = Path(spec.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -127,8 +131,19 @@ def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
     atomic.write_json(spec_file, asdict(spec))
     log_path = log_dir / f"{spec.slot}.log"
     broker = os.environ.get(BROKER_ENV)
-    host_pid = spawn_via_broker(Path(broker), spec, spec_file, log_path) if broker else _spawn(spec_file, log_path)
-    log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host_pid, log_path)
+    for attempt in range(START_ATTEMPTS):
+        host_pid = spawn_via_broker(Path(broker), spec, spec_file, log_path) if broker else _spawn(spec_file, log_path)
+        log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host_pid, log_path)
+        state = _wait_ready(spec, host_pid, log_path, last=attempt == START_ATTEMPTS - 1)
+        if state is not None:
+            return state
+        log.warning("the engine on %s (host pid %d) was lost once it served: starting it again", spec.slot, host_pid)
+    raise AssertionError("unreachable: the last attempt raises")
+
+
+def _wait_ready(spec: LaunchSpec, host_pid: int, log_path: Path, last: bool) -> dict[str, Any] | None:
+    """The host's state once it serves; None if it died after it served (not on the ``last`` attempt);
+    EngineFailed if it died before that, or did not serve in time."""
     deadline = time.monotonic() + spec.start_timeout + 60
     while True:
         state = read_state(spec.lock_dir, spec.slot)
@@ -138,6 +153,8 @@ def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
         if not alive(host_pid) or time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(host_pid, signal.SIGKILL)
+            if not last and recorded_pid(spec.lock_dir, spec.slot) == host_pid:
+                return None  # it served, then died: lost, as a running engine may be
             raise EngineFailed(
                 f"the {spec.backend} engine on {spec.slot} did not start (host pid {host_pid}); "
                 f"its log {log_path} ends:\n{tail(log_path)}"

@@ -37,6 +37,15 @@ def read_state(lock_dir: Path | str, slot: str) -> dict[str, Any] | None:
     return state if alive(int(state.get("pid", 0))) else None
 
 
+def recorded_pid(lock_dir: Path | str, slot: str) -> int | None:
+    """The host a slot's state file names, alive or not (None: no readable file): a host writes it once
+    its server answers, so a dead host it names had served."""
+    try:
+        return int(json.loads(state_path(lock_dir, slot).read_text()).get("pid", 0))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def running(lock_dir: Path | str) -> list[dict[str, Any]]:
     """Every running engine whose state is in ``lock_dir``."""
     found = []

@@ -1,0 +1,63 @@
+"""The fault soak (bench/soak.py) in the workflow tier: a short seeded schedule of faults over one build
+with shared engines on two fake GPUs ends with every invariant holding, and the same schedule with a
+planted defect (a journal that loses its last row on resume) is caught: the soak fails when an
+invariant breaks. The long soak (100 faults) runs on demand: docs/operations.md gives its figures."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from bench.soak import FAULTS, LEAVES_A_JOURNAL, InvariantBroken, Soak
+from tests.conftest import own_ports
+
+pytestmark = pytest.mark.workflow
+
+# a journal that loses its last row: what resuming from it must never cost (that row generated again)
+LOSES_ITS_LAST_ROW = """
+from dflash_build.store import journal
+
+_load = journal.Journal.load
+
+
+def load(self):
+    return _load(self)[:-1]
+
+
+journal.Journal.load = load
+"""
+
+
+def schedule(seed: int, faults: int) -> list[str]:
+    rng = random.Random(seed)
+    return [rng.choice(FAULTS) for _ in range(faults)]
+
+
+SEED, FAULT_COUNT = 7, 5
+
+
+def test_the_seed_stops_a_job_with_journaled_rows_first() -> None:
+    """The schedule the tests below run: five kinds of fault, the first stopping a job once rows are
+    journaled, so the planted defect has a journal to lose a row of."""
+    faults = schedule(SEED, FAULT_COUNT)
+    assert faults[0] in LEAVES_A_JOURNAL and len(set(faults)) == 5, faults
+
+
+def test_a_short_soak_holds_every_invariant(tmp_path: Path, tiny_model: Path) -> None:
+    figures = Soak(tmp_path, tiny_model, SEED, FAULT_COUNT, sources=2, prompts=16, base_port=own_ports()).run()
+    assert figures["problems"] == [] and figures["rows_lost"] == 0
+    assert sum(figures["faults_injected"].values()) == FAULT_COUNT == figures["faults_survived"]
+    assert figures["rows_generated_again"] is not None
+    assert 0 <= figures["rows_generated_again"] <= figures["rows_in_flight_at_faults"], figures
+
+
+def test_the_soak_fails_on_a_journal_that_loses_its_last_row(tmp_path: Path, tiny_model: Path) -> None:
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(LOSES_ITS_LAST_ROW)
+    soak = Soak(tmp_path / "soak", tiny_model, SEED, FAULT_COUNT, sources=2, prompts=16, base_port=own_ports())
+    soak.pythonpath = planted
+    with pytest.raises(InvariantBroken, match="finished rows were generated again"):
+        soak.run()
