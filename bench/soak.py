@@ -57,6 +57,7 @@ from dflash_build.engines import host as engine_host  # noqa: E402
 from dflash_build.killpoints import KILL_AT_ENV  # noqa: E402
 from dflash_build.store import filesystem, layout  # noqa: E402
 from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal  # noqa: E402
+from tests.conftest import lock_free  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "soak.json"
 FAULTS = (
@@ -512,24 +513,11 @@ def _wait_engines_gone(locks: Path, seconds: float = 60) -> list[str]:
         running = [
             s for s in engine_host.running(locks) if engine_host.alive(s["pid"]) or engine_host.alive(s["server_pid"])
         ]
-        held = [p.name for p in locks.glob("gpu-*.lock") if not _lock_free(p)]
+        held = [p.name for p in locks.glob("gpu-*.lock") if not lock_free(p)]
         if not running and not held:
             return []
         time.sleep(0.5)
     return [f"engine {s['slot']} (pid {s['pid']}) still running" for s in running] + [f"{h} held" for h in held]
-
-
-def _lock_free(path: Path) -> bool:
-    import fcntl
-
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ what a build does."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def test_a_dataset_over_a_lost_store_is_one_story_from_every_tool(
     assert "rule generate" not in built.stdout + built.stderr
 
     # a change to the mix makes the dataset again: then every tool counts the lost shard as work, no line
-    config = operated_store[1]
+    config = copy.deepcopy(operated_store[1])  # the session's fixture: other tests read it as it was
     config["checks"]["share_tolerance"] = 0.2
     wf.write_config(config)
     said = stories(wf)
