@@ -4,6 +4,7 @@ do) and llama.cpp's server on the SmolLM2 GGUF."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
@@ -27,6 +28,7 @@ from dflash_build.engines import Request, SamplingParams
 from dflash_build.engines import host as engine_host
 from dflash_build.engines.gpus import Gpu, GpuLease, job_locks
 from dflash_build.spec import Config, ConfigError, EngineSpec
+from dflash_build.store import atomic
 from tests.conftest import (
     Workflow,
     base_config,
@@ -283,6 +285,34 @@ def test_a_host_lost_once_it_served_is_started_again_by_the_job_that_waited_for_
         [state] = attached.engines
         assert first and state["pid"] != first[0]["pid"] and attached.started
         assert _alive(state["pid"]) and not _alive(first[0]["server_pid"])
+    finally:
+        attached.release()
+        engine_host.stop_idle(spec.lock_dir)
+
+
+@pytest.mark.workflow
+def test_a_host_whose_starting_job_was_killed_is_joined_not_started_twice(tmp_path: Path, tiny_model: Path) -> None:
+    """The soak's find (bench/soak.py, seed 0, kill -9 of a generate job waiting for the engine it
+    started): the next job saw no ready engine and started a second host, which waited behind the first
+    for the GPU while its use lock kept the first from idling out: both jobs stalled until start_timeout.
+    The next job waits for the starting host and joins it."""
+    import importlib
+
+    attach_mod = importlib.import_module("dflash_build.engines.host.attach")
+    spec = _spec(tmp_path, tiny_model)
+    spec_file = Path(spec.lock_dir) / f"engine-{spec.slot}.spec.json"
+    Path(spec.lock_dir).mkdir(parents=True, exist_ok=True)
+    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+    atomic.write_json(spec_file, dataclasses.asdict(spec))
+    orphan = attach_mod._spawn(spec_file, Path(spec.log_dir) / f"{spec.slot}.log")  # its job is gone
+    host_lock = Path(spec.lock_dir) / f"engine-{spec.slot}.host.lock"
+    wait_until(lambda: host_lock.exists() and not lock_free(host_lock), 30, "the orphan host holds its slot")
+    start = time.monotonic()
+    attached = engine_host.attach(spec, pool=False)
+    try:
+        [state] = attached.engines
+        assert state["pid"] == orphan and not attached.started, "the starting host was joined"
+        assert time.monotonic() - start < 60
     finally:
         attached.release()
         engine_host.stop_idle(spec.lock_dir)

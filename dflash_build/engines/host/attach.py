@@ -73,6 +73,8 @@ def attach(spec: LaunchSpec, pool: bool = True) -> Attached:
         flock(start_fd, fcntl.LOCK_EX)  # one job at a time decides about this slot
         state, started = _ensure(spec, use_fd), False
         if state is None:
+            state = _join_starting(spec, use_fd)
+        if state is None:
             state, started = _start(spec, use_fd), True
     except BaseException:
         os.close(use_fd)
@@ -118,6 +120,34 @@ def _ensure(spec: LaunchSpec, use_fd: int) -> dict[str, Any] | None:
         )
         stop_host(state, "replaced")
     return None
+
+
+def _join_starting(spec: LaunchSpec, use_fd: int) -> dict[str, Any] | None:
+    """A host of the slot that is starting without a job waiting for it (the job that started it was
+    killed): wait for it and hold it once it serves ``spec`` (None when no host holds the slot). A second
+    host would wait for its GPU behind the first, while this job's use lock kept the first from idling
+    out (the fault soak, bench/soak.py, found that wait)."""
+    host_lock = open_lock(lock_path(spec.lock_dir, spec.slot, "host"))
+    deadline = time.monotonic() + spec.start_timeout + 60
+    try:
+        while time.monotonic() < deadline:
+            state = read_state(spec.lock_dir, spec.slot)
+            if state is not None and state["identity_key"] == spec.identity_key:
+                fcntl.flock(use_fd, fcntl.LOCK_SH)  # from the exclusive hold _ensure took: now its user
+                log.info("engine on %s (host pid %d), started by a job that is gone, joined", spec.slot, state["pid"])
+                return state
+            if state is not None:  # it came up serving another identity: stopped, as _ensure stops one
+                stop_host(state, "replaced")
+            try:
+                fcntl.flock(host_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(POLL_SECONDS)  # a host is starting (or stopping) on the slot
+                continue
+            fcntl.flock(host_lock, fcntl.LOCK_UN)
+            return None  # no host: this job starts one
+        return None
+    finally:
+        os.close(host_lock)
 
 
 def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
