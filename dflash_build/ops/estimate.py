@@ -259,9 +259,14 @@ def estimate_with_disk(
     cross, copies = _cross_source(plan, selections)
     lost = standing.standing(plan)
     held = frozenset(lost.missing) if lost is not None else frozenset()
+    as_needed = plan.config.mix_generate == "as_needed"
+    replayed = size.replay(plan) if as_needed else None  # once: it reads every sized shard's sidecar
+    sized = _wanted(plan, replayed) if as_needed else {}
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         means = {None: mean_tokens, **_variant_means(sidecars)}
-        estimates = _estimate(plan, index, means, rate, default_tokens_per_second, lengths, selections, copies, held)
+        estimates = _estimate(
+            plan, index, means, rate, default_tokens_per_second, lengths, selections, copies, sized, held
+        )
     _cross_source_cost(estimates, cross)
     for e in estimates:
         e.outside_window = windows.get(e.source)
@@ -271,7 +276,7 @@ def estimate_with_disk(
     }
     source_lengths = forecast.source_lengths(plan, sidecars)
     mix = forecast.forecast(plan, prompt_rows, source_lengths, rate or default_tokens_per_second)
-    if plan.config.mix_generate == "as_needed" and (replayed := size.replay(plan)) is not None:
+    if replayed is not None:
         counts = replayed.shards
         mix = dataclasses.replace(
             mix,
@@ -289,7 +294,11 @@ def wanted_shards(plan: Plan) -> dict[str, int]:
     not built; empty under all."""
     if plan.config.mix_generate != "as_needed":
         return {}
-    replayed = size.replay(plan)
+    return _wanted(plan, size.replay(plan))
+
+
+def _wanted(plan: Plan, replayed: size.Replayed | None) -> dict[str, int]:
+    """The shards per source of the replayed sizing, the pilot's while there is none (as_needed)."""
     return replayed.shards if replayed is not None else sized_counts(plan, None)
 
 
@@ -301,7 +310,8 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
     cfg = plan.config
     if cfg.mix_generate != "as_needed":
         return []
-    if size.replay(plan) is None:
+    replayed = size.replay(plan)
+    if replayed is None:
         return None
     listed = sized_counts(plan, None)  # the pilot's jobs are always listed
     for round_ in layout.SIZING_ROUNDS:
@@ -313,7 +323,7 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
         if not all(layout.sidecar(p).exists() for p in reads):
             break
         listed = sized_counts(plan, path)
-    wanted = wanted_shards(plan)
+    wanted = replayed.shards
     return [
         f"{name}/{shard}"
         for name, sp in plan.sources.items()
@@ -389,14 +399,15 @@ def _estimate(
     lengths: list[tuple[int, int]],
     selections: dict[str, Selection],
     copies: dict[str, set[str]],
-    held: frozenset[str] = frozenset(),
+    sized: dict[str, int],
+    held: frozenset[str],
 ) -> list[SourceEstimate]:
     """``selections``: prepare's selection of sources not prepared yet, run once (shared with the
     cross-source count); ``copies``: each source's prompts a source ranked above keeps (skipped);
     ``means``: output tokens per row, the model's (None) and under each sampling variant measured;
+    ``sized``: the shards per source the build generates (mix.generate as_needed; empty: all of them);
     ``held``: the missing shards (SOURCE/SHARD) a standing dataset holds, counted apart."""
     out = []
-    sized = wanted_shards(plan)
     for name, sp in plan.sources.items():
         sampling = sp.spec.sampling
         manifest_file = plan.prompt_manifest(name)

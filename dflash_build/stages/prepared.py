@@ -6,7 +6,7 @@ prepare fails (a defect its first rows did not show: the Snakefile checks those 
 the build before any generate job takes a GPU, while Snakemake's keep-going still lets every other failure
 (one bad shard of a day-long build) leave the rest running. What the waiting costs: until the slowest
 prepare of the build ends, no GPU starts (docs/operations.md "A defect stops the build before GPU time"
-gives the measure); a build in which no prepare runs does not run this job and waits for nothing.
+estimates it); a build in which no prepare runs does not run this job and waits for nothing.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any
 from dflash_build.plan import Plan
 from dflash_build.stages.common import crosssource
 from dflash_build.stages.common.job import StageFailure
+from dflash_build.stages.prepare.drops import DROP_OTHER_VARIANT
 from dflash_build.store import layout
 from dflash_build.store import records as R
 
@@ -123,7 +124,7 @@ def drawn_empty(plan: Plan, name: str) -> bool:
     if plan.sources[name].spec.variant is None or not manifest_file.exists():
         return False
     manifest = json.loads(manifest_file.read_text())
-    return manifest[R.PROMPTS_ROWS_OUT] == 0 and bool(manifest[R.PROMPTS_DROPS].get("other_variant"))
+    return manifest[R.PROMPTS_ROWS_OUT] == 0 and bool(manifest[R.PROMPTS_DROPS].get(DROP_OTHER_VARIANT))
 
 
 def _missed_share(
