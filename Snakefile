@@ -32,6 +32,16 @@ if CONFIG.exports:
     include: "rules/export.smk"
 
 
+if CONFIG.held_out:
+
+    include: "rules/evalset.smk"
+
+
+if CONFIG.accept:
+
+    include: "rules/accept.smk"
+
+
 rule all:
     default_target: True
     input:

@@ -362,7 +362,11 @@ class Soak:
                 return None
             free, _ = filesystem.free_bytes(store)
             filler = store / "filler"
-            with open(filler, "wb") as f, contextlib.suppress(OSError):
+            try:
+                f = open(filler, "wb")  # noqa: SIM115 (closed below)
+            except OSError as e:
+                raise RuntimeError(f"the store was full before the filler ({e}): {_largest(store)}") from e
+            with f, contextlib.suppress(OSError):
                 f.write(b"\0" * max(0, free - 4096))
             fault.injected = True
             return filler
@@ -526,11 +530,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--prompts", type=int, default=24, help="per source (3 sources, 4 prompts a shard)")
+    parser.add_argument("--root", type=Path, help="work here and keep it (default: a temporary folder)")
     args = parser.parse_args(argv)
     from tests.conftest import build_tiny_model, build_vllm_model
 
-    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        root = args.root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
         tokenizer = _tokenizer(root)
         vllm_python = None
         if args.engine == "vllm":
@@ -545,6 +550,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps({k: v for k, v in figures.items() if k != "faults"}, indent=2))
     return figures
+
+
+def _largest(store: Path, count: int = 8) -> str:
+    """The store's largest files, for a store that filled up by itself."""
+    files = sorted((p for p in store.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size, reverse=True)
+    return ", ".join(f"{p.relative_to(store)} ({p.stat().st_size} B)" for p in files[:count])
 
 
 def _tokenizer(root: Path) -> Path:

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status.watch(plan, args.watch, args.window, as_json=args.json)
 
 
+def cmd_accept(args: argparse.Namespace) -> int:
+    """``snakemake accept`` for the config (the eval split first, where it is not built), then the report."""
+    cfg = config_mod.load(args.configfile)
+    if cfg.accept is None:
+        raise ConfigError("accept", "the config has no accept section: name the drafters to measure there")
+    snakefile = Path(__file__).resolve().parents[1] / "Snakefile"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--configfile", args.configfile]
+    done = subprocess.run([*cmd, "--cores", str(args.cores), "accept", *args.snakemake_args], check=False)
+    if done.returncode != 0:
+        return done.returncode
+    print((cfg.acceptance_dir / "README.md").read_text(), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -359,6 +374,10 @@ def _view_commands(sub: Any, after: argparse.ArgumentParser) -> None:
         help="rates over the last SECONDS (default: %(default)s)",
     )
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("accept", parents=[after], help="acceptance per slice of each drafter (config accept)")
+    p.add_argument("--cores", default="all", help="Snakemake's --cores (default: %(default)s)")
+    p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="more Snakemake arguments (after --)")
+    p.set_defaults(func=cmd_accept)
     p = sub.add_parser("summary", parents=[after], help="summary of a built dataset")
     p.add_argument("dataset", help="dist/NAME")
     p.set_defaults(func=cmd_summary)

@@ -20,13 +20,16 @@ from typing import Any
 from dflash_build import configfile, inputs, language
 from dflash_build.spec import (
     SAMPLING_FIELDS,
+    AcceptSpec,
     Checks,
     Config,
     ConfigError,
     DecontaminationSpec,
     DedupSpec,
+    DrafterSpec,
     EngineSpec,
     ExportSpec,
+    HeldOut,
     HubSpec,
     ModelSpec,
     NearSpec,
@@ -267,6 +270,40 @@ def _decontaminate(raw: Mapping[str, Any] | None) -> DecontaminationSpec | None:
     return DecontaminationSpec(int(raw["ngram"]), references)
 
 
+def _eval_benchmarks(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """`eval.benchmarks`, each a set of `decontaminate.references`."""
+    if "eval" not in raw:
+        return ()
+    references = sorted((raw["decontaminate"] or {}).get("references", {}))
+    for i, name in enumerate(raw["eval"]["benchmarks"]):
+        if name not in references:
+            near = difflib.get_close_matches(name, references, n=1)
+            raise ConfigError(
+                f"eval.benchmarks.{i}",
+                f"no decontaminate.references set named {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""),
+            )
+    return tuple(raw["eval"]["benchmarks"])
+
+
+def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
+    """Config key `accept` (its drafters are checked against the engine's pinned release with the
+    engine: ``engines.registry.check_drafters``)."""
+    accept = raw.get("accept")
+    if accept is None:
+        return None
+    if "eval" not in raw:
+        raise ConfigError("accept", "measures the eval split: set `eval` (a held-out share, benchmarks) too")
+    drafters = {
+        name: DrafterSpec(name, d["method"], d["path"], dict(d["options"])) for name, d in accept["drafters"].items()
+    }
+    return AcceptSpec(
+        drafters=drafters,
+        max_new_tokens=int(accept["max_new_tokens"]),
+        engine_options=dict(accept["engine_options"]),
+        weakest=int(accept["weakest"]),
+    )
+
+
 def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
     allow = raw["allow_shortfall"]
     if allow is True:
@@ -372,8 +409,10 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     categories = {k: v / total for k, v in weights.items()}
     checks = _checks(raw["checks"], categories)
     sources: dict[str, SourceSpec] = {}
+    held_out = HeldOut(float(raw["eval"]["share"]), int(raw["eval"]["cap"])) if "eval" in raw else None
     for name, s in raw["sources"].items():
-        sources.update(_sources(name, s, raw["sampling"], raw["variants"], categories, checks))
+        built = _sources(name, s, raw["sampling"], raw["variants"], categories, checks)
+        sources.update({n: dataclasses.replace(spec, held_out=held_out) for n, spec in built.items()})
     _check_rule_names(sources)
     _check_supplied(categories, sources, checks)
     trainer = TrainerSpec(**raw["trainer"])
@@ -402,6 +441,10 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         trainer=trainer,
         dedup=_dedup(raw["dedup"], sources),
         decontaminate=_decontaminate(raw["decontaminate"]),
+        held_out=held_out,
+        eval_benchmarks=_eval_benchmarks(raw),
+        sampling=_sampling(raw["sampling"], {}, "sampling"),
+        accept=_accept(raw),
     )
     _check_dataset_dir(config)
     return config

@@ -93,6 +93,7 @@ _PACK = "only the packed folder: its name carries seq_len, the params trigger re
 _WHERE = "where files go or how jobs are scheduled, not what they hold"
 _EXPORT = "only that export's folder: the params trigger reruns it, export_key names it"
 _SAMPLING = "changes the distribution of answers"
+_ACCEPT = "only the acceptance report: each drafter's result is keyed by its own accept_key (stages.accept)"
 
 # Every field of config/schema.yaml; `sources.*` stands for each source.
 CONFIG_FIELDS: dict[str, Decision] = {
@@ -177,6 +178,13 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "dedup.prefer": _d(GEN, "which sources rank above a source, so which of its prompts it skips as copies"),
     "decontaminate.ngram": _d(PROMPT, "which prompts count as contaminated"),
     "decontaminate.references": _d(PROMPT, "by content, like sources: file digests or hub id and pinned commit"),
+    "eval.share": _d(PROMPT, "which prompts are held out of training (by prompt id): every source's prompts"),
+    "eval.cap": _d(PROMPT, "which prompts are held out of training (by prompt id): every source's prompts"),
+    "eval.benchmarks": _d(None, "only the eval split's folder: the params trigger reruns it"),
+    "accept.drafters": _d(None, _ACCEPT),
+    "accept.max_new_tokens": _d(None, _ACCEPT),
+    "accept.engine_options": _d(None, _ACCEPT),
+    "accept.weakest": _d(None, _ACCEPT),
     "checks.max_drop_fraction": _d(None, _CHECK),
     "checks.max_failed_fraction": _d(None, _CHECK),
     "checks.share_tolerance": _d(None, _CHECK),

@@ -108,6 +108,7 @@ class Plan:
     template_fingerprint: dict[str, Any]
     sources: dict[str, SourcePlan]
     reference_files: dict[str, tuple[Path, ...]] = field(default_factory=dict)  # decontaminate's local files
+    drafter_fingerprints: dict[str, str] = field(default_factory=dict)  # accept: each drafter's files, by name
 
     # This plan's store paths (from layout, which owns them).
     def stage_dir(self, stage: layout.Stage, source: str) -> Path:
@@ -124,6 +125,10 @@ class Plan:
     def prompt_bands(self, source: str) -> Path:
         """The selected prompts' near-duplicate band keys (with dedup.near): what the mix compares across sources."""
         return self.prompt_dir(source) / layout.BANDS
+
+    def held_out_file(self, source: str) -> Path:
+        """The source's prompts held out of training (config key `eval`), beside its manifest."""
+        return self.prompt_dir(source) / layout.HELD_OUT
 
     def completion_dir(self, source: str) -> Path:
         return self.stage_dir(layout.COMPLETIONS, source)
@@ -367,6 +372,8 @@ def prompt_spec(spec: SourceSpec) -> dict[str, Any]:
                 # a variant source keeps the prompts drawn to its variant: the draw table decides which
                 "variant": (spec.variant if spec.draw is not None else None, None),
                 "draw": (None if spec.draw is None else spec.draw.as_dict(), None),
+                # config key `eval`: the prompts held out of training (by prompt id)
+                "held_out": (None if spec.held_out is None else spec.held_out.as_dict(), None),
             }
         ),
     }
@@ -439,6 +446,7 @@ def build(config: Config, only: str | None = None) -> Plan:
     if only is not None and only not in config.sources:
         raise ConfigError("sources", f"no source '{only}' in the config")
     registry.check(config.engine)  # where the engine is chosen: its options, before any job
+    registry.check_drafters(config.engine, config.accept)
     cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
     filtering, reference_files = _filtering(config, cache)
@@ -459,8 +467,24 @@ def build(config: Config, only: str | None = None) -> Plan:
         sources[name] = SourcePlan(
             spec, files, n_shards, rows, prompt_components, gen_components, tok_components, raw_rows, tuple(above)
         )
+    drafters = fingerprint_drafters(config, cache)
     cache.save()
-    return Plan(config, model_fp, template_fp, sources, reference_files)
+    return Plan(config, model_fp, template_fp, sources, reference_files, drafters)
+
+
+def fingerprint_drafters(config: Config, cache: fingerprints.FingerprintCache) -> dict[str, str]:
+    """The digest of each `accept` drafter's checkpoint (weights, config, remote code), by drafter name;
+    a drafter without one (ngram) is its method and options alone."""
+    digests = {}
+    for name, drafter in (config.accept.drafters if config.accept else {}).items():
+        if drafter.path is None:
+            continue
+        root = Path(drafter.path)
+        files = _model_files(root)
+        if not files:
+            raise ConfigError(f"accept.drafters.{name}.path", f"'{root}' holds no model files (weights, config.json)")
+        digests[name] = hashing.digest(cache.files(files, root if root.is_dir() else root.parent))
+    return digests
 
 
 def _prepared(

@@ -108,6 +108,18 @@ class VariantDraw:
 
 
 @dataclass(frozen=True)
+class HeldOut:
+    """Config key `eval`: the prompts of each source held out of training, to measure a drafter on
+    (``stages.prepare.identity.held_out``: by prompt id, a ``share`` of them, at most ``cap``)."""
+
+    share: float
+    cap: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"share": self.share, "cap": self.cap}
+
+
+@dataclass(frozen=True)
 class SourceSpec:
     name: str
     category: str
@@ -136,6 +148,7 @@ class SourceSpec:
     parent: str | None = None
     draw: VariantDraw | None = None
     variant_tolerance: float | None = None  # the mix fails when its share of prompts is this far short
+    held_out: HeldOut | None = None  # config key `eval`: prompts kept out of training, for `accept`
 
     @property
     def config_name(self) -> str:
@@ -286,6 +299,27 @@ class DecontaminationSpec:
 
 
 @dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter of `accept.drafters`: the speculative method, its checkpoint (none for ngram) and the
+    method's options, as the engine's pinned release names them."""
+
+    name: str
+    method: str
+    path: str | None
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class AcceptSpec:
+    """Config key `accept` (dflash_build.stages.accept): acceptance per slice of the eval split."""
+
+    drafters: Mapping[str, DrafterSpec]
+    max_new_tokens: int
+    engine_options: Mapping[str, Any]  # over engine.options, for the speculative server
+    weakest: int
+
+
+@dataclass(frozen=True)
 class Config:
     store: Path
     logs: Path
@@ -309,10 +343,24 @@ class Config:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     dedup: DedupSpec = field(default_factory=DedupSpec)
     decontaminate: DecontaminationSpec | None = None
+    held_out: HeldOut | None = None
+    eval_benchmarks: tuple[str, ...] = ()  # decontaminate.references in the eval split, a slice each
+    sampling: Sampling | None = None  # the top-level sampling (each source's holds it merged)
+    accept: AcceptSpec | None = None
 
     @property
     def dataset_dir(self) -> Path:
         return self.dataset_out / self.dataset_name
+
+    @property
+    def eval_dir(self) -> Path:
+        """The held-out split, beside the dataset (config key `eval`)."""
+        return self.dataset_out / f"{self.dataset_name}-eval"
+
+    @property
+    def acceptance_dir(self) -> Path:
+        """The acceptance report, beside the dataset (config key `accept`)."""
+        return self.dataset_out / f"{self.dataset_name}-acceptance"
 
     @property
     def packed_dir(self) -> Path | None:
@@ -329,7 +377,9 @@ class Config:
     def dist_folders(self) -> tuple[Path, ...]:
         """The folders a build publishes: the dataset, then what is derived from it (packed, exports)."""
         derived = [] if self.packed_dir is None else [self.packed_dir]
-        return (self.dataset_dir, *derived, *(self.export_dir(fmt) for fmt in self.exports))
+        # the eval split is built with them; the acceptance report is not (`accept`, on request)
+        split = [] if self.held_out is None else [self.eval_dir]
+        return (self.dataset_dir, *derived, *(self.export_dir(fmt) for fmt in self.exports), *split)
 
     @property
     def backend(self) -> str:

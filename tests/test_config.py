@@ -252,11 +252,14 @@ def test_every_schema_default_is_the_one_the_config_uses(raw: dict[str, Any], tm
     full["pack"] = {"seq_len": 64}
     full["export"] = {"specforge": {}, "speculators": {}, "conversations": {}}
     full["trainer"] = {"max_length": 256}
+    full["eval"] = {}
+    full["accept"] = {"drafters": {"d": {"method": "ngram"}}}
     configfile.validate(full)
     expected = cfg.from_dict(full)
     paths = _schema_defaults(configfile.schema(), full)
     assert {"engine.stall_timeout", "sources.h.hf.split", "decontaminate.references.r.hf.split"} <= set(paths)
     assert {"decontaminate.ngram", "checks.min_free_gb", "pack.window", "export.specforge.long"} <= set(paths)
+    assert {"eval.share", "eval.cap", "accept.max_new_tokens", "accept.drafters.d.options"} <= set(paths)
     disagree = []
     for path in paths:
         config = copy.deepcopy(full)

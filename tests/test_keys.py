@@ -269,6 +269,8 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "dedup.prefer": (lambda c, ws: c.setdefault("dedup", {}).update(prefer=[sorted(c["sources"])[-1]]), None),
     "decontaminate.references": (_references, keys.PROMPT),
     "decontaminate.ngram": (_reference_ngram, keys.PROMPT),
+    "eval.share": (_set("eval", {"share": 0.1}), keys.PROMPT),
+    "eval.cap": (_set("eval", {"cap": 3}), keys.PROMPT),
     "mix.budget_tokens": (_set("mix.budget_tokens", 1000), None),
     "mix.languages": (_set("mix.languages", {"x": {"zh": 0.2}}), None),
     "checks.share_tolerance": (_set("checks.share_tolerance", 0.3), None),

@@ -60,9 +60,10 @@ def planned_paths(plan: plan_mod.Plan, job: dict[str, Any]) -> tuple[set[str], s
     return inputs, {str(p) for paths in found.outputs.values() for p in paths}
 
 
-def assert_rules_declare_the_plan(wf: Workflow) -> set[str]:
-    """Every job of the workdir's dry run against its planned job; the rules seen."""
-    jobs = dry_run_jobs(wf.run("-n").stdout)
+def assert_rules_declare_the_plan(wf: Workflow, *targets: str) -> set[str]:
+    """Every job of the workdir's dry run (of ``targets``, else the default) against its planned job; the
+    rules seen."""
+    jobs = dry_run_jobs(wf.run("-n", *targets).stdout)
     with contextlib.chdir(wf.workdir):  # the config's relative paths, as Snakemake reads them
         plan = plan_mod.build(config_mod.load(wf.workdir / "config.yaml"))
         for job in jobs:
@@ -85,11 +86,28 @@ def test_the_production_rules_declare_what_the_planner_plans(tmp_path: Path, tin
     assert {"mix", "export"} <= rules or generate == "as_needed", rules
 
 
-def test_the_demo_rules_declare_what_the_planner_plans(tmp_path: Path) -> None:
+def demo_config() -> dict[str, Any]:
     config = copy.deepcopy(yaml.safe_load((REPO / "config" / "demo.yaml").read_text()))
     config["model"]["path"] = str(smollm2_gguf())
     config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
     for source in config["sources"].values():
         source["files"] = [str(REPO / f) for f in source["files"]]
-    rules = assert_rules_declare_the_plan(Workflow.at(tmp_path, config))
+    return config
+
+
+def test_the_demo_rules_declare_what_the_planner_plans(tmp_path: Path) -> None:
+    rules = assert_rules_declare_the_plan(Workflow.at(tmp_path, demo_config()))
     assert {"generate", "tokenize", "mix", "pack", "export"} <= rules, rules
+
+
+def test_the_eval_split_and_accept_rules_declare_what_the_planner_plans(tmp_path: Path) -> None:
+    config = demo_config()
+    config["eval"] = {"share": 0.2, "cap": 2}
+    config["engine"] = {"backend": "vllm", "options": {"device": "cpu"}}
+    config["accept"] = {"drafters": {"ngram": {"method": "ngram", "options": {"num_speculative_tokens": 3}}}}
+    wf = Workflow.at(tmp_path, config)
+    rules = assert_rules_declare_the_plan(wf, "accept")
+    assert {"prepared", "mix", "evalset", "accept"} <= rules, rules
+    # a build makes the eval split; acceptance needs a speculative server: only on request
+    rules = assert_rules_declare_the_plan(wf)
+    assert "evalset" in rules and "accept" not in rules, rules

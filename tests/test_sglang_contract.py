@@ -325,3 +325,20 @@ def test_tool_call_parsers_read_answers_as_sglangs_own_detectors_do() -> None:
     assert sum(bool(e["calls"]) for e in theirs) >= 14 and any(not e["calls"] for e in theirs[1:]), (
         "the table tests both"
     )
+
+
+def test_speculative_algorithms_and_meta_info_fields_are_the_pinned_releases() -> None:
+    """`accept` names SGLang's algorithms as its SpeculativeAlgorithm enum does, and reads the counts its
+    TokenizerManager writes into each request's meta_info (SGLang's per-request acceptance)."""
+    from dflash_build.engines.backends import sglang as sglang_backend
+
+    tree = ast.parse(sglang_source("srt/speculative/spec_info.py"))
+    [enum] = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "SpeculativeAlgorithm"]
+    members = {t.id for n in enum.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert set(sglang_backend.SPECULATIVE_ALGORITHMS) == members - {"NONE"}
+    source = sglang_source("srt/managers/tokenizer_manager.py")
+    counts = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
+    for name in counts:
+        assert f'meta_info["{name}"]' in source, name
+    for name in ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps"):
+        assert name in sglang_fields.SERVER_ARGS, name

@@ -41,9 +41,11 @@ def test_the_pinned_release_is_one_everywhere() -> None:
 
 
 def test_the_recorded_engine_arguments_are_the_installed_releases() -> None:
-    version, names = vllm.installed_engine_args(str(vllm_python()))
+    version, names, methods, speculative = vllm.installed_engine_args(str(vllm_python()))
     assert version == vllm_fields.VERSION
     assert names == vllm_fields.ENGINE_ARGS, "regenerate dflash_build/engines/vllm_fields.py (its docstring says how)"
+    assert (methods, speculative) == (vllm_fields.SPECULATIVE_METHODS, vllm_fields.SPECULATIVE_FIELDS)
+    assert {"draft_model", "ngram", "dflash", "eagle3"} <= methods, "the methods accept's tests and docs name"
 
 
 def test_every_decided_and_every_driver_field_is_a_real_engine_argument() -> None:

@@ -37,6 +37,25 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Acceptance:
+    """One request's speculative decoding as its engine counted it: verify steps, draft tokens proposed
+    and accepted, and the steps by how many drafted tokens each accepted (``histogram[i]``: steps that
+    accepted exactly i; absent where the engine does not report it). Each step also yields the target's
+    own (bonus) token, so the tokens per step are ``1 + accepted / steps``."""
+
+    steps: int
+    drafted: int
+    accepted: int
+    histogram: tuple[int, ...] = ()
+
+    @property
+    def per_position(self) -> tuple[int, ...]:
+        """Steps that accepted draft position i (0-based): those that accepted more than i tokens."""
+        h = self.histogram
+        return tuple(sum(h[i + 1 :]) for i in range(len(h) - 1))
+
+
+@dataclass(frozen=True)
 class Result:
     prompt_id: str
     sample_idx: int
@@ -48,6 +67,7 @@ class Result:
     # server's own token count tells whether that drifted.
     retokenized: bool = False
     engine_output_tokens: int | None = None
+    acceptance: Acceptance | None = None  # a speculative server's own count for this request
 
 
 class EngineFailed(RuntimeError):

@@ -7,14 +7,15 @@ Results or refused as Malformed). :class:`ServerClient` holds what one job knows
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dflash_build.engines.base import Acceptance, Request, Result
 from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
-from dflash_build.engines.base import Request, Result
 from dflash_build.engines.sglang_wire import parse_output, sampling_params
 
 if TYPE_CHECKING:
@@ -123,6 +124,18 @@ def matches_model(served: list[str], model_path: str, expect: str | None) -> boo
     if expect:
         wanted.add(expect)
     return any(name.rstrip("/") in wanted or os.path.basename(name.rstrip("/")) in wanted for name in served)
+
+
+def completion_acceptance(out: Any) -> Acceptance | None:
+    """A speculative request's counts from vLLM's answer (``metrics.speculative_decoding``, which a server
+    started with ``per_request_spec_decode_metrics`` adds: ``num_spec_steps``, ``num_draft_tokens``,
+    ``num_accepted_draft_tokens``, ``acceptance_histogram``); None without it."""
+    spec = (out.get("metrics") or {}).get("speculative_decoding") if isinstance(out, dict) else None
+    if not isinstance(spec, dict) or not spec.get("num_spec_steps"):
+        return None
+    histogram = tuple(int(n) for n in spec.get("acceptance_histogram") or ())
+    drafted, accepted = int(spec.get("num_draft_tokens") or 0), int(spec.get("num_accepted_draft_tokens") or 0)
+    return Acceptance(int(spec["num_spec_steps"]), drafted, accepted, histogram)
 
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
@@ -336,6 +349,9 @@ class ServerClient:
             result = Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
         else:
             result = Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
+        counted = completion_acceptance(out)
+        if counted is not None:
+            result = dataclasses.replace(result, acceptance=counted)
         return self._checked(request, result, out)
 
     def _checked(self, request: Request, result: Result, out: Any) -> Result:

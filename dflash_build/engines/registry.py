@@ -23,7 +23,7 @@ from dflash_build.spec import ConfigError
 
 if TYPE_CHECKING:
     from dflash_build.engines.gpus import GpuLease
-    from dflash_build.spec import EngineSpec, ModelSpec
+    from dflash_build.spec import AcceptSpec, DrafterSpec, EngineSpec, ModelSpec
 
 # The reasons most options share.
 NUMERICS = "changes the numbers the model computes, so the answers"
@@ -64,6 +64,19 @@ class Serve:
 
 
 @dataclass(frozen=True)
+class Speculative:
+    """How a backend's server drafts (``stages.accept``): ``check(key, drafter)`` refuses a method or an
+    option its pinned release does not have (naming the closest), and ``options(drafter)`` gives the
+    engine options that serve the target with that drafter and report each request's acceptance."""
+
+    check: Callable[[str, DrafterSpec], None]
+    options: Callable[[DrafterSpec], dict[str, Any]]
+    # The server's own totals from its /metrics text (steps, drafted, accepted, per_position); None: it
+    # has none to check the requests' counts against.
+    totals: Callable[[str], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     options: Mapping[str, Option]
@@ -83,6 +96,7 @@ class Backend:
     check_names: Callable[[Mapping[str, Any]], None] | None = None
     # Cores a job asks Snakemake for (the rule's threads:).
     threads: Callable[[Mapping[str, Any]], int] = field(default=lambda options: 1)
+    speculative: Speculative | None = None  # None: its server cannot serve a drafter
 
     def decision(self, name: str) -> Option | None:
         """The decision for one option; None for a name this backend does not accept."""
@@ -156,6 +170,19 @@ def check(engine: EngineSpec) -> None:
     backend.check(engine.options)
     if engine.shared and backend.serve is None:
         raise ConfigError("engine.shared", f"the {backend.name} backend talks to servers it does not run; remove it")
+
+
+def check_drafters(engine: EngineSpec, accept: AcceptSpec | None) -> None:
+    """`accept`'s drafters against the engine's pinned release, with the engine (before any job)."""
+    if accept is None:
+        return
+    backend = get(engine.backend)
+    if backend.speculative is None:
+        able = sorted(name for name, b in _backends().items() if b.speculative is not None)
+        raise ConfigError("accept", f"engine.backend {backend.name!r} cannot serve a drafter; use {' or '.join(able)}")
+    backend.check({**engine.options, **accept.engine_options})
+    for name, drafter in accept.drafters.items():
+        backend.speculative.check(f"accept.drafters.{name}", drafter)
 
 
 def keyed_options(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:

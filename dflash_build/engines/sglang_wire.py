@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from dflash_build.engines.base import Request, Result
+from dflash_build.engines.base import Acceptance, Request, Result
 
 
 def sampling_params(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
@@ -30,6 +31,27 @@ def sampling_params(request: Request, stop_token_ids: list[int]) -> dict[str, An
 
 
 def parse_output(request: Request, out: Mapping[str, Any], stop_token_ids: list[int]) -> Result:
+    """One engine output as a Result (:func:`_parse_finish`), with its speculative decoding counts where the
+    server drafts (:func:`acceptance`)."""
+    result = _parse_finish(request, out, stop_token_ids)
+    counted = acceptance(out.get("meta_info") or {})
+    return result if counted is None else dataclasses.replace(result, acceptance=counted)
+
+
+def acceptance(meta_info: Mapping[str, Any]) -> Acceptance | None:
+    """A speculative request's counts from SGLang's ``meta_info`` (``TokenizerManager``'s spec metrics:
+    ``spec_verify_ct``, ``spec_num_proposed_drafts``, ``spec_num_correct_drafts`` and
+    ``spec_correct_drafts_histogram``, steps by drafted tokens accepted); None without speculation."""
+    steps = meta_info.get("spec_verify_ct")
+    if not steps:
+        return None
+    histogram = tuple(int(n) for n in meta_info.get("spec_correct_drafts_histogram") or ())
+    drafted = int(meta_info.get("spec_num_proposed_drafts") or 0)
+    accepted = int(meta_info.get("spec_num_correct_drafts") or 0)
+    return Acceptance(int(steps), drafted, accepted, histogram)
+
+
+def _parse_finish(request: Request, out: Mapping[str, Any], stop_token_ids: list[int]) -> Result:
     """One engine output (``output_ids`` + ``meta_info.finish_reason``) as a Result.
 
     The shapes are SGLang's (``managers/schedule_batch.py``): ``FINISH_MATCHED_TOKEN`` is

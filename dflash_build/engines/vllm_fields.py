@@ -1,5 +1,5 @@
-"""Engine arguments of vLLM 0.32.0 (its EngineArgs CLI flags): generated from the installed
-package, do not edit.
+"""Engine arguments of vLLM 0.32.0 (its EngineArgs CLI flags), its speculative methods and its
+SpeculativeConfig fields: generated from the installed package, do not edit.
 
 Regenerate after changing VLLM_VERSION (tests/test_vllm_contract.py says when):
     python -c 'from dflash_build.engines.backends import vllm; vllm.write_fields_module(PYTHON)'
@@ -258,5 +258,89 @@ ENGINE_ARGS = frozenset(
         "weight_transfer_config",
         "worker_cls",
         "worker_extension_cls",
+    }
+)
+SPECULATIVE_METHODS = frozenset(
+    {
+        "bailing_hybrid_mtp",
+        "bailing_hybrid_v3_mtp",
+        "custom_class",
+        "deepseek_mtp",
+        "dflash",
+        "dots3_note_mtp",
+        "draft_model",
+        "dspark",
+        "eagle",
+        "eagle3",
+        "ernie_mtp",
+        "exaone4_5_mtp",
+        "exaone_moe_mtp",
+        "extract_hidden_states",
+        "gemma4_mtp",
+        "glm4_moe_lite_mtp",
+        "glm4_moe_mtp",
+        "glm5_next_mtp",
+        "glm_ocr_mtp",
+        "hy_v3_mtp",
+        "hy_v4_mtp",
+        "inkling_mtp",
+        "kimi_k3_mtp",
+        "longcat_flash_mtp",
+        "medusa",
+        "mimo_mtp",
+        "mimo_v2_mtp",
+        "minimax_m3_mtp",
+        "mlp_speculator",
+        "mtp",
+        "nemotron_h_mtp",
+        "ngram",
+        "ngram_gpu",
+        "pangu_ultra_moe_mtp",
+        "qwen3_5_mtp",
+        "qwen3_next_mtp",
+        "qwen4_exp_mtp",
+        "step3p5_mtp",
+        "suffix",
+    }
+)
+SPECULATIVE_FIELDS = frozenset(
+    {
+        "attention_backend",
+        "code_revision",
+        "disable_eagle_block_drop",
+        "disable_padded_drafter_batch",
+        "draft_load_config",
+        "draft_model_config",
+        "draft_parallel_config",
+        "draft_sample_method",
+        "draft_tensor_parallel_size",
+        "dspark_draft_topk",
+        "enable_adaptive_verification",
+        "enforce_eager",
+        "index_share_for_mtp_iteration",
+        "kv_cache_dtype",
+        "max_model_len",
+        "method",
+        "model",
+        "moe_backend",
+        "num_speculative_tokens",
+        "num_speculative_tokens_per_batch_size",
+        "parallel_drafting",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
+        "quantization",
+        "rejection_sample_method",
+        "revision",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_min_token_prob",
+        "synthetic_acceptance_length",
+        "synthetic_acceptance_rates",
+        "target_model_config",
+        "target_parallel_config",
+        "tensor_parallel_size",
+        "use_heterogeneous_vocab",
+        "use_local_argmax_reduction",
     }
 )

@@ -59,6 +59,8 @@ TABLE = (
     Stage("mix", ("tokens", "bands", "manifests"), ("record",), "config"),
     Stage("pack", ("dataset",), ("record",), "config"),
     Stage("export", ("dataset", "store"), ("record",), "format"),
+    Stage("evalset", ("manifests",), ("record",), "config"),
+    Stage("accept", ("split", "dataset"), ("record",), "config"),
 )
 BY_NAME = {s.name: s for s in TABLE}
 PROMPTS, COMPLETIONS, TOKENS = BY_NAME["prepare"], BY_NAME["generate"], BY_NAME["tokenize"]
@@ -76,10 +78,19 @@ SIDECAR = ".stats.json"
 LOG = ".log"
 MANIFEST = "manifest.json"  # a prompt folder's, and a dataset, pack or export folder's
 BANDS = "bands.parquet"  # the selected prompts' near-duplicate band keys (dedup.near)
+HELD_OUT = "eval.parquet"  # config eval: a source's prompts held out of training, beside its manifest
 JOURNAL_ROWS = "rows.jsonl"
 JOURNAL_LOCK = "lock"  # one job at a time per shard; who holds it is written in it
 PUBLISHED_DATA = "published" + DATA
 PUBLISHED_STATS = "published" + SIDECAR
+
+
+ACCEPTANCE = "acceptance"  # each drafter's measurement on the eval split, by accept_key (stages.accept)
+
+
+def acceptance_dir(store: Path, drafter: str, key: str) -> Path:
+    """One drafter's measurement: its requests (each with its slice and the engine's counts) and summary."""
+    return store / ACCEPTANCE / drafter / key
 
 
 def stage_dir(store: Path, stage: Stage, source: str, key: str) -> Path:

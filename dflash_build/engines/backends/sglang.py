@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from dflash_build import hashing
 from dflash_build.engines import sglang_fields
 from dflash_build.engines.base import closest
-from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Option, Serve
+from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Option, Serve, Speculative
 from dflash_build.keys import GEN
-from dflash_build.spec import ConfigError
+from dflash_build.spec import ConfigError, DrafterSpec
 
 if TYPE_CHECKING:
     from dflash_build.engines.base import Engine
@@ -125,6 +125,32 @@ def _argv(
     return [sys.executable, "-m", "dflash_build.engines.sglang_backend", "serve", hashing.canonical_json(kwargs)]
 
 
+# SGLang 0.5.23's SpeculativeAlgorithm members (speculative/spec_info.py; tests/test_sglang_contract.py reads
+# them from the pinned package), as `--speculative-algorithm` takes them; NONE is no drafter.
+SPECULATIVE_ALGORITHMS = ("DFLASH", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NGRAM", "STANDALONE", "UNO")
+
+
+def _check_drafter(key: str, drafter: DrafterSpec) -> None:
+    if drafter.method.upper() not in SPECULATIVE_ALGORITHMS:
+        raise ConfigError(
+            f"{key}.method",
+            f"SGLang {sglang_fields.VERSION} has no speculative algorithm {drafter.method!r}"
+            + closest(drafter.method.upper(), SPECULATIVE_ALGORITHMS),
+        )
+    for name in sorted(drafter.options):
+        if not name.startswith("speculative_") or name not in sglang_fields.SERVER_ARGS:
+            known = {f for f in sglang_fields.SERVER_ARGS if f.startswith("speculative_")}
+            raise ConfigError(
+                f"{key}.options.{name}",
+                f"SGLang {sglang_fields.VERSION} has no such speculative argument{closest(name, known)}",
+            )
+
+
+def _speculative_options(drafter: DrafterSpec) -> dict[str, Any]:
+    path = {"speculative_draft_model_path": drafter.path} if drafter.path else {}
+    return {"speculative_algorithm": drafter.method.upper(), **path, **drafter.options}  # meta_info has the counts
+
+
 BACKEND = Backend(
     "sglang",
     options={
@@ -176,4 +202,5 @@ BACKEND = Backend(
     env_only=("dflash_build.engines.sglang_backend",),
     undecided=Option(GEN, "a ServerArgs field not decided here: keyed, it may change what the model writes"),
     check_names=check_names,
+    speculative=Speculative(_check_drafter, _speculative_options),
 )

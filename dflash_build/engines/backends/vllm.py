@@ -25,9 +25,19 @@ from typing import Any
 
 from dflash_build.engines import vllm_fields
 from dflash_build.engines.base import closest
-from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Derived, Option, Serve
+from dflash_build.engines.registry import (
+    FAULTS,
+    KERNELS,
+    NUMERICS,
+    SPEED,
+    Backend,
+    Derived,
+    Option,
+    Serve,
+    Speculative,
+)
 from dflash_build.keys import GEN
-from dflash_build.spec import ConfigError, EngineSpec, ModelSpec
+from dflash_build.spec import ConfigError, DrafterSpec, EngineSpec, ModelSpec
 
 VLLM_VERSION = vllm_fields.VERSION  # pyproject's `vllm` extra and envs/vllm.yaml pin the same release
 # The OpenAI server's own entry point (what `vllm serve` runs; the console script wants the distribution
@@ -50,36 +60,44 @@ _SERVED_ONLY = "the server's own window, when smaller than model.context_length:
 _SPECULATIVE = "drafts checked by the target's own rejection sampling: the same distribution, faster"
 
 
-def installed_engine_args(python: str) -> tuple[str, frozenset[str]]:
-    """(version, engine argument names) of the vLLM that ``python`` imports (a few seconds)."""
+def installed_engine_args(python: str) -> tuple[str, frozenset[str], frozenset[str], frozenset[str]]:
+    """(version, engine argument names, speculative methods, SpeculativeConfig fields) of the vLLM that
+    ``python`` imports (a few seconds)."""
     code = (
-        "import json, vllm; from vllm.engine.arg_utils import EngineArgs; "
+        "import json, typing, dataclasses, vllm; from vllm.engine.arg_utils import EngineArgs; "
         "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
+        "from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod; "
+        "flat = lambda t: [x for a in typing.get_args(t) for x in (flat(a) if typing.get_args(a) else [a])]; "
         "EngineArgs.add_cli_args(p); "
         "print(json.dumps([vllm.__version__, sorted(a.dest for a in p._actions if a.option_strings "
-        "and a.dest != 'help')]))"
+        "and a.dest != 'help'), sorted(flat(SpeculativeMethod)), "
+        "sorted(f.name for f in dataclasses.fields(SpeculativeConfig) if f.init)]))"
     )
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
-    version, names = json.loads(done.stdout.strip().splitlines()[-1])
-    return version, frozenset(names)
+    version, names, methods, speculative = json.loads(done.stdout.strip().splitlines()[-1])
+    return version, frozenset(names), frozenset(methods), frozenset(speculative)
 
 
-def render_fields_module(version: str, fields: Iterable[str]) -> str:
-    """The source of ``vllm_fields.py`` for one vLLM release's engine arguments."""
+def render_fields_module(
+    version: str, fields: Iterable[str], methods: Iterable[str] = (), speculative: Iterable[str] = ()
+) -> str:
+    """The source of ``vllm_fields.py`` for one vLLM release's engine arguments and speculative config."""
+
+    def names(title: str, values: Iterable[str]) -> list[str]:
+        return [f"{title} = frozenset(", "    {", *(f'        "{v}",' for v in sorted(values)), "    }", ")"]
+
     lines = [
-        f'"""Engine arguments of vLLM {version} (its EngineArgs CLI flags): generated from the installed',
-        "package, do not edit.",
+        f'"""Engine arguments of vLLM {version} (its EngineArgs CLI flags), its speculative methods and its',
+        "SpeculativeConfig fields: generated from the installed package, do not edit.",
         "",
         "Regenerate after changing VLLM_VERSION (tests/test_vllm_contract.py says when):",
         "    python -c 'from dflash_build.engines.backends import vllm; vllm.write_fields_module(PYTHON)'",
         '"""',
         "",
         f'VERSION = "{version}"',
-        "ENGINE_ARGS = frozenset(",
-        "    {",
-        *(f'        "{name}",' for name in sorted(fields)),
-        "    }",
-        ")",
+        *names("ENGINE_ARGS", fields),
+        *names("SPECULATIVE_METHODS", methods),
+        *names("SPECULATIVE_FIELDS", speculative),
     ]
     return "\n".join(lines) + "\n"
 
@@ -118,6 +136,69 @@ def flags(options: Mapping[str, Any]) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+# Drafters that are a checkpoint of their own; ngram and suffix draft from the text, MTP from the target.
+_NEEDS_CHECKPOINT = frozenset({"draft_model", "eagle", "eagle3", "dflash", "dspark", "medusa", "mlp_speculator"})
+# SpeculativeConfig fields a drafter does not set: the driver does, or vLLM fills them in itself.
+_SPECULATIVE_OWN = frozenset(
+    {"method", "model", "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
+)
+
+
+def _check_drafter(key: str, drafter: DrafterSpec) -> None:
+    if drafter.method not in vllm_fields.SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"{key}.method",
+            f"vLLM {VLLM_VERSION} has no speculative method {drafter.method!r}"
+            + closest(drafter.method, vllm_fields.SPECULATIVE_METHODS),
+        )
+    if drafter.method in _NEEDS_CHECKPOINT and not drafter.path:
+        raise ConfigError(f"{key}.path", f"the {drafter.method} method drafts with a checkpoint: give its folder")
+    allowed = vllm_fields.SPECULATIVE_FIELDS - _SPECULATIVE_OWN
+    for name in sorted(drafter.options):
+        if name in _SPECULATIVE_OWN:
+            raise ConfigError(f"{key}.options.{name}", "set from the drafter's method and path; remove it")
+        if name not in allowed:
+            raise ConfigError(
+                f"{key}.options.{name}",
+                f"vLLM {VLLM_VERSION}'s SpeculativeConfig has no such field{closest(name, allowed)}",
+            )
+    if "num_speculative_tokens" not in drafter.options:
+        raise ConfigError(f"{key}.options.num_speculative_tokens", "required: the draft length of each step")
+
+
+def _speculative_options(drafter: DrafterSpec) -> dict[str, Any]:
+    config = {"method": drafter.method, **({"model": drafter.path} if drafter.path else {}), **drafter.options}
+    # each answer carries its own counts (metrics.speculative_decoding): slices can share the server
+    return {"speculative_config": config, "per_request_spec_decode_metrics": "summary"}
+
+
+_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "steps",
+    "vllm:spec_decode_num_draft_tokens_total": "drafted",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
+_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def speculative_totals(metrics: str) -> dict[str, Any]:
+    """vLLM's spec-decode counters in its Prometheus text (``v1/spec_decode/metrics.py``), summed over
+    engines: drafts (verify steps), draft tokens, accepted tokens, and accepted tokens per position."""
+    totals: dict[str, Any] = {name: 0 for name in _COUNTERS.values()}
+    positions: dict[int, int] = {}
+    for line in metrics.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, rest = line.partition("{")
+        labels, _, value = rest.rpartition("}")
+        if name in _COUNTERS:
+            totals[_COUNTERS[name]] += int(float(value))
+        elif name == _PER_POSITION:
+            position = int(labels.split('position="', 1)[1].split('"', 1)[0])
+            positions[position] = positions.get(position, 0) + int(float(value))
+    totals["per_position"] = [positions[p] for p in sorted(positions)]
+    return totals
 
 
 def _argv(
@@ -171,6 +252,7 @@ BACKEND = Backend(
         "logits_processors": Option(GEN, "changes the sampled distribution"),
         "max_model_len": Option(GEN, _SERVED_ONLY),
         "speculative_config": Option(None, _SPECULATIVE),
+        "per_request_spec_decode_metrics": Option(None, "each answer carries its speculative decoding counts"),
         "attention_backend": Option(None, KERNELS),
         "attention_config": Option(None, KERNELS),
         "mamba_backend": Option(None, KERNELS),
@@ -221,4 +303,5 @@ BACKEND = Backend(
     conda_env="vllm",
     undecided=Option(GEN, "an engine argument not decided here: keyed, it may change what the model writes"),
     check_names=check_names,
+    speculative=Speculative(_check_drafter, _speculative_options, speculative_totals),
 )

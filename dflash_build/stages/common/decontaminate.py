@@ -58,7 +58,7 @@ class ReferenceIndex:
         spans: dict[str, tuple[int, int]] = {}  # each set's items: items[first:end]
         for name, ref in sorted(spec.references.items()):
             first = len(items)
-            for location, value in _items(ref, files.get(name, ())):
+            for location, value in reference_items(ref, files.get(name, ())):
                 for text in value:
                     texts.append(text)
                     item_of_text.append(len(items))
@@ -101,7 +101,7 @@ class ReferenceIndex:
         return matched
 
 
-def _items(ref: ReferenceSpec, files: tuple[Path, ...]) -> Iterator[tuple[str, list[str]]]:
+def reference_items(ref: ReferenceSpec, files: tuple[Path, ...]) -> Iterator[tuple[str, list[str]]]:
     """(location, texts) of every item of a reference set."""
     key = f"decontaminate.references.{ref.name}.field"
     if ref.hf is not None:

@@ -200,9 +200,22 @@ def _export(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
     return inputs, {"record": (release.record_dir(cfg.export_dir(of.fmt)),)}
 
 
+def _evalset(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    cfg = plan.config
+    # the held-out prompts lie beside each manifest (prepare writes them before it)
+    inputs = {"manifests": tuple(plan.prompt_manifest(s) for s in sorted(plan.sources))}
+    return inputs, {"record": (release.record_dir(cfg.eval_dir),)}
+
+
+def _accept(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    cfg = plan.config
+    inputs = {"split": (release.record_dir(cfg.eval_dir),), "dataset": (release.record_dir(cfg.dataset_dir),)}
+    return inputs, {"record": (release.record_dir(cfg.acceptance_dir),)}
+
+
 # Each stage's paths from the plan (layout.TABLE names each stage and what its rule declares).
 _PATHS = {"prepare": _prepare, "prepared": _prepared, "generate": _generate, "tokenize": _tokenize}
-_PATHS |= {"size": _size, "mix": _mix, "pack": _pack, "export": _export}
+_PATHS |= {"size": _size, "mix": _mix, "pack": _pack, "export": _export, "evalset": _evalset, "accept": _accept}
 
 
 def planned(

@@ -147,6 +147,15 @@ class _Candidates:
         }
 
 
+def held_out_ids(plan: Plan) -> np.ndarray:
+    """Every prompt id a source holds out for the eval split (config key `eval`), read beside the
+    manifests (the mix's declared inputs)."""
+    if plan.config.held_out is None:
+        return np.zeros(0, dtype=np.uint64)
+    ids = [pq.read_table(plan.held_out_file(s), columns=["prompt_id"]).column("prompt_id") for s in plan.sources]
+    return np.unique(np.concatenate([hashing.hex_to_u64(c) for c in ids])) if ids else np.zeros(0, dtype=np.uint64)
+
+
 def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]) -> _Candidates:
     """Read only the columns selection needs (``inputs``: each token shard with its source's index)."""
     import pyarrow.compute as pc
@@ -188,9 +197,13 @@ def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]
     )
 
 
-def _eligible(cand: _Candidates, names: list[str], cross: crosssource.CrossSource | None) -> np.ndarray:
-    """The samples the mix may take: all but those of prompts another source keeps."""
-    eligible = np.ones(len(cand.rank), dtype=bool)
+def _eligible(
+    cand: _Candidates, names: list[str], cross: crosssource.CrossSource | None, held: np.ndarray
+) -> np.ndarray:
+    """The samples the mix may take: all but those of prompts another source keeps, and of prompts any
+    source holds out for the eval split (``held``: a copy another source trains on, where its cap stopped
+    the draw)."""
+    eligible = ~np.isin(cand.prompt_id, held)
     if cross is not None:
         for code, name in enumerate(names):
             mine = np.flatnonzero(cand.source == code)
@@ -226,7 +239,7 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
     categories = list(shares)
     cand = _candidates(cfg.mix_seed, [(names.index(s), p) for s, p in inputs], categories)
     cross = crosssource.load(plan)
-    eligible = _eligible(cand, names, cross)
+    eligible = _eligible(cand, names, cross, held_out_ids(plan))
     available = cand.available(cand.category, categories, eligible)
     floors = {c: dict(f) for c, f in cfg.mix_languages.items()}
     by_language = cand.by_language(categories, eligible) if floors else {}  # only floors need it

@@ -43,6 +43,7 @@ DROP_DUPLICATE = "duplicate"
 DROP_OVER_MAX_SAMPLES = "over_max_samples"
 DROP_LANGUAGE = "language"  # not in the source's languages
 DROP_OTHER_VARIANT = "other_variant"  # drawn to another sampling variant of the source (config variants)
+DROP_HELD_OUT = "held_out"  # in the eval split (config eval): measured on, never trained on
 EXAMPLES_PER_REASON = 5
 
 
@@ -57,6 +58,7 @@ INTENDED_DROPS = frozenset(
         DROP_NEAR_DUPLICATE,
         DROP_LANGUAGE,
         DROP_OTHER_VARIANT,
+        DROP_HELD_OUT,
     }
 )
 
@@ -71,6 +73,7 @@ DROP_SETTINGS = {
     DROP_NEAR_DUPLICATE: "dedup.near.threshold",
     DROP_LANGUAGE: "languages",
     DROP_OTHER_VARIANT: "variants.*.share",
+    DROP_HELD_OUT: "eval.share",
 }
 
 

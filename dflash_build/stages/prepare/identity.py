@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_build import hashing
-from dflash_build.spec import VariantDraw
+from dflash_build.spec import HeldOut, VariantDraw
 from dflash_build.stages.prepare import columnar
 
 
@@ -79,6 +79,23 @@ def drawn_variant(pids: Any, draw: VariantDraw) -> np.ndarray:
     ) / float(1 << 53)
     at = np.minimum(np.searchsorted(bounds, uniform, side="right"), len(names) - 1)
     return np.array(names, dtype=object)[at]
+
+
+_HELD_OUT_SALT = np.uint64(0x68656C645F6F7574)  # "held_out"
+
+
+def held_out(pids: Any, spec: HeldOut | None) -> np.ndarray:
+    """The prompt ids (64-bit, ascending) held out of training for the eval split (config key `eval`):
+    those whose SplitMix64 value (salted apart from the variant draw) falls below ``spec.share``, the
+    ``spec.cap`` smallest of them. A function of the prompt id alone, so a prompt is held out of every
+    source that holds it (unless the cap stops it there), and adding prompts holds out no other."""
+    pids = np.asarray(pids, dtype=np.uint64)
+    if spec is None or not len(pids):
+        return np.zeros(0, dtype=np.uint64)
+    value = hashing.splitmix64(pids ^ _HELD_OUT_SALT)
+    below = value < np.uint64(min(int(spec.share * 2.0**64), 2**64 - 1))
+    chosen = pids[below][np.argsort(value[below], kind="stable")[: spec.cap]]
+    return np.sort(chosen)
 
 
 def shard_bounds(n_rows: int, n_shards: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ from dflash_build.stages.common.filters import Example, TextFilters
 from dflash_build.stages.prepare import columnar
 from dflash_build.stages.prepare.drops import (
     DROP_DUPLICATE,
+    DROP_HELD_OUT,
     DROP_LANGUAGE,
     DROP_OTHER_VARIANT,
     DROP_OVER_MAX_SAMPLES,
@@ -32,6 +33,7 @@ from dflash_build.stages.prepare.drops import (
 from dflash_build.stages.prepare.identity import (
     dedup_key,
     drawn_variant,
+    held_out,
     prompt_id,
     selection_ranks,
     shard_bounds,
@@ -60,6 +62,7 @@ class Selection:
     examples: list[Example] = field(default_factory=list)  # filter drops, by prompt id until located
     bands: Any = None  # with dedup.near: the selected prompts' band keys, (selected, bands) uint64
     references: dict[str, dict[str, int]] | None = None  # with decontaminate: each reference set's items
+    held_out: Any = None  # with eval: the prompt ids (uint64, ascending) of the eval split, never selected
 
     @property
     def rows_out(self) -> int:
@@ -203,6 +206,13 @@ class _Scanned:
         filtered.examples[:0] = language_examples
         drops.counts.update(filtered.counts)
         kept = pid_values[filtered.rows]
+        held = held_out(kept, spec.held_out)  # before max_samples: the training prompts keep their number
+        if len(held):
+            kept_rows = filtered.rows[~np.isin(kept, held)]
+            kept = pid_values[kept_rows]
+            drops.counts[DROP_HELD_OUT] += len(held)
+        else:
+            kept_rows = filtered.rows
         selected = kept
         if spec.max_samples is not None and len(kept) > spec.max_samples:
             ranks = native_u64(bytearray(selection_ranks(spec.seed, kept))).reshape(-1, 2)
@@ -212,14 +222,18 @@ class _Scanned:
             drops.examples[DROP_OVER_MAX_SAMPLES] = [f"{int(kept[i]):016x}" for i in over[:EXAMPLES_PER_REASON]]
             selected = np.sort(kept[by_rank[: spec.max_samples]])
         selected = _drawn_to_variant(spec, selected, drops)
+        if spec.drawn_share is not None:  # a variant's eval prompts are those drawn to it, as its training
+            held = held[drawn_variant(held, spec.draw) == spec.variant]
         for reason in (DROP_DUPLICATE, DROP_LANGUAGE):
             if not drops.counts[reason]:
                 del drops.counts[reason]
         bands = None
         if self.filters.near is not None:
-            bands = self.filters.bands(filtered.rows[np.searchsorted(kept, selected)])
+            bands = self.filters.bands(kept_rows[np.searchsorted(kept, selected)])
         references = self.filters.references.summary if self.filters.references is not None else None
-        return Selection(selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references)
+        return Selection(
+            selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references, held
+        )
 
 
 def _drawn_to_variant(spec: SourceSpec, selected: Any, drops: DropCounter) -> Any:

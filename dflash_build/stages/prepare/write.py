@@ -45,9 +45,12 @@ def write_shards(selection: Selection, spill: Spill, out_dir: Path) -> dict[str,
 
     flush_full()  # leading empty shards, when there are more shards than rows
     wanted = _example_ids(selection)
+    held: list[pa.Table] = []
     for table in spill.tables():
         if wanted:
             _locate(table, wanted)
+        if selection.held_out is not None and len(selection.held_out):
+            held.append(_in_order(table, selection.held_out).select(PROMPT_SCHEMA.names))
         kept = _selected_in_order(table, selection)
         if kept.num_rows:
             pending.append(kept)
@@ -57,7 +60,27 @@ def write_shards(selection: Selection, spill: Spill, out_dir: Path) -> dict[str,
     if len(written) != len(selection.shard_names):
         raise RuntimeError(f"prepare wrote {len(written)} of {len(selection.shard_names)} shards; this is a bug")
     record_examples(selection, {pid: where for pid, where in wanted.items() if where is not None})
+    if selection.held_out is not None:
+        rows = pa.concat_tables(held) if held else PROMPT_SCHEMA.empty_table()
+        atomic.write_parquet(out_dir / layout.HELD_OUT, rows, ["source", "category"], ["prompt_id"])
     return written
+
+
+def _in_order(bucket: pa.Table, ids: Any) -> pa.Table:
+    """A bucket's rows whose prompt id is in ``ids`` (uint64, ascending), once each, by prompt id."""
+    order, row_ids, keep, _ = _first_of_each_id(bucket)
+    return bucket.take(pa.array(order[keep & np.isin(row_ids, ids)]))
+
+
+def _first_of_each_id(bucket: pa.Table) -> tuple[Any, Any, Any, Any]:
+    """(order, the ids in that order, which rows are the first of their id, which repeat the id before):
+    a bucket's rows by prompt id, each id's first the one with the smallest meta."""
+    ids = hashing.hex_to_u64(bucket.column("prompt_id"))
+    meta = bucket.column("meta")
+    order, repeat = sorted_by(ids, lambda rows: _id_meta_order(ids[rows], meta.take(pa.array(rows))))
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = ~repeat
+    return order, ids[order], keep, repeat
 
 
 def _example_ids(selection: Selection) -> dict[int, str | None]:
@@ -77,12 +100,7 @@ def _locate(bucket: pa.Table, wanted: dict[int, str | None]) -> None:
 def _selected_in_order(bucket: pa.Table, selection: Selection) -> pa.Table:
     """A bucket's rows that become prompts, by prompt id: each id once (of rows repeated in the input,
     the one with the smallest meta), and only the selected ids."""
-    ids = hashing.hex_to_u64(bucket.column("prompt_id"))
-    meta = bucket.column("meta")
-    order, repeat = sorted_by(ids, lambda rows: _id_meta_order(ids[rows], meta.take(pa.array(rows))))
-    ids = ids[order]
-    keep = np.ones(len(ids), dtype=bool)
-    keep[1:] = ~repeat
+    order, ids, keep, repeat = _first_of_each_id(bucket)
     at = np.searchsorted(selection.selected, ids)
     inside = at < len(selection.selected)
     keep &= inside

@@ -1,0 +1,15 @@
+# config key `eval`: the prompts prepare held out of training, and the benchmark sets, rendered as the
+# target is prompted into dist/NAME-eval (dflash_build.stages.evalset).
+rule evalset:
+    input:
+        manifests=planned_paths("evalset", "manifests"),
+    output:
+        record=directory(planned_paths("evalset", "record", True)[0]),
+    log:
+        layout.dist_log(LOGS, f"{CONFIG.dataset_name}-eval"),
+    conda:
+        "../envs/cpu.yaml"
+    params:
+        benchmarks=canonical_json(list(CONFIG.eval_benchmarks)),
+    script:
+        "scripts/evalset.py"

