@@ -228,6 +228,8 @@ def test_the_eval_split_is_never_trained_on_and_adding_it_generates_nothing_agai
         for pid in pq.read_table(f, columns=["prompt_id"]).column("prompt_id").to_pylist()
     }
     assert trained and not held & trained
+    card = (workdir / "dist" / "test-mix" / "README.md").read_text()
+    assert "(../test-mix-eval)" in card and "(../test-mix-acceptance/README.md)" in card, "the card links both"
     sources = split.column("source").to_pylist()
     assert set(sources) == {"code", "prose", "benchmark:gsm8k"} and sources.count("benchmark:gsm8k") == len(GSM8K)
     assert any(s["slice"] == "source=benchmark:gsm8k" and s["self"] for s in measured["first"]["slices"])

@@ -146,9 +146,20 @@ Above the configured mix:
 {overshoots}
 
 Finish reasons: {json.dumps(manifest["finish_reasons"])}
-
+{evaluation_line(manifest)}
 {report.recipe(manifest)}
 {card_body(manifest)}"""
+
+
+def evaluation_line(manifest: dict[str, Any]) -> str:
+    """Where the held-out split and the drafters' acceptance per slice are (config eval), else nothing."""
+    found = manifest.get("evaluation")
+    if found is None:
+        return ""
+    return (
+        f"\nEval split (never trained on): [`{found['split']}`](../{found['split']}); acceptance per slice of "
+        f"each drafter (`dflash-build accept`): [`{found['acceptance']}`](../{found['acceptance']}/README.md).\n"
+    )
 
 
 def card_body(manifest: dict[str, Any]) -> str:

@@ -226,6 +226,7 @@ class _Choice:
     floors: dict[str, dict[str, dict[str, Any]]]  # mix.languages: category -> language -> what it got
     drawn: Counter[str]  # variant sources: prompts drawn to each that reached the mix (variants)
     taken: Counter[str]  # variant sources: distinct prompts the dataset takes of each
+    held_out_samples: int = 0  # samples of held-out prompts (config eval) another source generated
 
 
 def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
@@ -239,7 +240,8 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
     categories = list(shares)
     cand = _candidates(cfg.mix_seed, [(names.index(s), p) for s, p in inputs], categories)
     cross = crosssource.load(plan)
-    eligible = _eligible(cand, names, cross, held_out_ids(plan))
+    held = held_out_ids(plan)
+    eligible = _eligible(cand, names, cross, held)
     available = cand.available(cand.category, categories, eligible)
     floors = {c: dict(f) for c, f in cfg.mix_languages.items()}
     by_language = cand.by_language(categories, eligible) if floors else {}  # only floors need it
@@ -268,7 +270,10 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
         taken = variants.prompts_taken(cand.prompt_id, cand.source, chosen, names)
     missed = missed_floors(plan, reached, targets) + variants.missed(plan, drawn, taken)
     check(plan, shards, shares, targets, chosen_tokens, available, by_source, cross, missed)
-    return _Choice(inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached, drawn, taken)
+    copies = int(np.isin(cand.prompt_id, held).sum())
+    return _Choice(
+        inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached, drawn, taken, copies
+    )
 
 
 def _fill(cand: _Candidates, by_rank: np.ndarray, target: float, floors: dict[str, float] | None) -> np.ndarray:
@@ -408,6 +413,14 @@ def _write(plan: Plan, choice: _Choice, folder: Path) -> _Written:
     return written
 
 
+def _evaluation(cfg: Config, choice: _Choice) -> dict[str, Any]:
+    return {
+        "split": cfg.eval_dir.name,
+        "acceptance": cfg.acceptance_dir.name,
+        "held_out_samples_left_out": choice.held_out_samples,
+    }
+
+
 def _manifest(
     plan: Plan, choice: _Choice, written: _Written, shards: Mapping[str, list[Path]], manifests: Sequence[Path]
 ) -> dict[str, Any]:
@@ -456,6 +469,8 @@ def _manifest(
             else {}
         ),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
+        # config eval: the split held out of it, beside it, and where `accept` reports on it; absent without
+        **({"evaluation": _evaluation(cfg, choice)} if cfg.held_out is not None else {}),
         "prompts": _prompt_summaries(manifests),
         "shortfalls": below,  # where the dataset ends below its configured mix
         "overshoots": above,
