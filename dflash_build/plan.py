@@ -130,6 +130,10 @@ class Plan:
         """The source's prompts held out of training (config key `eval`), beside its manifest."""
         return self.prompt_dir(source) / layout.HELD_OUT
 
+    def held_out_bands_file(self, source: str) -> Path:
+        """With eval and dedup.near: the held-out prompts' band keys, beside the manifest."""
+        return self.prompt_dir(source) / layout.HELD_OUT_BANDS
+
     def completion_dir(self, source: str) -> Path:
         return self.stage_dir(layout.COMPLETIONS, source)
 

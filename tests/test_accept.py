@@ -123,7 +123,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         steps["generated_after_eval"] = _generated(wf.workdir / "store")
         wf.run("accept")
         steps["first"] = _report(wf)
-        again = wf.run("accept")
+        again = _cli(wf, "accept")  # the command, as a user runs it: Snakemake's target, then the table
         steps["again_output"] = again.stdout + again.stderr
         steps["engines_before_second"] = len(engine_history(wf.workdir / "logs"))
         wf.write_config(accept_config(target, data, {"self": self_drafter, "ngram": NGRAM}))
@@ -136,18 +136,18 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         wf.run("accept")
         steps["third"] = _report(wf)
         steps["dry_run_after"] = wf.run("-n").stdout
-        verify = subprocess.run(
-            [sys.executable, "-m", "dflash_build", "--configfile", "config.yaml", "verify"],
-            cwd=wf.workdir,
-            capture_output=True,
-            text=True,
-        )
+        verify = _cli(wf, "verify")
         steps["verify"] = [verify.returncode, verify.stdout + verify.stderr]
         (root / "steps.json").write_text(json.dumps(steps))
 
     root = once_per_session(tmp_path_factory, "accept", build)
     steps = json.loads((root / "steps.json").read_text())
     return {**steps, "workdir": root / "work"}
+
+
+def _cli(wf: Workflow, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "dflash_build", "--configfile", "config.yaml", *args]
+    return subprocess.run(command, cwd=wf.workdir, capture_output=True, text=True, timeout=900)
 
 
 def _report(wf: Workflow) -> dict[str, Any]:
@@ -201,6 +201,7 @@ def test_a_random_dflash_drafter_runs_end_to_end(measured: dict[str, Any]) -> No
 
 def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[str, Any]) -> None:
     assert "Nothing to be done" in measured["again_output"], measured["again_output"][-2000:]
+    assert "| source=prose |" in measured["again_output"], "dflash-build accept prints the report's table"
     assert "self measured before" in measured["second_output"] or "measured before" in _accept_log(measured)
     assert measured["engines_after_second"] == measured["engines_before_second"] + 1, "one server: ngram's"
     assert len(_summaries(measured["workdir"], "self")) == 1, "self was measured once"

@@ -7,6 +7,7 @@ refusals. The measurement itself runs on real servers: tests/test_accept.py."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from dflash_build.engines.sglang_wire import acceptance
 from dflash_build.spec import ConfigError, HeldOut
 from dflash_build.stages import accept
 from dflash_build.stages.prepare.identity import held_out
+from tests.conftest import write_jsonl
 from tests.test_config import build, raw  # noqa: F401 (the config fixture)
 
 # The answer's metrics of one request (max_tokens 10, temperature 0), as the server sent them.
@@ -161,3 +163,42 @@ def test_accept_needs_a_speculative_engine_an_eval_split_and_known_benchmarks(
     plan = build(_with_accept(raw), tmp_path)
     assert plan.drafter_fingerprints.keys() == {"d"}, "the drafter's files are fingerprinted with the plan"
     assert isinstance(plan, plan_mod.Plan) and cfg is not None
+
+
+def test_no_copy_or_near_copy_of_a_held_out_prompt_is_left_to_train_on(tmp_path: Path) -> None:
+    """Source a holds out a share of its prompts; b holds one of them exactly and another with one word
+    changed: the mix's left-out set has both of b's copies, and prepare never writes a held-out prompt
+    into a training shard."""
+    import pyarrow.parquet as pq
+
+    from dflash_build.stages import prepare
+    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.mix import held_out_ids
+    from tests.test_dedup import _plan, _texts
+
+    texts = _texts(40, seed=3)
+    write_jsonl(tmp_path / "a.jsonl", [{"instruction": t} for t in texts])
+    sources = {"a": {"category": "x", "format": "alpaca", "files": [str(tmp_path / "a.jsonl")]}}
+    eval_ = {"share": 0.25, "cap": 8}
+    plan = _plan(tmp_path, sources, eval=eval_, dedup={"near": {"threshold": 0.8}})
+    prepare.run(planned(plan, "prepare", "a"))
+    held = pq.read_table(plan.held_out_file("a")).to_pylist()
+    assert 2 <= len(held) <= 8
+    trained = {pid for f in plan.prompt_shards("a") for pid in pq.read_table(f).column("prompt_id").to_pylist()}
+    assert not trained & {h["prompt_id"] for h in held}
+    exact, original = [json.loads(h["messages"])[0]["content"] for h in held[:2]]
+    others = _texts(10, seed=4)
+    for word in ("changed", "altered", "another", "different", "replaced"):  # until b does not hold it out
+        near = " ".join([*original.split()[:-1], word])
+        write_jsonl(tmp_path / "b.jsonl", [{"instruction": t} for t in [exact, near, *others]])
+        sources["b"] = {"category": "x", "format": "alpaca", "files": [str(tmp_path / "b.jsonl")]}
+        plan = _plan(tmp_path, sources, eval=eval_, dedup={"near": {"threshold": 0.8}})
+        for source in ("a", "b"):
+            prepare.run(planned(plan, "prepare", source))
+        b_rows = [r for f in [*plan.prompt_shards("b"), plan.held_out_file("b")] for r in pq.read_table(f).to_pylist()]
+        b_ids = {json.loads(r["messages"])[0]["content"]: r["prompt_id"] for r in b_rows}
+        if b_ids[near] not in set(pq.read_table(plan.held_out_file("b")).column("prompt_id").to_pylist()):
+            break  # b trains on the near-copy unless the mix leaves it out
+    left_out = {f"{int(p):016x}" for p in held_out_ids(plan)}
+    assert b_ids[exact] in left_out and b_ids[near] in left_out, "the copy and the near-copy"
+    assert len(left_out & set(b_ids.values())) < len(b_ids), "b's other prompts stay"

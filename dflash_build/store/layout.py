@@ -79,6 +79,7 @@ LOG = ".log"
 MANIFEST = "manifest.json"  # a prompt folder's, and a dataset, pack or export folder's
 BANDS = "bands.parquet"  # the selected prompts' near-duplicate band keys (dedup.near)
 HELD_OUT = "eval.parquet"  # config eval: a source's prompts held out of training, beside its manifest
+HELD_OUT_BANDS = "eval-bands.parquet"  # with dedup.near: their near-duplicate band keys
 JOURNAL_ROWS = "rows.jsonl"
 JOURNAL_LOCK = "lock"  # one job at a time per shard; who holds it is written in it
 PUBLISHED_DATA = "published" + DATA

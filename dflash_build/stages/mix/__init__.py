@@ -28,7 +28,7 @@ from dflash_build.publish.card import dataset_card, summary
 from dflash_build.publish.files import RollingWriter
 from dflash_build.publish.report import length_stats
 from dflash_build.spec import Config
-from dflash_build.stages.common import crosssource
+from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import variants
 from dflash_build.stages.mix.checks import check, deviations, floor_shortfalls, missed_floors
@@ -148,12 +148,22 @@ class _Candidates:
 
 
 def held_out_ids(plan: Plan) -> np.ndarray:
-    """Every prompt id a source holds out for the eval split (config key `eval`), read beside the
-    manifests (the mix's declared inputs)."""
+    """Every prompt id the training set must not hold (config key `eval`): those a source holds out, and
+    with dedup.near every prompt of any source that shares a band key with one of them (a near-copy).
+    Read beside the manifests (the mix's declared inputs)."""
     if plan.config.held_out is None:
         return np.zeros(0, dtype=np.uint64)
-    ids = [pq.read_table(plan.held_out_file(s), columns=["prompt_id"]).column("prompt_id") for s in plan.sources]
-    return np.unique(np.concatenate([hashing.hex_to_u64(c) for c in ids])) if ids else np.zeros(0, dtype=np.uint64)
+    ids = [hashing.hex_to_u64(pq.read_table(plan.held_out_file(s), columns=["prompt_id"]).column("prompt_id"))
+           for s in plan.sources]  # fmt: skip
+    if plan.config.dedup.near is not None:
+        keys = np.concatenate([neardup.read_bands(plan.held_out_bands_file(s))[1] for s in plan.sources])
+        for source in plan.sources:
+            pids, bands = neardup.read_bands(plan.prompt_bands(source))
+            near = np.zeros(len(pids), dtype=bool)
+            for band in range(keys.shape[1]):
+                near |= np.isin(bands[:, band], keys[:, band])
+            ids.append(np.asarray(pids, dtype=np.uint64)[near])
+    return np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.uint64)
 
 
 def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]) -> _Candidates:

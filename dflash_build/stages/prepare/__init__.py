@@ -25,7 +25,7 @@ from dflash_build.stages.prepare.checks import check_losses
 from dflash_build.stages.prepare.selection import scan
 from dflash_build.stages.prepare.spill import Spill, bucket_count
 from dflash_build.stages.prepare.write import write_shards
-from dflash_build.store import atomic
+from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def run(job: Job) -> dict[str, Any]:
         shard_files = write_shards(selection, spill, out_dir)
     if selection.bands is not None:
         neardup.write_bands(job.output("bands"), selection.selected, selection.bands)
+    if selection.held_out_bands is not None:  # the mix leaves out near-copies of them too
+        neardup.write_bands(out_dir / layout.HELD_OUT_BANDS, selection.held_out, selection.held_out_bands)
     drops = selection.drops
     manifest = {
         "stage": "prepare",

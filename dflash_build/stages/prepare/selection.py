@@ -63,6 +63,7 @@ class Selection:
     bands: Any = None  # with dedup.near: the selected prompts' band keys, (selected, bands) uint64
     references: dict[str, dict[str, int]] | None = None  # with decontaminate: each reference set's items
     held_out: Any = None  # with eval: the prompt ids (uint64, ascending) of the eval split, never selected
+    held_out_bands: Any = None  # with eval and dedup.near: their band keys, (held_out, bands) uint64
 
     @property
     def rows_out(self) -> int:
@@ -227,12 +228,14 @@ class _Scanned:
         for reason in (DROP_DUPLICATE, DROP_LANGUAGE):
             if not drops.counts[reason]:
                 del drops.counts[reason]
-        bands = None
+        bands = held_bands = None
         if self.filters.near is not None:
             bands = self.filters.bands(kept_rows[np.searchsorted(kept, selected)])
+            every = pid_values[filtered.rows]
+            held_bands = self.filters.bands(filtered.rows[np.searchsorted(every, held)])
         references = self.filters.references.summary if self.filters.references is not None else None
         return Selection(
-            selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references, held
+            selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references, held, held_bands
         )
 
 
