@@ -424,10 +424,27 @@ def _write(plan: Plan, choice: _Choice, folder: Path) -> _Written:
 
 
 def _evaluation(cfg: Config, choice: _Choice) -> dict[str, Any]:
+    """Config eval: the split held out of the dataset, beside it, and where `accept` reports on it (the
+    manifest's ``evaluation``); nothing without eval."""
+    if cfg.held_out is None:
+        return {}
+    where = {"split": cfg.eval_dir.name, "acceptance": cfg.acceptance_dir.name}
+    return {"evaluation": {**where, "held_out_samples_left_out": choice.held_out_samples}}
+
+
+def _category_entries(choice: _Choice, written: _Written) -> dict[str, dict[str, Any]]:
+    tokens = written.tokens_by["category"]
+    total = sum(tokens.values())
     return {
-        "split": cfg.eval_dir.name,
-        "acceptance": cfg.acceptance_dir.name,
-        "held_out_samples_left_out": choice.held_out_samples,
+        c: {
+            "target_share": share,
+            "achieved_share": round(tokens[c] / total, 6) if total else 0.0,
+            "target_tokens": round(choice.targets[c]),
+            "tokens": tokens[c],
+            "available_tokens": choice.available[c],
+            "rows": written.rows_by["category"][c],
+        }
+        for c, share in choice.shares.items()
     }
 
 
@@ -440,17 +457,7 @@ def _manifest(
     all_lengths = np.concatenate(written.lengths) if written.lengths else np.zeros(0, dtype=np.int32)
     below, above = deviations(choice.shares, choice.targets, tokens, choice.available, cfg.mix_budget_tokens)
     below += floor_shortfalls(choice.floors)
-    categories = {
-        c: {
-            "target_share": share,
-            "achieved_share": round(tokens[c] / total, 6) if total else 0.0,
-            "target_tokens": round(choice.targets[c]),
-            "tokens": tokens[c],
-            "available_tokens": choice.available[c],
-            "rows": written.rows_by["category"][c],
-        }
-        for c, share in choice.shares.items()
-    }
+    categories = _category_entries(choice, written)
     return {
         "stage": "mix",
         "scheme": MIX_VERSION,
@@ -479,8 +486,7 @@ def _manifest(
             else {}
         ),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
-        # config eval: the split held out of it, beside it, and where `accept` reports on it; absent without
-        **({"evaluation": _evaluation(cfg, choice)} if cfg.held_out is not None else {}),
+        **_evaluation(cfg, choice),
         "prompts": _prompt_summaries(manifests),
         "shortfalls": below,  # where the dataset ends below its configured mix
         "overshoots": above,
