@@ -132,9 +132,11 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         steps["engines_after_second"] = len(engine_history(wf.workdir / "logs"))
         steps["second"] = _report(wf)
         dflash_drafter = {"method": "dflash", "path": str(dflash), "options": {"num_speculative_tokens": DRAFT}}
-        wf.write_config(accept_config(target, data, {"self": self_drafter, "dflash": dflash_drafter}))
+        # self renamed: read from the store by its key, not measured again
+        wf.write_config(accept_config(target, data, {"target-itself": self_drafter, "dflash": dflash_drafter}))
         wf.run("accept")
         steps["third"] = _report(wf)
+        steps["engines_after_third"] = len(engine_history(wf.workdir / "logs"))
         steps["dry_run_after"] = wf.run("-n").stdout
         verify = _cli(wf, "verify")
         steps["verify"] = [verify.returncode, verify.stdout + verify.stderr]
@@ -154,8 +156,14 @@ def _report(wf: Workflow) -> dict[str, Any]:
     return json.loads((wf.workdir / "dist" / "test-mix-acceptance" / accept.REPORT_JSON).read_text())
 
 
+def _measurements(workdir: Path, drafter: str) -> list[Path]:
+    """The store's measurement folders of the drafter the config names ``drafter``."""
+    folders = (workdir / "store" / layout.ACCEPTANCE).iterdir()
+    return [f for f in folders if json.loads((f / accept.SUMMARY_FILE).read_text())["drafter"]["name"] == drafter]
+
+
 def _summaries(workdir: Path, drafter: str) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in (workdir / "store" / layout.ACCEPTANCE / drafter).glob("*/summary.json")]
+    return [json.loads((f / accept.SUMMARY_FILE).read_text()) for f in _measurements(workdir, drafter)]
 
 
 def test_a_drafter_that_is_the_target_accepts_every_drafted_token(measured: dict[str, Any]) -> None:
@@ -171,7 +179,8 @@ def test_the_slices_add_up_to_the_engines_own_totals(measured: dict[str, Any]) -
     workdir = measured["workdir"]
     for drafter in ("self", "ngram", "dflash"):
         [summary] = _summaries(workdir, drafter)
-        [requests_file] = (workdir / "store" / layout.ACCEPTANCE / drafter).glob(f"*/{accept.REQUESTS_FILE}")
+        [folder] = _measurements(workdir, drafter)
+        requests_file = folder / accept.REQUESTS_FILE
         rows = pq.read_table(requests_file).to_pylist()
         totals = summary["engine_totals"]
         assert totals is not None, "vLLM's /metrics counters were read"
@@ -196,7 +205,7 @@ def test_a_random_dflash_drafter_runs_end_to_end(measured: dict[str, Any]) -> No
     overall = summary["slices"]["all"]["all"]
     assert summary["failed"] == 0 and overall["steps"] > 0 and overall["drafted"] == DRAFT * overall["steps"]
     assert 1.0 <= overall["tau"] <= DRAFT + 1
-    assert measured["third"]["drafters"].keys() == {"self", "dflash"}, "the report shows the config's drafters"
+    assert measured["third"]["drafters"].keys() == {"target-itself", "dflash"}, "the config's drafters, by its names"
 
 
 def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[str, Any]) -> None:
@@ -205,6 +214,9 @@ def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[s
     assert "self measured before" in measured["second_output"] or "measured before" in _accept_log(measured)
     assert measured["engines_after_second"] == measured["engines_before_second"] + 1, "one server: ngram's"
     assert len(_summaries(measured["workdir"], "self")) == 1, "self was measured once"
+    assert measured["engines_after_third"] == measured["engines_after_second"] + 1, "dflash only: self renamed is read"
+    assert measured["third"]["drafters"]["target-itself"]["overall"]["tau"] == pytest.approx(DRAFT + 1, abs=0.01)
+    assert len(list((measured["workdir"] / "store" / layout.ACCEPTANCE).iterdir())) == 3, "self, ngram, dflash"
     report = measured["second"]
     assert report["drafters"].keys() == {"self", "ngram"}
     assert all("change" in s and "ngram" in s["change"] for s in report["slices"] if s["self"] is not None)
@@ -234,6 +246,12 @@ def test_the_eval_split_is_never_trained_on_and_adding_it_generates_nothing_agai
     sources = split.column("source").to_pylist()
     assert set(sources) == {"code", "prose", "benchmark:gsm8k"} and sources.count("benchmark:gsm8k") == len(GSM8K)
     assert any(s["slice"] == "source=benchmark:gsm8k" and s["self"] for s in measured["first"]["slices"])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(workdir.parent / "smollm2")
+    [first, *_] = [r for r in split.to_pylist() if r["source"] == "benchmark:gsm8k"]
+    prompt = tokenizer.decode(first["prompt_ids"])
+    assert "Janet’s ducks" in prompt and "put your final answer within \\boxed{}" in prompt, "as z-lab prompts it"
     for column in evalset.SLICES:
         assert None not in split.column(column).to_pylist() or column == "variant", column
 

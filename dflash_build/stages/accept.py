@@ -7,7 +7,7 @@ against the engine's own totals over the run (vLLM's ``/metrics`` counters) wher
 steps``, as DFlash reports it; acceptance at draft position i is the part of the steps that accepted
 position i. A drafter's measurement is keyed by :func:`accept_key` (the target, the drafter's files,
 method and options, the engine's keyed options and the split) and kept in the store
-(``store/acceptance/DRAFTER/KEY``): a rerun measures nothing again, a new drafter only itself. The
+(``store/acceptance/KEY``): a rerun measures nothing again, a new drafter only itself. The
 report, ``dist/NAME-acceptance``, puts the drafters side by side per slice, with the change from the
 first, and names the slices where τ falls furthest below the overall figure, with their share of the
 training tokens.
@@ -95,12 +95,13 @@ def run(job: Job) -> dict[str, Any]:
     split_key = release.in_place(split_folder).manifest["split_key"]
     measured = {}
     for name, drafter in accept.drafters.items():
-        folder = layout.acceptance_dir(plan.config.store, name, accept_key(plan, drafter, split_key))
+        folder = layout.acceptance_dir(plan.config.store, accept_key(plan, drafter, split_key))
         if not (folder / SUMMARY_FILE).exists():
             measure(plan, drafter, split, folder)
         else:
             log.info("accept: %s measured before (%s): nothing to run", name, folder)
-        measured[name] = json.loads((folder / SUMMARY_FILE).read_text())
+        summary = json.loads((folder / SUMMARY_FILE).read_text())
+        measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
     training = training_shares(release.folder_of(job.input("dataset")))
     report = build_report(measured, training, accept.weakest, split_key)
     record = job.output("record")

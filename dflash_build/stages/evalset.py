@@ -4,10 +4,11 @@ rendered as the target is prompted, into ``dist/NAME-eval``: one row per prompt 
 A held-out prompt is rendered at each of its answer slots (``turns: all``: every turn, under the dataset's
 own history before it) with its source's template kwargs (a variant's included) and tools, exactly as
 generate renders a first turn; a benchmark item's first text is a user turn under the config's template
-kwargs. Each row names its slice: ``source``, ``category``, ``language`` (of the prompt, as tokenize
-detects it), ``variant``, ``turn`` (the answer's position in its conversation) and ``tool_context`` (the
-turn answers a tool result), and carries the slice's own sampling. ``split_key``, the digest of what
-the rows hold, is what ``accept`` keys each drafter's measurement by.
+kwargs, worded as z-lab's benchmark script words that set (:data:`BENCHMARK_PROMPTS`). Each row names
+its slice: ``source``, ``category``, ``language`` (of the prompt, as tokenize detects it), ``variant``,
+``turn`` (the answer's position in its conversation) and ``tool_context`` (the turn answers a tool
+result), and carries the slice's own sampling. ``split_key``, the digest of what the rows hold, is what
+``accept`` keys each drafter's measurement by.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ log = logging.getLogger(__name__)
 
 EVAL_VERSION = 1
 BENCHMARK_CATEGORY = "benchmark"
+# How z-lab's benchmark script (z-lab/dflash, dflash/benchmark.py) prompts the sets drafters are judged on,
+# by reference set name; a set not named here is prompted with its text as it is.
+_REASON = "{text}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+BENCHMARK_PROMPTS = {
+    "gsm8k": _REASON,
+    "math500": _REASON,
+    "humaneval": "Write a solution to the following problem and make sure that it passes the tests:\n"
+    "```python\n{text}\n```",
+    "mbpp": "{text}",
+    "mt_bench": "{text}",
+}
 DATA_FILE = "data/eval-00000.parquet"
 SLICES = ("source", "category", "language", "variant", "turn", "tool_context")  # what a row's slice is
 EVAL_SCHEMA = pa.schema(
@@ -148,8 +160,9 @@ def _benchmark_rows(plan: Plan, name: str, tokenizer: Any) -> list[dict[str, Any
     assert cfg.decontaminate is not None, "config checks eval.benchmarks against decontaminate.references"
     reference = cfg.decontaminate.references[name]
     rows = []
+    form = BENCHMARK_PROMPTS.get(name.lower().replace("-", "_"), "{text}")
     for _where, texts in decontaminate.reference_items(reference, plan.reference_files.get(name, ())):
-        messages = [{"role": "user", "content": texts[0]}]
+        messages = [{"role": "user", "content": form.format(text=texts[0])}]
         text = chat.render_text(tokenizer, messages, None, dict(cfg.model.chat_template_kwargs))
         rows.append(
             {

@@ -89,9 +89,10 @@ PUBLISHED_STATS = "published" + SIDECAR
 ACCEPTANCE = "acceptance"  # each drafter's measurement on the eval split, by accept_key (stages.accept)
 
 
-def acceptance_dir(store: Path, drafter: str, key: str) -> Path:
-    """One drafter's measurement: its requests (each with its slice and the engine's counts) and summary."""
-    return store / ACCEPTANCE / drafter / key
+def acceptance_dir(store: Path, key: str) -> Path:
+    """One drafter's measurement: its requests (each with its slice and the engine's counts) and summary.
+    By key alone: a drafter renamed in the config is not measured again."""
+    return store / ACCEPTANCE / key
 
 
 def stage_dir(store: Path, stage: Stage, source: str, key: str) -> Path:
