@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_build.publish import release
 from dflash_build.stages import accept, evalset
 from dflash_build.store import layout
 from tests.conftest import (
@@ -231,7 +232,7 @@ def _accept_log(measured: dict[str, Any]) -> str:
 def test_the_eval_split_is_never_trained_on_and_adding_it_generates_nothing_again(measured: dict[str, Any]) -> None:
     workdir = measured["workdir"]
     assert measured["generated_after_eval"] == measured["generated_before_eval"], "every training row was reused"
-    split = evalset.read(workdir / "dist" / "test-mix-eval")
+    split = evalset.read(release.in_place(workdir / "dist" / "test-mix-eval"))
     held = {pid for pid, source in zip(*split.select(["prompt_id", "source"]).to_pydict().values(), strict=True)
             if not source.startswith("benchmark:")}  # fmt: skip
     assert 2 <= len(held) <= 10

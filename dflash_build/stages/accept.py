@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import urllib.request
@@ -28,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import hashing
-from dflash_build.engines import Request, SamplingParams, gpus, registry
+from dflash_build.engines import Request, SamplingParams, gpus, registry, uses_gpu
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
 from dflash_build.publish import release
@@ -90,9 +91,8 @@ def run(job: Job) -> dict[str, Any]:
     plan = job.plan
     accept = plan.config.accept
     assert accept is not None
-    split_folder = release.folder_of(job.input("split"))
-    split = evalset.read(split_folder)
-    split_key = release.in_place(split_folder).manifest["split_key"]
+    placed = release.in_place(release.folder_of(job.input("split")))
+    split, split_key = evalset.read(placed), placed.manifest["split_key"]
     measured = {}
     for name, drafter in accept.drafters.items():
         folder = layout.acceptance_dir(plan.config.store, accept_key(plan, drafter, split_key))
@@ -109,7 +109,10 @@ def run(job: Job) -> dict[str, Any]:
         atomic.write_json(tmp / REPORT_JSON, report)
         atomic.write_text(tmp / "README.md", render_table(report))
         plot(report, tmp / PLOT)
-        atomic.write_json(tmp / layout.MANIFEST, {"stage": "accept", "files": [], "report": REPORT_JSON, **report})
+        # named by its report's digest (release.publish names a version by its manifest's)
+        report_digest = hashing.sha256_file(tmp / REPORT_JSON)
+        manifest = {"stage": "accept", "split_key": split_key, "files": [], "report": REPORT_JSON}
+        atomic.write_json(tmp / layout.MANIFEST, {**manifest, "report_sha256": report_digest})
     return report
 
 
@@ -129,8 +132,7 @@ def measure(plan: Plan, drafter: DrafterSpec, split: pa.Table, folder: Path) -> 
     rows = split.to_pylist()
     requests = [_request(i, row, accept.max_new_tokens) for i, row in enumerate(rows)]
     log.info("accept: %s (%s) on %d eval requests", drafter.name, drafter.method, len(requests))
-    needs_gpu = registry.get(cfg.engine.backend).uses_gpu(engine_cfg.engine)
-    with gpus.pinned(engine_cfg.engine) if needs_gpu else contextlib.nullcontext() as lease:
+    with gpus.pinned(engine_cfg.engine) if uses_gpu(engine_cfg.engine) else contextlib.nullcontext() as lease:
         served = engine_host.open_engine(
             engine_cfg, stop_ids, lease, tokenizer, plan.model_fingerprint, chat.context_length(cfg.model)
         )
@@ -168,23 +170,10 @@ def measure(plan: Plan, drafter: DrafterSpec, split: pa.Table, folder: Path) -> 
 
 
 def _request(i: int, row: dict[str, Any], max_new_tokens: int) -> Request:
-    params = SamplingParams(
-        temperature=row["temperature"],
-        top_p=row["top_p"],
-        top_k=row["top_k"],
-        min_p=row["min_p"],
-        max_new_tokens=min(row["max_new_tokens"], max_new_tokens),
-    )
+    params = SamplingParams(**{f.name: row[f.name] for f in dataclasses.fields(SamplingParams)})
+    params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))
     # the row's own seed, as generate gives it (a prompt id and turn), under an index the results come back by
     return Request(str(i), 0, list(row["prompt_ids"]), params, row_seed(row["seed"], row["prompt_id"], 0, row["turn"]))
-
-
-class _no_lease:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _totals(backend: registry.Backend, urls: list[str]) -> dict[str, Any] | None:
@@ -195,26 +184,22 @@ def _totals(backend: registry.Backend, urls: list[str]) -> dict[str, Any] | None
     totals: dict[str, Any] = {}
     for url in urls:
         with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=30) as answer:
-            for name, value in backend.speculative.totals(answer.read().decode()).items():
-                if isinstance(value, list):
-                    have = totals.setdefault(name, [0] * len(value))
-                    totals[name] = [a + b for a, b in zip(have, value, strict=True)]
-                else:
-                    totals[name] = totals.get(name, 0) + value
+            totals = _added(totals, backend.speculative.totals(answer.read().decode()))
     return totals
 
 
 def _difference(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    if before is None or after is None:
-        return None
-    out: dict[str, Any] = {}
-    for name, value in after.items():
-        old = before.get(name)
+    return None if before is None or after is None else _added(after, before, -1)
+
+
+def _added(a: dict[str, Any], b: dict[str, Any], sign: int = 1) -> dict[str, Any]:
+    """Counters ``a + sign * b``, a list of them (per draft position) position by position."""
+    out = dict(a)
+    for name, value in b.items():
         if isinstance(value, list):
-            old = old or [0] * len(value)
-            out[name] = [a - b for a, b in zip(value, old, strict=True)]
+            out[name] = [x + sign * y for x, y in itertools.zip_longest(out.get(name) or [], value, fillvalue=0)]
         else:
-            out[name] = value - (old or 0)
+            out[name] = out.get(name, 0) + sign * value
     return out
 
 

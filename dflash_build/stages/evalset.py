@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -107,24 +106,15 @@ def slice_counts(table: pa.Table) -> dict[str, dict[str, int]]:
     return counts
 
 
-def read(folder: Path) -> pa.Table:
-    """The eval split in place (``dist/NAME-eval``)."""
-    return (
-        pq.read_table(release.in_place(folder).files[0])
-        if release.in_place(folder).files
-        else EVAL_SCHEMA.empty_table()
-    )
+def read(placed: release.InPlace) -> pa.Table:
+    """The rows of the eval split in place (``release.in_place(dist/NAME-eval)``)."""
+    tables = [pq.read_table(f) for f in placed.files]
+    return pa.concat_tables(tables) if tables else EVAL_SCHEMA.empty_table()
 
 
 def _sampling_columns(sampling: Sampling) -> dict[str, Any]:
-    return {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
-        "max_new_tokens": sampling.max_new_tokens,
-        "seed": sampling.seed,
-    }
+    """The sampling fields a row carries (all but samples_per_prompt: a slice is measured once a prompt)."""
+    return {k: v for k, v in sampling.as_dict().items() if k in EVAL_SCHEMA.names}
 
 
 def _held_out_rows(plan: Plan, source: str, tokenizer: Any) -> list[dict[str, Any]]:

@@ -210,10 +210,10 @@ def _candidates(seed: int, inputs: list[tuple[int, Path]], categories: list[str]
 def _eligible(
     cand: _Candidates, names: list[str], cross: crosssource.CrossSource | None, held: np.ndarray
 ) -> np.ndarray:
-    """The samples the mix may take: all but those of prompts another source keeps, and of prompts any
-    source holds out for the eval split (``held``: a copy another source trains on, where its cap stopped
-    the draw)."""
-    eligible = ~np.isin(cand.prompt_id, held)
+    """The samples the mix may take: all but those of prompts another source keeps, and those ``held``
+    marks, of prompts any source holds out for the eval split (a copy another source trains on, where its
+    cap stopped the draw)."""
+    eligible = ~held
     if cross is not None:
         for code, name in enumerate(names):
             mine = np.flatnonzero(cand.source == code)
@@ -250,7 +250,7 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
     categories = list(shares)
     cand = _candidates(cfg.mix_seed, [(names.index(s), p) for s, p in inputs], categories)
     cross = crosssource.load(plan)
-    held = held_out_ids(plan)
+    held = np.isin(cand.prompt_id, held_out_ids(plan))
     eligible = _eligible(cand, names, cross, held)
     available = cand.available(cand.category, categories, eligible)
     floors = {c: dict(f) for c, f in cfg.mix_languages.items()}
@@ -280,7 +280,7 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
         taken = variants.prompts_taken(cand.prompt_id, cand.source, chosen, names)
     missed = missed_floors(plan, reached, targets) + variants.missed(plan, drawn, taken)
     check(plan, shards, shares, targets, chosen_tokens, available, by_source, cross, missed)
-    copies = int(np.isin(cand.prompt_id, held).sum())
+    copies = int(held.sum())
     return _Choice(
         inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached, drawn, taken, copies
     )

@@ -206,14 +206,10 @@ class _Scanned:
         filtered = self.filters.apply(in_language, pid_values, EXAMPLES_PER_REASON)
         filtered.examples[:0] = language_examples
         drops.counts.update(filtered.counts)
-        kept = pid_values[filtered.rows]
-        held = held_out(kept, spec.held_out)  # before max_samples: the training prompts keep their number
-        if len(held):
-            kept_rows = filtered.rows[~np.isin(kept, held)]
-            kept = pid_values[kept_rows]
-            drops.counts[DROP_HELD_OUT] += len(held)
-        else:
-            kept_rows = filtered.rows
+        filtered_ids = pid_values[filtered.rows]  # ascending
+        held = held_out(filtered_ids, spec.held_out)  # before max_samples: the training prompts keep their number
+        kept = filtered_ids[~np.isin(filtered_ids, held)]
+        drops.counts[DROP_HELD_OUT] += len(held)
         selected = kept
         if spec.max_samples is not None and len(kept) > spec.max_samples:
             ranks = native_u64(bytearray(selection_ranks(spec.seed, kept))).reshape(-1, 2)
@@ -225,14 +221,13 @@ class _Scanned:
         selected = _drawn_to_variant(spec, selected, drops)
         if spec.drawn_share is not None:  # a variant's eval prompts are those drawn to it, as its training
             held = held[drawn_variant(held, spec.draw) == spec.variant]
-        for reason in (DROP_DUPLICATE, DROP_LANGUAGE):
+        for reason in (DROP_DUPLICATE, DROP_LANGUAGE, DROP_HELD_OUT):
             if not drops.counts[reason]:
                 del drops.counts[reason]
         bands = held_bands = None
-        if self.filters.near is not None:
-            bands = self.filters.bands(kept_rows[np.searchsorted(kept, selected)])
-            every = pid_values[filtered.rows]
-            held_bands = self.filters.bands(filtered.rows[np.searchsorted(every, held)])
+        if self.filters.near is not None:  # the band keys of the selected and the held-out prompts' rows
+            bands = self.filters.bands(filtered.rows[np.searchsorted(filtered_ids, selected)])
+            held_bands = self.filters.bands(filtered.rows[np.searchsorted(filtered_ids, held)])
         references = self.filters.references.summary if self.filters.references is not None else None
         return Selection(
             selected, winners, self.rows_in, drops, shard_names, filtered.examples, bands, references, held, held_bands
