@@ -91,6 +91,11 @@ def parent_name(source: str) -> str:
     return source.split(VARIANT_SEPARATOR)[0]
 
 
+def acceptance_report_of(dataset_dir: Path) -> Path:
+    """The acceptance report of a dataset folder: beside it (a registered dataset's, too)."""
+    return dataset_dir.with_name(f"{dataset_dir.name}-acceptance")
+
+
 @dataclass(frozen=True)
 class VariantDraw:
     """How a source's prompts are split among its variants: ``shares`` (variant -> weight, normalised)
@@ -360,7 +365,7 @@ class Config:
     @property
     def acceptance_dir(self) -> Path:
         """The acceptance report, beside the dataset (config key `accept`)."""
-        return self.dataset_out / f"{self.dataset_name}-acceptance"
+        return acceptance_report_of(self.dataset_dir)
 
     @property
     def packed_dir(self) -> Path | None:

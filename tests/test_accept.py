@@ -141,6 +141,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         steps["dry_run_after"] = wf.run("-n").stdout
         verify = _cli(wf, "verify")
         steps["verify"] = [verify.returncode, verify.stdout + verify.stderr]
+        steps["gc"] = _cli(wf, "gc").stdout  # a dry run: lists, deletes nothing
         (root / "steps.json").write_text(json.dumps(steps))
 
     root = once_per_session(tmp_path_factory, "accept", build)
@@ -260,4 +261,13 @@ def test_the_eval_split_is_never_trained_on_and_adding_it_generates_nothing_agai
 def test_the_built_store_stays_whole_and_a_preview_lists_nothing_left(measured: dict[str, Any]) -> None:
     rc, out = measured["verify"]
     assert rc == 0 and " 0 bad" in out, out
+    # gc: ngram's measurement, which no drafter of the config keys to and the report no longer names, and the
+    # report's earlier versions; the two measurements in use stay
+    [ngram] = _measurements(measured["workdir"], "ngram")
+    listed = [line.split()[1] for line in measured["gc"].splitlines() if line.startswith("unreferenced ")]
+    assert [p for p in listed if p.startswith("store/acceptance/")] == [str(ngram.relative_to(measured["workdir"]))]
+    superseded = [
+        line for line in measured["gc"].splitlines() if "superseded version of dist/test-mix-acceptance" in line
+    ]
+    assert len(superseded) == 2, measured["gc"]
     assert "Nothing to be done" in measured["dry_run_after"], measured["dry_run_after"][-2000:]

@@ -202,3 +202,67 @@ def test_no_copy_or_near_copy_of_a_held_out_prompt_is_left_to_train_on(tmp_path:
     left_out = {f"{int(p):016x}" for p in held_out_ids(plan)}
     assert b_ids[exact] in left_out and b_ids[near] in left_out, "the copy and the near-copy"
     assert len(left_out & set(b_ids.values())) < len(b_ids), "b's other prompts stay"
+
+
+def _measurement(folder: Path) -> None:
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist([_row("a", [0, 1, 2, 1])], schema=accept.REQUEST_SCHEMA)
+    accept.keep(folder, table, {**accept.summarize(table), "drafter": {"name": "d"}, "engine_totals": None})
+
+
+def _publish(folder: Path, manifest: dict[str, Any]) -> None:
+    from dflash_build.publish import release
+    from dflash_build.store import atomic, layout
+
+    with release.publish(folder, release.record_dir(folder)) as tmp:
+        atomic.write_json(tmp / layout.MANIFEST, manifest)
+
+
+def test_gc_keeps_the_measurements_in_use_and_verify_finds_a_damaged_one(
+    raw: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In use: what this config's drafter keys to on the eval split in place, and what a standing report
+    was made from; gc deletes any other measurement and the report's superseded versions; verify checks the
+    ones in use against their summary, and --repair removes a damaged one with the report's record."""
+    from dflash_build.ops import gc, verify
+    from dflash_build.publish import release
+    from dflash_build.store import layout
+
+    plan = build(_with_accept(raw), tmp_path)
+    cfg_ = plan.config
+    _publish(cfg_.eval_dir, {"split_key": "s1", "files": []})
+    [drafter] = cfg_.accept.drafters.values()
+    mine, reported, stale = (
+        layout.acceptance_dir(cfg_.store, accept.accept_key(plan, drafter, split)) for split in ("s1", "s0", "s2")
+    )
+    for folder in (mine, reported, stale):
+        _measurement(folder)
+    _publish(cfg_.acceptance_dir, {"files": [], "measurements": {"old": reported.name}, "v": 1})
+    _publish(cfg_.acceptance_dir, {"files": [], "measurements": {"old": reported.name}, "v": 2})
+    entries = {e.path: e for e in gc.garbage(plan)}
+    assert {p for p in entries if layout.ACCEPTANCE in p.parts} == {stale}
+    assert [e.why for p, e in entries.items() if p.parent == release.versions_dir(cfg_.acceptance_dir)] == [
+        f"superseded version of {cfg_.acceptance_dir}"
+    ]
+    gc.collect(plan, list(entries.values()))
+    assert mine.is_dir() and reported.is_dir() and not stale.exists()
+
+    summary_file = reported / accept.SUMMARY_FILE  # as the version before kept it: no digest of its requests
+    summary_file.write_text(json.dumps({k: v for k, v in accept.kept(reported).items() if k != accept.REQUESTS_FILE}))
+    checked, problems = verify.verify(plan)
+    assert problems == [] and checked >= 2
+    requests = reported / accept.REQUESTS_FILE
+    requests.write_bytes(requests.read_bytes()[:-8])  # a torn write
+    (mine / accept.SUMMARY_FILE).write_text('{"slices": ')
+    _, problems = verify.verify(plan)
+    assert {(p.path, p.reason.split(" (")[0]) for p in problems} == {
+        (requests, "unreadable parquet footer"),
+        (mine / accept.SUMMARY_FILE, "damaged measurement summary"),
+    }
+    assert accept.kept(mine) is None and "measuring again" in caplog.text, "accept measures it again"
+    verify.repair(plan, problems)
+    assert not mine.exists() and not reported.exists()
+    assert not release.record_dir(cfg_.acceptance_dir).exists(), "so that `snakemake accept` runs again"

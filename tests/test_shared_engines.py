@@ -488,3 +488,59 @@ def test_the_openai_backend_cannot_be_shared(tmp_path: Path, tiny_model: Path) -
     config["engine"] = {"backend": "openai", "options": {"urls": ["http://x"]}, "shared": True}
     with pytest.raises(ConfigError, match=r"engine\.shared"):
         plan_mod.build(_config(tmp_path, config))  # where the engine is chosen, before any job
+
+
+# A server that starts a worker of its own, as vLLM's API server starts its engine core (which holds the
+# GPU's memory): the engine is not what is under test here, what its host leaves running is.
+SERVER_WITH_A_WORKER = """
+import http.server, subprocess, sys
+port, pids = int(sys.argv[1]), sys.argv[2]
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(pids, "a") as f:
+    f.write(f"{worker.pid}\\n")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_killed_servers_workers_are_stopped_by_its_host_and_a_killed_hosts_by_the_next(tmp_path: Path) -> None:
+    """kill -9 of the server: its host stops the worker it left. kill -9 of the host: the server follows it
+    (PDEATHSIG), its worker does not; the next host of the slot stops it before its own server starts, and
+    the end of a workflow (stop_idle) stops it where no host comes."""
+    script, pids = tmp_path / "server.py", tmp_path / "workers"
+    script.write_text(SERVER_WITH_A_WORKER)
+    port = 33000 + os.getpid() % 1000 * 10
+
+    def spec(slot: str) -> engine_host.LaunchSpec:
+        return engine_host.LaunchSpec(
+            slot=slot, backend="vllm", argv=[sys.executable, str(script), str(port), str(pids)], env={},
+            url=f"http://127.0.0.1:{port}", identity={"slot": slot}, lock_dir=str(tmp_path / "locks"),
+            log_dir=str(tmp_path / "logs"), gpu_lock=None, idle_timeout=600, start_timeout=60,
+        )  # fmt: skip
+
+    def worker() -> int:
+        return int(pids.read_text().split()[-1])
+
+    first = engine_host.attach(spec("gpu-0"))
+    os.kill(first.engines[0]["server_pid"], signal.SIGKILL)
+    wait_until(lambda: not _alive(worker()), 15, "the host stopped the worker its killed server left")
+    first.release()
+
+    second = engine_host.attach(spec("gpu-0"))
+    orphan = worker()
+    os.kill(second.engines[0]["pid"], signal.SIGKILL)
+    wait_until(lambda: not _alive(second.engines[0]["server_pid"]), 10, "the server followed its host")
+    assert _alive(orphan), "nothing stops it yet: no host of the slot runs"
+    second.release()
+    third = engine_host.attach(spec("gpu-0"))
+    assert not _alive(orphan) and _alive(worker()), "the next host stopped the orphan, then started its own"
+    host = third.engines[0]["pid"]
+    os.kill(host, signal.SIGKILL)
+    orphan = worker()
+    third.release()
+    wait_until(lambda: not _alive(host), 10, "the host died")
+    engine_host.stop_idle(tmp_path / "locks")
+    assert not _alive(orphan), "the end of a workflow stops what a killed host's server left"

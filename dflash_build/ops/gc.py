@@ -12,6 +12,8 @@ from pathlib import Path
 from dflash_build.ops.registrations import referenced, registrations
 from dflash_build.plan import Plan
 from dflash_build.publish import release
+from dflash_build.spec import acceptance_report_of
+from dflash_build.stages import accept
 from dflash_build.store import atomic, layout
 from dflash_build.store.journal import ROWS_FILE
 from dflash_build.store.rowindex import RowIndex
@@ -91,11 +93,18 @@ def _dataset_folders(plan: Plan) -> set[Path]:
     return {Path(os.path.relpath(os.path.abspath(f))) for f in named}
 
 
+def _acceptance_reports(plan: Plan) -> set[Path]:
+    """The acceptance reports beside this config's dataset and every registered one (relative, like them)."""
+    registered = (Path(e["dataset"]) for e in registrations(plan.config.store).values())
+    datasets = [plan.config.dataset_dir, *registered]
+    return {Path(os.path.relpath(os.path.abspath(acceptance_report_of(d)))) for d in datasets}
+
+
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
     """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
     now = time.time()
     found = {*plan.config.store.rglob(".*.tmp"), *plan.config.store.rglob(".*.old")}
-    for dist in plan.config.dist_folders:
+    for dist in (*plan.config.dist_folders, plan.config.acceptance_dir):
         found |= {*dist.parent.glob(f".{dist.name}.*.tmp"), *dist.parent.glob(f".{dist.name}.*.old")}
         versions = release.versions_dir(dist)
         found |= {*versions.glob(".*.tmp"), *versions.glob(".*.old")}
@@ -140,6 +149,9 @@ def garbage(
     for entry in layout.journal_entries(store):
         if entry not in refs:
             consider(entry, kept=any(entry.rglob(ROWS_FILE)) and not journals)
+    # a measurement no drafter of this config keys to and no standing acceptance report was made from
+    in_use = accept.measurements(plan, sorted(_acceptance_reports(plan)))
+    out += [Entry(e, _size(e, seen), kept=False) for e in layout.acceptance_entries(store) if e not in in_use]
     # A dataset whose store entries go goes with them (its versions and record, and its packed folders):
     # left in place, Snakemake would call it up to date while plan and verify find its shards gone.
     broken = sorted({Path(folder) for e in out if e.why.startswith("breaks") for folder in used[e.path]})
@@ -148,8 +160,8 @@ def garbage(
             for path in (dist, release.versions_dir(dist)):
                 if path.exists() or path.is_symlink():
                     out.append(Entry(path, _size(path, seen), kept=False, why=DATASET_BROKEN))
-    # versions no dataset folder links to any more: this config's folders, and every registered one's
-    folders = _dataset_folders(plan)
+    # versions no dataset folder or acceptance report links to any more: this config's, and every registered one's
+    folders = _dataset_folders(plan) | _acceptance_reports(plan)
     folders |= {p for f in list(folders) for p in f.parent.glob(f"{f.name}-packed-*") if p.is_symlink()}
     for dist in sorted(folders):
         why = f"superseded version of {os.path.relpath(dist)}"

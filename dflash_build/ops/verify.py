@@ -19,6 +19,7 @@ from dflash_build import hashing
 from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.publish import release
 from dflash_build.spec import Config
+from dflash_build.stages import accept
 from dflash_build.store import atomic, fingerprints, layout, rowindex
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, parse
@@ -60,6 +61,8 @@ def _check(path: Path, expected: dict[str, Any] | None) -> str | None:
         return f"unreadable parquet footer ({type(e).__name__}: {e})"
     if rows != expected["rows"]:
         return f"{rows} rows, manifest says {expected['rows']}"
+    if expected["sha256"] is None:  # recorded by rows alone
+        return None
     digest = hashing.sha256_file(path)
     if digest != expected["sha256"]:
         return f"content hash {digest[:16]} differs from the manifest's {expected['sha256'][:16]}"
@@ -166,6 +169,37 @@ def _derived_problems(plan: Plan) -> Iterator[Problem]:
         yield Problem(index_file, reason, (), functools.partial(rowindex.rebuild, store))
 
 
+def _acceptance_problems(plan: Plan) -> tuple[int, list[Problem]]:
+    """The measurements this config's drafters and its acceptance report use: the summary readable, the
+    requests as the summary recorded them. --repair removes a damaged one and the report's record, so that
+    `snakemake accept` measures that drafter again (the report in place stands until then)."""
+    report = plan.config.acceptance_dir
+    checked, problems = 0, []
+    for folder in sorted(accept.measurements(plan, [report])):
+        summary_file = folder / accept.SUMMARY_FILE
+        if not summary_file.exists():
+            continue  # not measured yet, or gone: the report stands; the next accept run measures it
+        checked += 1
+        remove = (folder, release.record_dir(report))
+        try:
+            summary = json.loads(summary_file.read_text())
+            slices = summary["slices"]["all"]
+        except (ValueError, KeyError, TypeError) as e:
+            problems.append(Problem(summary_file, f"damaged measurement summary ({type(e).__name__}: {e})", remove))
+            continue
+        requests = folder / accept.REQUESTS_FILE
+        # a measurement of the version before records no digest: its requests are not checked
+        expected = summary.get(accept.REQUESTS_FILE) or {"rows": slices["all"]["requests"], "sha256": None}
+        try:
+            reason = "missing" if not requests.exists() else _check(requests, expected)
+        except CannotRead as e:
+            problems.append(Problem(requests, str(e), (), unreadable=True))
+            continue
+        if reason is not None:
+            problems.append(Problem(requests, reason, remove))
+    return checked, problems
+
+
 def cache_problems(config: Config) -> list[Problem]:
     """The fingerprint cache, checked before a plan is built (building one heals it, with a warning)."""
     cache_file = fingerprint_cache_file(config)
@@ -194,6 +228,9 @@ def verify(plan: Plan) -> tuple[int, list[Problem]]:
     problems += _journal_problems(store)
     checked += 1
     problems += _derived_problems(plan)
+    measured, damaged = _acceptance_problems(plan)
+    checked += measured
+    problems += damaged
     for folder in plan.config.dist_folders:
         checked += 1
         if release.recorded_but_missing(folder):

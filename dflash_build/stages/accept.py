@@ -93,14 +93,15 @@ def run(job: Job) -> dict[str, Any]:
     assert accept is not None
     placed = release.in_place(release.folder_of(job.input("split")))
     split, split_key = evalset.read(placed), placed.manifest["split_key"]
-    measured = {}
+    measured, keys = {}, {}
     for name, drafter in accept.drafters.items():
-        folder = layout.acceptance_dir(plan.config.store, accept_key(plan, drafter, split_key))
-        if not (folder / SUMMARY_FILE).exists():
-            measure(plan, drafter, split, folder)
+        keys[name] = accept_key(plan, drafter, split_key)
+        folder = layout.acceptance_dir(plan.config.store, keys[name])
+        summary = kept(folder)
+        if summary is None:
+            summary = measure(plan, drafter, split, folder)
         else:
             log.info("accept: %s measured before (%s): nothing to run", name, folder)
-        summary = json.loads((folder / SUMMARY_FILE).read_text())
         measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
     training = training_shares(release.folder_of(job.input("dataset")))
     report = build_report(measured, training, accept.weakest, split_key)
@@ -111,7 +112,8 @@ def run(job: Job) -> dict[str, Any]:
         plot(report, tmp / PLOT)
         # named by its report's digest (release.publish names a version by its manifest's)
         report_digest = hashing.sha256_file(tmp / REPORT_JSON)
-        manifest = {"stage": "accept", "split_key": split_key, "files": [], "report": REPORT_JSON}
+        # the measurements it was made from, by drafter: gc keeps them, verify checks them
+        manifest = {"stage": "accept", "split_key": split_key, "files": [], "report": REPORT_JSON, "measurements": keys}
         atomic.write_json(tmp / layout.MANIFEST, {**manifest, "report_sha256": report_digest})
     return report
 
@@ -163,10 +165,46 @@ def measure(plan: Plan, drafter: DrafterSpec, split: pa.Table, folder: Path) -> 
     summary["drafter"] = {"name": drafter.name, "method": drafter.method, "path": drafter.path, **drafter.options}
     summary["engine_totals"] = _difference(before, after)
     check_totals(summary)
+    return keep(folder, table, summary)
+
+
+def keep(folder: Path, table: pa.Table, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write a measurement: its requests, then its summary (which marks it done) with their rows and digest."""
     folder.mkdir(parents=True, exist_ok=True)
     atomic.write_parquet(folder / REQUESTS_FILE, table)
+    record = {"rows": table.num_rows, "sha256": hashing.sha256_file(folder / REQUESTS_FILE)}
+    summary = {**summary, REQUESTS_FILE: record}
     atomic.write_json(folder / SUMMARY_FILE, summary)
     return summary
+
+
+def kept(folder: Path) -> dict[str, Any] | None:
+    """The measurement kept in ``folder``: None when there is none, or its summary is damaged (then the
+    drafter is measured again, and the summary replaced)."""
+    try:
+        return json.loads((folder / SUMMARY_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        log.warning("accept: %s is damaged (%s): measuring again", folder / SUMMARY_FILE, e)
+        return None
+
+
+def measurements(plan: Plan, reports: list[Path]) -> dict[Path, list[str]]:
+    """The measurement folders in use, with who uses each: those the config's drafters key to on the eval
+    split in place, and those each acceptance report in ``reports`` was made from."""
+    cfg = plan.config
+    used: dict[Path, list[str]] = defaultdict(list)
+    if cfg.accept is not None and release.current(cfg.eval_dir) is not None:
+        split_key = release.in_place(cfg.eval_dir).manifest["split_key"]
+        for drafter in cfg.accept.drafters.values():
+            used[layout.acceptance_dir(cfg.store, accept_key(plan, drafter, split_key))].append("this config")
+    for report in reports:
+        if release.current(report) is None:
+            continue
+        for key in release.in_place(report).manifest.get("measurements", {}).values():
+            used[layout.acceptance_dir(cfg.store, key)].append(str(report))
+    return dict(used)
 
 
 def _request(i: int, row: dict[str, Any], max_new_tokens: int) -> Request:

@@ -95,6 +95,11 @@ def acceptance_dir(store: Path, key: str) -> Path:
     return store / ACCEPTANCE / key
 
 
+def acceptance_entries(store: Path) -> list[Path]:
+    """Every measurement folder in the store."""
+    return sorted(p for p in (Path(store) / ACCEPTANCE).glob("*") if p.is_dir())
+
+
 def stage_dir(store: Path, stage: Stage, source: str, key: str) -> Path:
     assert stage.folder is not None, f"{stage.name} has no folder in the store"
     return Path(store) / stage.folder / source / key

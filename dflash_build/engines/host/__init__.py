@@ -19,7 +19,10 @@ its shard's last long answers drain at a shrinking batch. With shared engines:
 - **Stop.** A host stops its server when nobody has used it for ``engine.idle_timeout`` seconds, when the
   workflow ends (``stop_idle``, from the Snakefile's onsuccess/onerror), or on ``dflash-build engines
   --stop``; the server dies with its host even on SIGKILL (PDEATHSIG). So after a crash or a kill -9 of
-  everything, nothing holds a GPU longer than the idle timeout. Each engine's life is appended to
+  everything, no server holds a GPU longer than the idle timeout. The processes a server starts (vLLM's
+  engine core) go with the server, or, when its host was killed -9, before the slot's next server starts
+  and at the next workflow's end or ``engines --stop`` (``slots.leftovers``): never beside a new engine.
+  Each engine's life is appended to
   ``logs/engines/engines.jsonl`` (start, ready, stop, reason, time in use).
 - **Under a scheduler** (SLURM): an engine serves the jobs of its own allocation only (its slot and
   identity name the scheduler's job id), so the generate jobs that Snakemake groups into one allocation

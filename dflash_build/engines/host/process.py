@@ -2,8 +2,9 @@
 
 A host (``python -m dflash_build.engines.host serve SPEC``, in its own session) takes the slot's host lock
 and its GPU's lock, runs the server in a process group of its own (killed with the host however it dies:
-PDEATHSIG), writes the slot's state once the server answers, stops it after ``engine.idle_timeout`` unused
-or when asked, and appends the engine's life to ``logs/engines/engines.jsonl``.
+PDEATHSIG; the processes the server starts: with it, or before the slot's next server starts, see
+``slots.leftovers``), writes the slot's state once the server answers, stops it after
+``engine.idle_timeout`` unused or when asked, and appends the engine's life to ``logs/engines/engines.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ import urllib.request
 from pathlib import Path
 
 from dflash_build.engines.host.launch import LaunchSpec, die_with_parent
-from dflash_build.engines.host.slots import STOP_GRACE_SECONDS, alive, flock, lock_path, open_lock, state_path
+from dflash_build.engines.host.slots import (
+    SLOT_ENV,
+    STOP_GRACE_SECONDS,
+    alive,
+    flock,
+    lock_path,
+    open_lock,
+    slot_marker,
+    state_path,
+    stop_leftovers,
+)
 from dflash_build.store import atomic
 
 log = logging.getLogger(__name__)
@@ -53,10 +64,11 @@ class _Host:
             if not flock(open_lock(path), fcntl.LOCK_EX, timeout=spec.start_timeout):
                 log.error("%s is held by another engine for %gs; not starting", path, spec.start_timeout)
                 return 3
+        stop_leftovers(spec.lock_dir, spec.slot, "an earlier server of this slot left (its host was killed)")
         self.child = subprocess.Popen(
             spec.argv,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **spec.env},
+            env={**os.environ, **spec.env, SLOT_ENV: slot_marker(spec.lock_dir, spec.slot)},
             process_group=0,  # its own group: stopping it stops its workers, not this host
             preexec_fn=die_with_parent,
         )
@@ -138,9 +150,12 @@ class _Host:
 
     def _finish(self, code: int, ready_at: float | None) -> int:
         child = self.child
-        if child is not None and child.poll() is None:
-            # a stalled server may be stopped or deadlocked: it would never act on SIGTERM
-            _terminate_group(child, grace=0.0 if self.stop_reason == "stalled" else STOP_GRACE_SECONDS)
+        if child is not None:
+            # a stalled server may be stopped or deadlocked: it would never act on SIGTERM; one that exited
+            # (kill -9) may have left its workers (vLLM's engine core, holding the GPU's memory)
+            graceful = child.poll() is None and self.stop_reason != "stalled"
+            _terminate_group(child, grace=STOP_GRACE_SECONDS if graceful else 0.0)
+            stop_leftovers(self.spec.lock_dir, self.spec.slot, "the server left")
         stopped_at = time.time()
         life = stopped_at - self.spawned_at
         record = {

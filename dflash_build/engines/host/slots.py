@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 30.0
+SLOT_ENV = "DFLASH_BUILD_ENGINE_SLOT"  # in a server's environment, so that its workers inherit it
 
 
 def state_path(lock_dir: Path | str, slot: str) -> Path:
@@ -122,6 +125,52 @@ def stop_host(state: dict[str, Any], reason: str, wait: float = STOP_GRACE_SECON
             os.kill(pid, signal.SIGKILL)  # its server dies with it (PDEATHSIG)
 
 
+def slot_marker(lock_dir: Path | str, slot: str) -> str:
+    return f"{os.path.abspath(lock_dir)}/{slot}"
+
+
+def leftovers(lock_dir: Path | str, slot: str) -> list[int]:
+    """The live processes that carry the slot's marker (``SLOT_ENV``). A server's workers (vLLM's engine
+    core, holding the GPU's memory) outlive it when the server or its host is killed -9: PDEATHSIG
+    reaches the server alone."""
+    needle = f"{SLOT_ENV}={slot_marker(lock_dir, slot)}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError, ValueError):
+            if needle in environ.read_bytes().split(b"\0") and alive(int(environ.parent.name)):
+                found.append(int(environ.parent.name))
+    return found
+
+
+def stop_leftovers(lock_dir: Path | str, slot: str, what: str, wait: float = 30.0) -> list[int]:
+    """Kill what a server of the slot left running and wait until it is gone (its GPU memory with it).
+    Only for a slot no host serves: its host calls it, or whoever holds its host lock."""
+    pids = leftovers(lock_dir, slot)
+    if pids:
+        log.warning("stopping %d processes %s on %s: %s", len(pids), what, slot, pids)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
+
+
+def sweep(lock_dir: Path | str) -> list[str]:
+    """The slots no host runs on whose last server left processes (its host killed -9): stopped now."""
+    swept = []
+    for host_lock in sorted(Path(lock_dir).glob("engine-*.host.lock")):
+        slot = host_lock.name.removeprefix("engine-").removesuffix(".host.lock")
+        fd = open_lock(host_lock)
+        try:
+            if flock(fd, fcntl.LOCK_EX, timeout=0) and stop_leftovers(lock_dir, slot, "a killed host's server left"):
+                swept.append(slot)
+        finally:
+            os.close(fd)
+    return swept
+
+
 def stop_idle(lock_dir: Path | str, slots: list[str] | None = None) -> list[str]:
     """Stop every engine (of ``slots``) nobody uses now; returns the slots stopped. An engine another
     job or build still uses is left to its idle timeout."""
@@ -138,4 +187,5 @@ def stop_idle(lock_dir: Path | str, slots: list[str] | None = None) -> list[str]
                 stopped.append(state["slot"])
         finally:
             os.close(fd)
+    sweep(lock_dir)
     return stopped
