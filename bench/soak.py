@@ -518,10 +518,17 @@ def _wait_engines_gone(locks: Path, seconds: float = 60) -> list[str]:
             s for s in engine_host.running(locks) if engine_host.alive(s["pid"]) or engine_host.alive(s["server_pid"])
         ]
         held = [p.name for p in locks.glob("gpu-*.lock") if not lock_free(p)]
-        if not running and not held:
+        # what a server started (vLLM's engine core) and left behind when it or its host was killed
+        slots = [p.name.removeprefix("engine-").removesuffix(".host.lock") for p in locks.glob("engine-*.host.lock")]
+        left = {slot: pids for slot in slots if (pids := engine_host.leftovers(locks, slot))}
+        if not running and not held and not left:
             return []
         time.sleep(0.5)
-    return [f"engine {s['slot']} (pid {s['pid']}) still running" for s in running] + [f"{h} held" for h in held]
+    return (
+        [f"engine {s['slot']} (pid {s['pid']}) still running" for s in running]
+        + [f"{h} held" for h in held]
+        + [f"processes a server of {slot} left: {pids}" for slot, pids in left.items()]
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, explain, gc, registrations, standing, status, verify
 from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
+from dflash_build.stages import accept
 from dflash_build.store import filesystem, layout, rowindex
 
 
@@ -91,6 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(_outside_window_line(plan.config.trainer.max_length, estimates))
     print(disk.line())
     for line in release.pending(plan.config.dist_folders):
+        print(line)
+    if (line := accept.preview(plan)) is not None:
         print(line)
     if args.jobs:
         for e in estimates:

@@ -372,6 +372,8 @@ def job_logs(wf: Workflow) -> str:
 
 # Snakemake options under which no job runs: no engine is started for them.
 _BUILDS_NOTHING = {"-n", "--dry-run", "--dryrun", "--unlock", "--lint", "--list-changes", "--summary", "--report"}
+# targets whose jobs serve with an engine of their own (a drafter's): the warm engine would only be stopped
+_OWN_ENGINE_TARGETS = {"accept"}
 
 
 def warm_engine(config_file: Path) -> None:
@@ -486,7 +488,7 @@ class Workflow:
             raise AssertionError(
                 "a test without @pytest.mark.workflow launched Snakemake: mark it (the unit tier builds nothing)"
             )
-        if not _BUILDS_NOTHING.intersection(args):
+        if not _BUILDS_NOTHING.intersection(args) and not _OWN_ENGINE_TARGETS.intersection(args):
             warm_engine(self.workdir / "config.yaml")
         env = {**os.environ, **(env_extra or {})}
         if self.pythonpath is not None:

@@ -135,6 +135,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         dflash_drafter = {"method": "dflash", "path": str(dflash), "options": {"num_speculative_tokens": DRAFT}}
         # self renamed: read from the store by its key, not measured again
         wf.write_config(accept_config(target, data, {"target-itself": self_drafter, "dflash": dflash_drafter}))
+        steps["plan_before_third"] = _cli(wf, "plan").stdout
         wf.run("accept")
         steps["third"] = _report(wf)
         steps["engines_after_third"] = len(engine_history(wf.workdir / "logs"))
@@ -217,6 +218,9 @@ def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[s
     assert measured["engines_after_second"] == measured["engines_before_second"] + 1, "one server: ngram's"
     assert len(_summaries(measured["workdir"], "self")) == 1, "self was measured once"
     assert measured["engines_after_third"] == measured["engines_after_second"] + 1, "dflash only: self renamed is read"
+    [line] = [li for li in measured["plan_before_third"].splitlines() if li.startswith("accept: ")]
+    assert line.startswith("accept: measures 1 of 2 drafters (dflash: a server each, "), "plan said so before"
+    assert "reads 1 from the store (target-itself)" in line, line
     assert measured["third"]["drafters"]["target-itself"]["overall"]["tau"] == pytest.approx(DRAFT + 1, abs=0.01)
     assert len(list((measured["workdir"] / "store" / layout.ACCEPTANCE).iterdir())) == 3, "self, ngram, dflash"
     report = measured["second"]

@@ -233,13 +233,16 @@ def test_gc_keeps_the_measurements_in_use_and_verify_finds_a_damaged_one(
 
     plan = build(_with_accept(raw), tmp_path)
     cfg_ = plan.config
-    _publish(cfg_.eval_dir, {"split_key": "s1", "files": []})
+    assert accept.preview(plan) == "accept: measures 1 drafters (d: a server each) once the eval split is in"
+    _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": []})
+    assert accept.preview(plan).startswith("accept: measures 1 of 1 drafters (d: a server each, 7 eval requests), ")
     [drafter] = cfg_.accept.drafters.values()
     mine, reported, stale = (
         layout.acceptance_dir(cfg_.store, accept.accept_key(plan, drafter, split)) for split in ("s1", "s0", "s2")
     )
     for folder in (mine, reported, stale):
         _measurement(folder)
+    assert accept.preview(plan).startswith("accept: measures 0 of 1 drafters, reads 1 from the store (d); on the ")
     _publish(cfg_.acceptance_dir, {"files": [], "measurements": {"old": reported.name}, "v": 1})
     _publish(cfg_.acceptance_dir, {"files": [], "measurements": {"old": reported.name}, "v": 2})
     entries = {e.path: e for e in gc.garbage(plan)}

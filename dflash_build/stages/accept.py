@@ -207,6 +207,30 @@ def measurements(plan: Plan, reports: list[Path]) -> dict[Path, list[str]]:
     return dict(used)
 
 
+def preview(plan: Plan) -> str | None:
+    """`plan`'s line: which drafters `snakemake accept` would serve and which it reads from the store."""
+    cfg = plan.config
+    if cfg.accept is None:
+        return None
+    names = list(cfg.accept.drafters)
+    if release.current(cfg.eval_dir) is None:
+        return f"accept: measures {len(names)} drafters ({', '.join(names)}: a server each) once the eval split is in"
+    placed = release.in_place(cfg.eval_dir)
+    split_key = placed.manifest["split_key"]
+    todo = [
+        name
+        for name, drafter in cfg.accept.drafters.items()
+        if kept(layout.acceptance_dir(cfg.store, accept_key(plan, drafter, split_key))) is None
+    ]
+    read = [name for name in names if name not in todo]
+    serve = f" ({', '.join(todo)}: a server each, {placed.manifest['rows']} eval requests)" if todo else ""
+    reads = f" ({', '.join(read)})" if read else ""
+    return (
+        f"accept: measures {len(todo)} of {len(names)} drafters{serve}, reads {len(read)} from the store{reads}; "
+        f"on the eval split in place ({split_key}: a build that changes it measures every drafter again)"
+    )
+
+
 def _request(i: int, row: dict[str, Any], max_new_tokens: int) -> Request:
     params = SamplingParams(**{f.name: row[f.name] for f in dataclasses.fields(SamplingParams)})
     params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))
