@@ -22,13 +22,12 @@ from pathlib import Path
 
 from dflash_build.engines.host.launch import LaunchSpec, die_with_parent
 from dflash_build.engines.host.slots import (
-    SLOT_ENV,
     STOP_GRACE_SECONDS,
     alive,
     flock,
     lock_path,
     open_lock,
-    slot_marker,
+    server_record,
     state_path,
     stop_leftovers,
 )
@@ -68,11 +67,14 @@ class _Host:
         self.child = subprocess.Popen(
             spec.argv,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **spec.env, SLOT_ENV: slot_marker(spec.lock_dir, spec.slot)},
+            env={**os.environ, **spec.env},
             process_group=0,  # its own group: stopping it stops its workers, not this host
             preexec_fn=die_with_parent,
         )
         log.info("host %d: started %s (pid %d) on %s", os.getpid(), spec.backend, self.child.pid, spec.slot)
+        # before the server starts its workers: what a later host stops if they outlive both
+        record = {"host_pid": os.getpid(), "session": os.getsid(0), "group": self.child.pid}
+        atomic.write_json(server_record(spec.lock_dir, spec.slot), record)
         ready_at = self._wait_ready()
         if ready_at is None:
             return self._finish(1, None)

@@ -20,7 +20,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 30.0
-SLOT_ENV = "DFLASH_BUILD_ENGINE_SLOT"  # in a server's environment, so that its workers inherit it
 
 
 def state_path(lock_dir: Path | str, slot: str) -> Path:
@@ -125,20 +124,27 @@ def stop_host(state: dict[str, Any], reason: str, wait: float = STOP_GRACE_SECON
             os.kill(pid, signal.SIGKILL)  # its server dies with it (PDEATHSIG)
 
 
-def slot_marker(lock_dir: Path | str, slot: str) -> str:
-    return f"{os.path.abspath(lock_dir)}/{slot}"
+def server_record(lock_dir: Path | str, slot: str) -> Path:
+    """Which server a slot's host started last: its process group (the server leads it) and its session."""
+    return Path(lock_dir) / f"engine-{slot}.server.json"
 
 
 def leftovers(lock_dir: Path | str, slot: str) -> list[int]:
-    """The live processes that carry the slot's marker (``SLOT_ENV``). A server's workers (vLLM's engine
-    core, holding the GPU's memory) outlive it when the server or its host is killed -9: PDEATHSIG
-    reaches the server alone."""
-    needle = f"{SLOT_ENV}={slot_marker(lock_dir, slot)}".encode()
+    """The live processes of the slot's last server: its process group within its session (both recorded at
+    spawn; read from /proc/PID/stat, since vLLM rewrites its workers' titles and with them /proc's environ). A
+    server's workers (vLLM's engine core, holding the GPU's memory) outlive it when the server or its host
+    is killed -9: PDEATHSIG reaches the server alone."""
+    try:
+        record = json.loads(server_record(lock_dir, slot).read_text())
+        group, session = int(record["group"]), int(record["session"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
     found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        with contextlib.suppress(OSError, ValueError):
-            if needle in environ.read_bytes().split(b"\0") and alive(int(environ.parent.name)):
-                found.append(int(environ.parent.name))
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and (int(fields[2]), int(fields[3])) == (group, session):
+                found.append(int(stat.parent.name))
     return found
 
 
