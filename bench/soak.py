@@ -519,8 +519,7 @@ def _wait_engines_gone(locks: Path, seconds: float = 60) -> list[str]:
         ]
         held = [p.name for p in locks.glob("gpu-*.lock") if not lock_free(p)]
         # what a server started (vLLM's engine core) and left behind when it or its host was killed
-        slots = [p.name.removeprefix("engine-").removesuffix(".host.lock") for p in locks.glob("engine-*.host.lock")]
-        left = {slot: pids for slot in slots if (pids := engine_host.leftovers(locks, slot))}
+        left = {slot: pids for slot in engine_host.host_slots(locks) if (pids := engine_host.leftovers(locks, slot))}
         if not running and not held and not left:
             return []
         time.sleep(0.5)

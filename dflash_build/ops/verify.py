@@ -183,13 +183,13 @@ def _acceptance_problems(plan: Plan) -> tuple[int, list[Problem]]:
         remove = (folder, release.record_dir(report))
         try:
             summary = json.loads(summary_file.read_text())
-            slices = summary["slices"]["all"]
+            overall = summary["slices"]["all"]["all"]
         except (ValueError, KeyError, TypeError) as e:
             problems.append(Problem(summary_file, f"damaged measurement summary ({type(e).__name__}: {e})", remove))
             continue
         requests = folder / accept.REQUESTS_FILE
         # a measurement of the version before records no digest: its requests are not checked
-        expected = summary.get(accept.REQUESTS_FILE) or {"rows": slices["all"]["requests"], "sha256": None}
+        expected = summary.get(accept.REQUESTS_FILE) or {"rows": overall["requests"], "sha256": None}
         try:
             reason = "missing" if not requests.exists() else _check(requests, expected)
         except CannotRead as e:

@@ -190,21 +190,28 @@ def kept(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def measurements(plan: Plan, reports: list[Path]) -> dict[Path, list[str]]:
-    """The measurement folders in use, with who uses each: those the config's drafters key to on the eval
-    split in place, and those each acceptance report in ``reports`` was made from."""
+def _config_folders(plan: Plan) -> tuple[release.InPlace, dict[str, Path]] | None:
+    """The eval split in place and, by drafter, the folder the config's drafters' measurements on it go to
+    (None without `accept` or a split in place)."""
     cfg = plan.config
-    used: dict[Path, list[str]] = defaultdict(list)
-    if cfg.accept is not None and release.current(cfg.eval_dir) is not None:
-        split_key = release.in_place(cfg.eval_dir).manifest["split_key"]
-        for drafter in cfg.accept.drafters.values():
-            used[layout.acceptance_dir(cfg.store, accept_key(plan, drafter, split_key))].append("this config")
+    if cfg.accept is None or release.current(cfg.eval_dir) is None:
+        return None
+    placed = release.in_place(cfg.eval_dir)
+    split_key = placed.manifest["split_key"]
+    drafters = cfg.accept.drafters.items()
+    return placed, {name: layout.acceptance_dir(cfg.store, accept_key(plan, d, split_key)) for name, d in drafters}
+
+
+def measurements(plan: Plan, reports: list[Path]) -> set[Path]:
+    """The measurement folders in use: those the config's drafters key to on the eval split in place, and
+    those each acceptance report in ``reports`` was made from."""
+    in_place = _config_folders(plan)
+    used = set() if in_place is None else set(in_place[1].values())
     for report in reports:
-        if release.current(report) is None:
-            continue
-        for key in release.in_place(report).manifest.get("measurements", {}).values():
-            used[layout.acceptance_dir(cfg.store, key)].append(str(report))
-    return dict(used)
+        if release.current(report) is not None:
+            keys = release.in_place(report).manifest.get("measurements", {}).values()
+            used |= {layout.acceptance_dir(plan.config.store, key) for key in keys}
+    return used
 
 
 def preview(plan: Plan) -> str | None:
@@ -213,21 +220,18 @@ def preview(plan: Plan) -> str | None:
     if cfg.accept is None:
         return None
     names = list(cfg.accept.drafters)
-    if release.current(cfg.eval_dir) is None:
+    in_place = _config_folders(plan)
+    if in_place is None:
         return f"accept: measures {len(names)} drafters ({', '.join(names)}: a server each) once the eval split is in"
-    placed = release.in_place(cfg.eval_dir)
-    split_key = placed.manifest["split_key"]
-    todo = [
-        name
-        for name, drafter in cfg.accept.drafters.items()
-        if kept(layout.acceptance_dir(cfg.store, accept_key(plan, drafter, split_key))) is None
-    ]
+    placed, folders = in_place
+    todo = [name for name, folder in folders.items() if kept(folder) is None]
     read = [name for name in names if name not in todo]
     serve = f" ({', '.join(todo)}: a server each, {placed.manifest['rows']} eval requests)" if todo else ""
     reads = f" ({', '.join(read)})" if read else ""
     return (
         f"accept: measures {len(todo)} of {len(names)} drafters{serve}, reads {len(read)} from the store{reads}; "
-        f"on the eval split in place ({split_key}: a build that changes it measures every drafter again)"
+        f"on the eval split in place ({placed.manifest['split_key']}: a build that changes it measures every "
+        "drafter again)"
     )
 
 

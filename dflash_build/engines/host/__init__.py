@@ -56,6 +56,7 @@ from dflash_build.engines.host.launch import launch_spec as launch_spec
 from dflash_build.engines.host.served import ServedEngine as ServedEngine
 from dflash_build.engines.host.served import open_engine as open_engine
 from dflash_build.engines.host.slots import alive as alive
+from dflash_build.engines.host.slots import host_slots as host_slots
 from dflash_build.engines.host.slots import leftovers as leftovers
 from dflash_build.engines.host.slots import read_state as read_state
 from dflash_build.engines.host.slots import running, stop_idle

@@ -163,12 +163,17 @@ def stop_leftovers(lock_dir: Path | str, slot: str, what: str, wait: float = 30.
     return pids
 
 
+def host_slots(lock_dir: Path | str) -> list[str]:
+    """Every slot a host ever ran on in ``lock_dir`` (its host lock names it)."""
+    locks = sorted(Path(lock_dir).glob(lock_path("", "*", "host").name))
+    return [p.name.removeprefix("engine-").removesuffix(".host.lock") for p in locks]
+
+
 def sweep(lock_dir: Path | str) -> list[str]:
     """The slots no host runs on whose last server left processes (its host killed -9): stopped now."""
     swept = []
-    for host_lock in sorted(Path(lock_dir).glob("engine-*.host.lock")):
-        slot = host_lock.name.removeprefix("engine-").removesuffix(".host.lock")
-        fd = open_lock(host_lock)
+    for slot in host_slots(lock_dir):
+        fd = open_lock(lock_path(lock_dir, slot, "host"))
         try:
             if flock(fd, fcntl.LOCK_EX, timeout=0) and stop_leftovers(lock_dir, slot, "a killed host's server left"):
                 swept.append(slot)
