@@ -32,6 +32,13 @@ def answer(body: dict[str, Any]) -> dict[str, Any]:
     return {"choices": [{"token_ids": ids, "finish_reason": "length"}], "usage": {"completion_tokens": n}}
 
 
+def vllm_model_not_found(name: str) -> bytes:
+    """vLLM 0.32.0's answer to a completion naming a model it does not serve, as its server sent it."""
+    message = f"The model `{name}` does not exist. Valid aliases: <path>"
+    error = {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
+    return json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
 @dataclass
 class StandIn:
     model_id: str
@@ -49,6 +56,7 @@ class StandIn:
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: http.server.ThreadingHTTPServer | None = None
     respond: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # a scripted answer in place of answer()
+    only_its_model: bool = False  # as vLLM: a completion naming another model is refused (404)
 
     @property
     def url(self) -> str:
@@ -85,6 +93,9 @@ class StandIn:
                 time.sleep(standin.delay_seconds)
                 if standin.server is None:
                     self.close_connection = True
+                    return
+                if standin.only_its_model and body.get("model") != standin.model_id:
+                    self._send(404, vllm_model_not_found(str(body.get("model"))))
                     return
                 faulty = standin.fault is not None and standin.first <= n and (not standin.last or n <= standin.last)
                 if not faulty:

@@ -12,6 +12,7 @@ included, in tests/test_shared_engines.py.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -189,6 +190,22 @@ def test_the_owner_replaces_a_lost_server_and_the_pool_grows_with_servers_that_s
     assert owner.lost_calls == [(stalls.url, True)]
     assert replacement.completions > 0, "the replacement took the stalled server's place"
     assert later.completions > 0, "a server that started during the run joined it"
+
+
+def test_a_server_that_joined_the_pool_gets_the_model_name_it_serves(
+    servers: list[StandIn], undisturbed: dict[str, tuple[list[int], str]]
+) -> None:
+    """The job's only server does not answer its first contact (so the job never read a model name), and
+    the replacement, like vLLM, refuses a request naming a model it does not serve: every row comes back
+    under the name the replacement lists (the fault soak on vLLM found every row of a shard journaled as
+    an error row, "The model `default` does not exist", and the shard failed every rerun)."""
+    with socket.socket() as s:  # a port nothing listens on: the server is down at the first contact
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    replacement = _standin(servers, start=False, only_its_model=True)
+    owner = Owner(replacement=replacement)
+    assert _run(_engine([down], pool=owner)) == undisturbed
+    assert owner.lost_calls == [(down, False)] and replacement.completions == ROWS
 
 
 def test_requests_that_fail_together_on_a_dying_server_are_all_sent_again(servers: list[StandIn]) -> None:

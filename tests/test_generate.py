@@ -272,6 +272,34 @@ def test_a_shard_of_mostly_failed_rows_fails_and_keeps_its_journal(
     assert len(journal.read_text().splitlines()) == 2, "the rows the engine finished are kept"
 
 
+class RefusingEngine(EchoEngine):
+    """Refuses every request as a server refuses a request naming a model it does not serve (the openai
+    backend makes such an answer an error row)."""
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        self.requests = list(requests)
+        for r in self.requests:
+            yield Result(r.prompt_id, r.sample_idx, [], "error", error="HTTP 404: The model `default` does not exist")
+
+
+def test_rows_the_engine_refused_are_asked_again_by_the_rerun(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard whose rows the server refused fails, with the refusals in its journal; once the cause is
+    fixed, the rerun asks those rows again and publishes, instead of failing on the same journaled rows."""
+    rows = [{"messages": [{"role": "user", "content": c}]} for c in ("one", "two", "three")]
+    plan = _plan(tmp_path, tiny_model, rows)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: RefusingEngine())
+    with pytest.raises(generate.ShardFailedError, match="6 of 6 rows"):
+        generate.run(planned(plan, "generate", "s", "00000"))
+    journal = plan.journal_dir("s", "00000") / "rows.jsonl"
+    assert [json.loads(x)["finish_reason"] for x in journal.read_text().splitlines()] == ["error"] * 6
+    fixed = EchoEngine()
+    monkeypatch.setattr(engines, "load", lambda *a, **k: fixed)
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
+    assert len(fixed.requests) == 6 and (stats["generated"], stats["error"], stats["resumed_turns"]) == (6, 0, 0)
+
+
 def test_every_row_refused_by_the_template_fails_the_shard(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

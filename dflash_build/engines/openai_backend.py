@@ -169,8 +169,6 @@ class OpenAIEngine(ServerClient):
         except BaseException:
             self.close()
             raise
-        first = self._model_ids.get(self.opts["urls"][0]) or []
-        self.model_name = self.opts["model"] or (first[0] if first else "default")
 
     async def _first_contact(self, url: str, model_path: str) -> None:
         """Health and identity of a configured server; in a pool, one that does not answer just leaves it."""

@@ -118,6 +118,11 @@ def served_identities(models: Any, model_info: Any) -> list[str]:
     return names
 
 
+def _model_ids(models: Any) -> list[str]:
+    """The ids a /v1/models answer lists, in its order."""
+    return [e["id"] for e in (models or {}).get("data") or [] if isinstance(e, dict) and "id" in e]
+
+
 def matches_model(served: list[str], model_path: str, expect: str | None) -> bool:
     """A served name is model.path, ends with its folder or file name, or is the name the config expects."""
     wanted = {model_path.rstrip("/"), os.path.basename(model_path.rstrip("/"))}
@@ -154,7 +159,6 @@ class ServerClient:
     prompt_mode: str
     probe_seconds: float
     pool: Any
-    model_name: str
     _client: httpx.AsyncClient
 
     def __init__(self) -> None:
@@ -170,9 +174,7 @@ class ServerClient:
                 answers.append(await self._call(url, path, None, retries=1, deadline=self.probe_seconds))
             except (RequestRefused, ServerDown):
                 answers.append(None)
-        self._model_ids[url] = [
-            e["id"] for e in (answers[0] or {}).get("data") or [] if isinstance(e, dict) and "id" in e
-        ]
+        self._model_ids[url] = _model_ids(answers[0])
         served = served_identities(*answers)
         if not matches_model(served, model_path, self.opts["expect_model"]):
             raise ModelMismatch(
@@ -181,6 +183,22 @@ class ServerClient:
                 "model.path, or set engine.options.expect_model to the name the server reports for it."
             )
         return served
+
+    async def _model_name(self, url: str) -> str:
+        """The model name a request to ``url`` carries: engine.options.model, else the first id that server
+        lists. A server that joined the pool after the job's first contact (a replacement, or one that
+        stalled then) is asked once; vLLM refuses a name it does not serve (404), which would make every
+        row an error row."""
+        if self.opts["model"]:
+            return str(self.opts["model"])
+        if url not in self._model_ids:
+            try:
+                self._model_ids[url] = _model_ids(
+                    await self._call(url, "/v1/models", None, retries=1, deadline=self.probe_seconds)
+                )
+            except (RequestRefused, ServerDown):  # a server without /v1/models takes any name
+                self._model_ids[url] = []
+        return next((ids[0] for ids in (self._model_ids[url], *self._model_ids.values()) if ids), "default")
 
     async def _attempt(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
         """One request: the JSON it answers, or the failure it is."""
@@ -304,7 +322,7 @@ class ServerClient:
     ) -> Result:
         """POST /v1/completions; a server that refuses top_k -1 gets 0 ("disabled" too) from then on."""
         off = self.top_k_off.get(url, TOP_K_OFF[0])
-        body = completions_body(request, self.model_name, prompt, self.stop_token_ids, off)
+        body = completions_body(request, await self._model_name(url), prompt, self.stop_token_ids, off)
 
         def parse(out: Any) -> Result:
             return self._parse_completion(request, out)

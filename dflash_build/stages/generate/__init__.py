@@ -209,9 +209,11 @@ def replay(work: ShardWork, journal: Journal) -> int:
 
     A row that does not fit (a repeated turn, a turn after a gap, a prompt not in this shard, missing
     fields: damage, or two writers before shards had locks) is skipped with a warning and its turn is
-    generated again; the first copy of a turn wins.
+    generated again; the first copy of a turn wins. A turn the engine refused or aborted has no answer
+    to resume: it is asked again, so that a rerun after the cause is fixed (the server's options, a
+    passing fault) heals the shard instead of failing on the same rows.
     """
-    applied, skipped = 0, 0
+    applied, skipped, failed = 0, 0, 0
     for row in journal.load():
         conv = work.convs.get((row.get("prompt_id"), row.get("sample_idx")))  # type: ignore[arg-type]
         if conv is None or any(k not in row for k in _JOURNAL_FIELDS) or row["turn"] != len(conv.turns):
@@ -220,12 +222,17 @@ def replay(work: ShardWork, journal: Journal) -> int:
         if conv.finish_reason is not None:
             skipped += 1
             continue
+        if row["finish_reason"] in (R.FINISH_ERROR, R.FINISH_ABORT):
+            failed += 1
+            continue
         turn = work.apply(conv, work.renderer.next_context(conv), result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
         turn.across = row.get("across", False)
         applied += 1
     if skipped:
         log.warning("%s: %d journal rows in %s do not fit the shard and are skipped", work.label, skipped, journal.path)
+    if failed:
+        log.info("%s: %d journaled turns failed (refused or aborted) and are asked again", work.label, failed)
     if applied:
         log.info("%s: resuming, %d turns already journaled", work.label, applied)
     return applied
