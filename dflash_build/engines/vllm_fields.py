@@ -1,5 +1,5 @@
-"""Engine arguments of vLLM 0.32.0 (its EngineArgs CLI flags), its speculative methods and its
-SpeculativeConfig fields: generated from the installed package, do not edit.
+"""Engine arguments of vLLM 0.32.0 (its AsyncEngineArgs CLI flags, which its server reads), its
+speculative methods and its SpeculativeConfig fields: generated from the installed package, do not edit.
 
 Regenerate after changing VLLM_VERSION (tests/test_vllm_contract.py says when):
     python -c 'from dflash_build.engines.backends import vllm; vllm.write_fields_module(PYTHON)'
@@ -77,6 +77,7 @@ ENGINE_ARGS = frozenset(
         "enable_flashinfer_autotune",
         "enable_hc_sp",
         "enable_layerwise_nvtx_tracing",
+        "enable_log_requests",
         "enable_logging_iteration_details",
         "enable_lora",
         "enable_mamba_cache_stochastic_rounding",

@@ -7,7 +7,7 @@ one request per sample, each with its own recorded seed: vLLM's ``n`` gives samp
 (``v1/engine/parallel_sampling.py``), not the row seed the record names, and its prefix cache serves
 the shared prompt once either way.
 
-Any engine argument of the pinned release (``vllm_fields``, its ``EngineArgs`` CLI flags) passes
+Any engine argument of the pinned release (``vllm_fields``, its ``AsyncEngineArgs`` CLI flags) passes
 through as an option, as ``--kebab-case`` (a bool as ``--flag``/``--no-flag``, a mapping as JSON),
 except those the driver sets itself (``DRIVER_FIELDS``); one the table below does not decide is keyed.
 The server runs from ``python`` (an interpreter with vLLM: its own env, ``envs/vllm.yaml``, since vLLM
@@ -64,11 +64,11 @@ def installed_engine_args(python: str) -> tuple[str, frozenset[str], frozenset[s
     """(version, engine argument names, speculative methods, SpeculativeConfig fields) of the vLLM that
     ``python`` imports (a few seconds)."""
     code = (
-        "import json, typing, dataclasses, vllm; from vllm.engine.arg_utils import EngineArgs; "
+        "import json, typing, dataclasses, vllm; from vllm.engine.arg_utils import AsyncEngineArgs; "
         "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
         "from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod; "
         "flat = lambda t: [x for a in typing.get_args(t) for x in (flat(a) if typing.get_args(a) else [a])]; "
-        "EngineArgs.add_cli_args(p); "
+        "AsyncEngineArgs.add_cli_args(p); "
         "print(json.dumps([vllm.__version__, sorted(a.dest for a in p._actions if a.option_strings "
         "and a.dest != 'help'), sorted(flat(SpeculativeMethod)), "
         "sorted(f.name for f in dataclasses.fields(SpeculativeConfig) if f.init)]))"
@@ -87,8 +87,8 @@ def render_fields_module(
         return [f"{title} = frozenset(", "    {", *(f'        "{v}",' for v in sorted(values)), "    }", ")"]
 
     lines = [
-        f'"""Engine arguments of vLLM {version} (its EngineArgs CLI flags), its speculative methods and its',
-        "SpeculativeConfig fields: generated from the installed package, do not edit.",
+        f'"""Engine arguments of vLLM {version} (its AsyncEngineArgs CLI flags, which its server reads), its',
+        "speculative methods and its SpeculativeConfig fields: generated from the installed package, do not edit.",
         "",
         "Regenerate after changing VLLM_VERSION (tests/test_vllm_contract.py says when):",
         "    python -c 'from dflash_build.engines.backends import vllm; vllm.write_fields_module(PYTHON)'",
@@ -280,6 +280,7 @@ BACKEND = Backend(
         "num_gpu_blocks_override": Option(None, SPEED),
         "max_logprobs": Option(None, "how many logprobs a request may ask for; the driver asks for none"),
         "disable_log_stats": Option(None, "logging only"),
+        "enable_log_requests": Option(None, "logging only"),
         "log_level": Option(None, "logging only"),
         "trust_remote_code": Option(None, "the remote code itself is fingerprinted with the model (*.py)"),
         "download_dir": Option(None, "where files go"),
