@@ -27,8 +27,9 @@ against rows in flight, and the wall time against the uninterrupted build.
 
     python bench/soak.py [--faults 100] [--seed 0] [--engine transformers|vllm]
 
-writes bench/results/soak.json. ``tests/test_soak.py`` runs a short schedule in the workflow tier, and
-runs it again with a planted defect (a journal that loses its last row) to show that it fails.
+writes bench/results/soak.json (soak-vllm.json with ``--engine vllm``). ``tests/test_soak.py`` runs a short
+schedule in the workflow tier, and runs it again with a planted defect (a journal that loses its last row)
+to show that it fails.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -53,13 +53,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import soak_state as reads  # noqa: E402
+from bench.soak_state import InvariantBroken  # noqa: E402
 from dflash_build.engines import host as engine_host  # noqa: E402
 from dflash_build.killpoints import KILL_AT_ENV  # noqa: E402
-from dflash_build.store import filesystem, layout  # noqa: E402
-from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal  # noqa: E402
-from tests.conftest import lock_free  # noqa: E402
+from dflash_build.store import filesystem  # noqa: E402
+from dflash_build.store.journal import ROWS_FILE  # noqa: E402
 
-RESULTS = REPO / "bench" / "results" / "soak.json"
+RESULTS = REPO / "bench" / "results"  # soak.json, or soak-vllm.json for --engine vllm
 FAULTS = (
     "kill-snakemake",
     "kill-job",
@@ -73,13 +74,8 @@ FAULTS = (
 # the faults that stop a job with rows in its journal (they strike once it has some): the next run resumes
 LEAVES_A_JOURNAL = frozenset({"kill-job", "term-build"})
 IDLE_TIMEOUT = 3.0
+HEALS_WITHIN = 3  # runs in a row that fail on their own, with no fault: the build does not heal
 STALL_TIMEOUT = 2.0
-_HOLDER = re.compile(r"pid (\d+) on ")
-_ANSWERED = re.compile(r"answered (\d+) requests")
-
-
-class InvariantBroken(AssertionError):
-    """What the soak found: an invariant that does not hold after the faults and their recoveries."""
 
 
 @dataclasses.dataclass
@@ -138,6 +134,7 @@ class Soak:
                 "enforce_eager": True,
                 "cpu_kvcache_space": 1,
                 "python": self.vllm_python,
+                "enable_log_requests": True,  # what the soak counts: the requests each server took
             }
         else:
             options = {"device": "cpu", "batch_size": 2, "threads": 1}  # a shard's rows come back 2 at a time
@@ -213,8 +210,8 @@ class Soak:
         wall = time.monotonic() - start
         if proc.returncode != 0:
             raise RuntimeError(f"the uninterrupted build failed:\n{proc.stderr[-4000:]}")
-        _wait_engines_gone(self.locks)
-        return dataset_files(workdir), wall
+        reads.wait_engines_gone(self.locks)
+        return reads.dataset_files(workdir), wall
 
     def run(self) -> dict[str, Any]:
         """The schedule and its recoveries, the final build, and the uninterrupted build of the same config;
@@ -227,7 +224,7 @@ class Soak:
         start = time.monotonic()
         with self._store() as store:
             (self.workdir / "config.yaml").write_text(json.dumps(self.config(str(store))))
-            runs = 0
+            runs = failed_alone = 0
             while schedule:
                 fault = Fault(schedule[0], runs, rng.uniform(0.5, self.max_delay_s))
                 fault.build_rc = self._run_with(fault, store)
@@ -235,17 +232,23 @@ class Soak:
                 self.log.append(fault)
                 if fault.injected:
                     schedule.pop(0)
+                failed_alone = 0 if fault.injected or fault.build_rc == 0 else failed_alone + 1
+                if failed_alone == HEALS_WITHIN:
+                    raise InvariantBroken(
+                        f"the build does not heal: {HEALS_WITHIN} runs in a row failed before their fault struck;"
+                        f" the last said:\n{reads.errors(self.workdir / f'run-{fault.run:03d}.log')}"
+                    )
                 if fault.build_rc == 0:  # built (it healed, or ended before the fault): a new build, a new seed
                     generation += 1
                     (self.workdir / "config.yaml").write_text(json.dumps(self.config(str(store), generation)))
-                for shard, rows in _journaled(store).items():
+                for shard, rows in reads.journaled(store).items():
                     journaled[shard] = max(journaled.get(shard, 0), rows)
                 self.snakemake(self.workdir, "--unlock")
             final = self.snakemake(self.workdir, "--rerun-incomplete")
             wall = time.monotonic() - start
             if final.returncode != 0:
                 raise InvariantBroken(f"the build did not finish after the faults:\n{final.stderr[-4000:]}")
-            _wait_engines_gone(self.locks)
+            reads.wait_engines_gone(self.locks)
             expected, reference_wall = self.reference(generation)
             needed = (generation + 1) * self.sources * self.prompts  # one sample a prompt, one turn
             figures = self.check(store, expected, needed, journaled)
@@ -304,7 +307,7 @@ class Soak:
             while proc.poll() is None and not self._ready(fault, store) and time.monotonic() < deadline:
                 time.sleep(0.1)
             if proc.poll() is None:
-                fault.in_flight = _in_flight(store, self.shard_size)
+                fault.in_flight = reads.in_flight(store, self.shard_size)
                 filler = self._strike(fault, proc, store)
             if fault.kind == "full-disk" and filler is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -318,19 +321,19 @@ class Soak:
             out.close()
             if filler is not None:
                 filler.unlink(missing_ok=True)
-            _wait_session_gone(proc.pid)
-            _continue_stopped(self.locks)
+            reads.wait_session_gone(proc.pid)
+            reads.continue_stopped(self.locks)
         return rc
 
     def _ready(self, fault: Fault, store: Path) -> bool:
         """Whether the build is where ``fault`` matters: a job has journaled rows (a job's kill, SIGTERM),
         a job holds a shard (Snakemake's kill) and an engine serves it (an engine's faults)."""
         if fault.kind in LEAVES_A_JOURNAL:
-            return any(_journaled(store).values())
+            return any(reads.journaled(store).values())
         if fault.kind == "kill-snakemake":
-            return bool(_generate_jobs(store))
+            return bool(reads.generate_jobs(store))
         if fault.kind in ("kill-host", "kill-server", "stop-server"):
-            return bool(_generate_jobs(store)) and any(
+            return bool(reads.generate_jobs(store)) and any(
                 engine_host.alive(s["server_pid"]) for s in engine_host.running(self.locks)
             )
         return True
@@ -343,7 +346,7 @@ class Soak:
         elif fault.kind == "term-build":
             os.killpg(proc.pid, signal.SIGTERM)
         elif fault.kind == "kill-job":
-            jobs = _generate_jobs(store)
+            jobs = reads.generate_jobs(store)
             if not jobs:
                 fault.note = "no generate job held a shard"
                 return None
@@ -365,7 +368,7 @@ class Soak:
             try:
                 f = open(filler, "wb")  # noqa: SIM115 (closed below)
             except OSError as e:
-                raise RuntimeError(f"the store was full before the filler ({e}): {_largest(store)}") from e
+                raise RuntimeError(f"the store was full before the filler ({e}): {reads.largest(store)}") from e
             with f, contextlib.suppress(OSError):
                 f.write(b"\0" * max(0, free - 4096))
             fault.injected = True
@@ -378,7 +381,7 @@ class Soak:
         self, store: Path, expected: list[tuple[str, str]], needed: int, journaled: dict[str, int]
     ) -> dict[str, Any]:
         problems = []
-        got = dataset_files(self.workdir)
+        got = reads.dataset_files(self.workdir)
         lost = len(set(expected) - set(got))
         if got != expected:
             problems.append(f"the dataset differs from the uninterrupted build's ({lost} of its files)")
@@ -395,7 +398,7 @@ class Soak:
                 )
         if again:
             problems.append("finished rows were generated again: " + "; ".join(sorted(again)[:5]))
-        answered = _answered(self.workdir / "logs")
+        answered = reads.answered(self.workdir / "logs")
         in_flight = sum(f.in_flight for f in self.log if f.injected)
         if answered is not None and answered > needed + in_flight:
             problems.append(
@@ -418,7 +421,7 @@ class Soak:
             )
         if status.returncode != 0 or not json.loads(status.stdout)["done"]:
             problems.append("status does not say done")
-        held = _wait_engines_gone(self.locks)
+        held = reads.wait_engines_gone(self.locks)
         if held:
             problems.append(f"after the idle timeout: {held}")
         kinds = Counter(f.kind for f in self.log if f.injected)
@@ -436,98 +439,6 @@ class Soak:
         if problems:
             raise InvariantBroken("the soak broke an invariant:\n  - " + "\n  - ".join(problems) + f"\n{figures}")
         return figures
-
-
-# -- what the soak reads from the build -------------------------------------------------------------------
-def dataset_files(workdir: Path) -> list[tuple[str, str]]:
-    manifest = workdir / "dist" / "soak" / layout.MANIFEST
-    if not manifest.exists():
-        return []
-    return [(f["path"], f["sha256"]) for f in json.loads(manifest.read_text())["files"]]
-
-
-def _journaled(store: Path) -> dict[str, int]:
-    """Rows each unpublished shard's journal holds now (every process of the run is gone: durable)."""
-    out = {}
-    for rows_file in store.glob(f"journal/*/*/{ROWS_FILE}"):
-        rows = Journal.read(rows_file)
-        out[f"{rows_file.parent.parent.name}/{rows_file.parent.name}"] = len(
-            {(r["prompt_id"], r["sample_idx"]) for r in rows if r.get("turn") == 0}
-        )
-    return out
-
-
-def _generate_jobs(store: Path) -> list[int]:
-    """The pids of the generate jobs holding a shard now (their journal lock says who holds it)."""
-    pids = []
-    for lock in store.glob(f"journal/*/*/{LOCK_FILE}"):
-        with contextlib.suppress(OSError):
-            match = _HOLDER.search(lock.read_text())
-            if match and engine_host.alive(int(match.group(1))):
-                pids.append(int(match.group(1)))
-    return pids
-
-
-def _in_flight(store: Path, shard_rows: int) -> int:
-    """Rows the shards being generated now have not journaled (``shard_rows`` each): what a fault now can
-    cost at most."""
-    total = 0
-    for lock in store.glob(f"journal/*/*/{LOCK_FILE}"):
-        with contextlib.suppress(OSError):
-            match = _HOLDER.search(lock.read_text())
-            if match and engine_host.alive(int(match.group(1))):
-                total += max(0, shard_rows - len(Journal.read(lock.parent / ROWS_FILE)))
-    return total
-
-
-def _answered(logs: Path) -> int | None:
-    """Rows the engines answered in all, from their logs (our transformers server counts each batch);
-    None for an engine that does not count (vLLM)."""
-    found = [int(m.group(1)) for p in (logs / "engines").glob("*.log") for m in _ANSWERED.finditer(p.read_text())]
-    return sum(found) if found else None
-
-
-def _wait_session_gone(session: int, seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = False
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                alive = alive or (fields[0] != "Z" and int(fields[3]) == session)
-        if not alive:
-            return
-        time.sleep(0.2)
-    raise InvariantBroken(f"the processes of a build (session {session}) still run {seconds:.0f}s after it ended")
-
-
-def _continue_stopped(locks: Path) -> None:
-    """A server stopped (SIGSTOP) that the build ended before replacing: its host stops it once idle, and
-    SIGTERM reaches a stopped process only once it is continued."""
-    for state in engine_host.running(locks):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state["server_pid"], signal.SIGCONT)
-
-
-def _wait_engines_gone(locks: Path, seconds: float = 60) -> list[str]:
-    """Once the idle timeout passed: the engines still running or GPU locks still held (empty: none)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        _continue_stopped(locks)
-        running = [
-            s for s in engine_host.running(locks) if engine_host.alive(s["pid"]) or engine_host.alive(s["server_pid"])
-        ]
-        held = [p.name for p in locks.glob("gpu-*.lock") if not lock_free(p)]
-        # what a server started (vLLM's engine core) and left behind when it or its host was killed
-        left = {slot: pids for slot in engine_host.host_slots(locks) if (pids := engine_host.leftovers(locks, slot))}
-        if not running and not held and not left:
-            return []
-        time.sleep(0.5)
-    return (
-        [f"engine {s['slot']} (pid {s['pid']}) still running" for s in running]
-        + [f"{h} held" for h in held]
-        + [f"processes a server of {slot} left: {pids}" for slot, pids in left.items()]
-    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -553,15 +464,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             root, model, args.seed, args.faults, prompts=args.prompts, engine=args.engine, vllm_python=vllm_python
         )
         figures = soak.run()
-    RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
+    name = "soak.json" if args.engine == "transformers" else f"soak-{args.engine}.json"
+    (RESULTS / name).write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps({k: v for k, v in figures.items() if k != "faults"}, indent=2))
     return figures
-
-
-def _largest(store: Path, count: int = 8) -> str:
-    """The store's largest files, for a store that filled up by itself."""
-    files = sorted((p for p in store.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size, reverse=True)
-    return ", ".join(f"{p.relative_to(store)} ({p.stat().st_size} B)" for p in files[:count])
 
 
 def _tokenizer(root: Path) -> Path:
