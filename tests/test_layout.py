@@ -7,6 +7,7 @@ import ast
 import itertools
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 from dflash_build.store import layout
@@ -307,3 +308,27 @@ def test_the_design_of_record_names_every_extension_point_by_the_module_that_own
         assert owner in section and (REPO / owner).is_dir(), owner
     assert "store/layout.TABLE" in section and "_PATHS" in section
     assert registry.BACKENDS and inputs.FORMATS and formats.FORMATS
+
+
+def _literals(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def test_no_layer_names_a_backend_or_compares_an_exports_name() -> None:
+    """keys.py names no backend (each backend's descriptor decides its options), and no module outside the
+    exports compares a value with an export's name (each export's descriptor says what it needs)."""
+    from dflash_build.engines import registry
+    from dflash_build.stages.export import formats
+
+    keys = ast.parse((PACKAGE / "keys.py").read_text())
+    assert not [v for _, v in _literals(keys) if v in registry.BACKENDS], "keys.py names a backend"
+    compared = []
+    for path in PACKAGE.rglob("*.py"):
+        if "stages/export" in path.as_posix():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                compared += [(path.name, n, v) for n, v in _literals(node) if v in formats.FORMATS]
+    assert not compared, compared
