@@ -16,7 +16,6 @@ from dflash_build.store import layout, records
 from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal
 from tests.conftest import lock_free
 
-_ASKED_AGAIN = (records.FINISH_ERROR, records.FINISH_ABORT)  # journaled without an answer: asked again
 _HOLDER = re.compile(r"pid (\d+) on ")
 _ANSWERED = re.compile(r"answered (\d+) requests")  # our transformers server, a line per batch
 # vLLM (enable_log_requests): each request it took, and each it gave up on (its client gone, refused)
@@ -44,7 +43,7 @@ def journaled(store: Path) -> dict[str, int]:
         answered = {
             (r["prompt_id"], r["sample_idx"])
             for r in rows
-            if r.get("turn") == 0 and r.get("finish_reason") not in _ASKED_AGAIN
+            if r.get("turn") == 0 and r.get("finish_reason") not in records.NO_ANSWER
         }
         out[f"{rows_file.parent.parent.name}/{rows_file.parent.name}"] = len(answered)
     return out
@@ -94,12 +93,7 @@ def answered(logs: Path) -> int | None:
 def wait_session_gone(session: int, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        alive = False
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                alive = alive or (fields[0] != "Z" and int(fields[3]) == session)
-        if not alive:
+        if not engine_host.processes(session=session):
             return
         time.sleep(0.2)
     raise InvariantBroken(f"the processes of a build (session {session}) still run {seconds:.0f}s after it ended")

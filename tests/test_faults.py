@@ -99,25 +99,11 @@ def finished_rows(store: Path) -> dict[tuple[str, str], tuple[int, bool]]:
     return out
 
 
-def session_processes(session: int) -> set[int]:
-    """The live processes of a session (from /proc): a build started in its own session is Snakemake,
-    its jobs, and whatever of them outlived Snakemake; not an engine host, which starts its own."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == session:
-            found.add(int(stat.parent.name))
-    return found
-
-
 def wait_session_gone(session: int) -> None:
     """Until the jobs a killed Snakemake left finish what they were doing, as after a real scheduler crash."""
-    wait_until(
-        lambda: not session_processes(session), 120, f"the jobs of the killed build (session {session}) finished"
-    )
+    # a build started in its own session is Snakemake and its jobs (an engine host starts a session of its own)
+    finished = f"the jobs of the killed build (session {session}) finished"
+    wait_until(lambda: not engine_host.processes(session=session), 120, finished)
 
 
 def recover(wf: Workflow, *args: str, cores: int = 2) -> subprocess.CompletedProcess[str]:

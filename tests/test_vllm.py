@@ -6,7 +6,6 @@ GPU (``engine.shared``); the fault tests run servers of their own and kill, stop
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -195,24 +194,13 @@ def test_a_server_killed_or_stopped_mid_shard_is_replaced_and_the_dataset_is_the
     assert stats["generated"] == 12 and stats["ok"] + stats["truncated"] == 12, "each row journaled once"
     history = engine_history(wf.workdir / "logs")
     assert [h["reason"] for h in history][:1] == ["server exited (-9)" if fault == "kill" else "stalled"], history
-    assert not _group(faulted["group"]), "the server's engine core and worker went with it"
+    assert not engine_host.processes(group=faulted["group"]), "the server's engine core and worker went with it"
     lost = stats["engine"]["served"]["lost"]
     assert len(lost) == 1 and lost[0]["stalled"] is (fault == "stop")
     if fault == "stop":
         line = next(x for x in job_logs(wf).splitlines() if "leaves the pool (stalled" in x)
         named = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
         assert named - faulted["at"] <= openai_backend.stall_verdict_seconds(6) + 1.5, line
-
-
-def _group(pgid: int) -> list[int]:
-    """The live processes of a process group."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(stat.parent.name))
-    return members
 
 
 def _prompt_ids(store: Path) -> set[str]:

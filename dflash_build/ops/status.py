@@ -34,7 +34,6 @@ from dflash_build.store import records as R
 from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal
 
 WINDOW_SECONDS = 600.0
-FAILED = frozenset({R.FINISH_ERROR, R.FINISH_ABORT})
 _HOLDER = re.compile(r"pid (\d+) on (\S+), working directory .*, since (.+)$")
 
 
@@ -186,7 +185,7 @@ def _journaled(
         finished[(row["prompt_id"], row["sample_idx"])] = row
         recent.add_row(row.get("at"), len(row.get("output_ids") or []))
     source.rows_done += len(finished)
-    source.failed += sum(r["finish_reason"] in FAILED for r in finished.values())
+    source.failed += sum(r["finish_reason"] in R.NO_ANSWER for r in finished.values())
     source.skipped += sum(r["finish_reason"] == R.FINISH_SKIPPED for r in finished.values())
     source.truncated += sum(r["finish_reason"] == R.FINISH_LENGTH for r in finished.values())
     holder = _holder(folder / LOCK_FILE)

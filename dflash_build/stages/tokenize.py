@@ -35,7 +35,7 @@ DROP_OUTSIDE_WINDOW = R.STAT_OUTSIDE_WINDOW  # skipped: the trainer's window lef
 
 def _dropped(reason: str, truncated_policy: str, error: str | None = None) -> str | None:
     """Why an answer that ended with ``reason`` is no sample, or None when it is one."""
-    if reason in (R.FINISH_ERROR, R.FINISH_ABORT):
+    if reason in R.NO_ANSWER:
         return DROP_ENGINE_ERROR
     if reason == R.FINISH_SKIPPED:  # a selection (the window, another source's copy) names itself
         return R.selection_of(reason, error) or DROP_SKIPPED

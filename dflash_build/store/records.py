@@ -90,6 +90,7 @@ FINISH_ERROR = "error"
 FINISH_SKIPPED = "skipped"  # never sent: the prompt does not fit the context with max_new_tokens
 FINISH_WINDOW = "window"  # ended at the trainer's window (trainer.max_length): a complete training sample
 RAN_OUT = (FINISH_LENGTH, FINISH_WINDOW)  # an answer cut by its budget
+NO_ANSWER = (FINISH_ERROR, FINISH_ABORT)  # the engine refused or dropped the request: nothing to keep or resume
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_WINDOW, FINISH_ABORT, FINISH_ERROR, FINISH_SKIPPED)
 
 # Stats sidecar names.

@@ -58,6 +58,7 @@ from dflash_build.engines.host.served import open_engine as open_engine
 from dflash_build.engines.host.slots import alive as alive
 from dflash_build.engines.host.slots import host_slots as host_slots
 from dflash_build.engines.host.slots import leftovers as leftovers
+from dflash_build.engines.host.slots import processes as processes
 from dflash_build.engines.host.slots import read_state as read_state
 from dflash_build.engines.host.slots import running, stop_idle
 from dflash_build.engines.host.slots import state_path as state_path

@@ -139,11 +139,17 @@ def leftovers(lock_dir: Path | str, slot: str) -> list[int]:
         group, session = int(record["group"]), int(record["session"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
+    return processes(group=group, session=session)
+
+
+def processes(group: int | None = None, session: int | None = None) -> list[int]:
+    """The live (not zombie) processes in process group ``group`` and session ``session`` (either left
+    out: any), from /proc/PID/stat."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and (int(fields[2]), int(fields[3])) == (group, session):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold ")"
+            if fields[0] != "Z" and group in (None, int(fields[2])) and session in (None, int(fields[3])):
                 found.append(int(stat.parent.name))
     return found
 

@@ -222,7 +222,7 @@ def replay(work: ShardWork, journal: Journal) -> int:
         if conv.finish_reason is not None:
             skipped += 1
             continue
-        if row["finish_reason"] in (R.FINISH_ERROR, R.FINISH_ABORT):
+        if row["finish_reason"] in R.NO_ANSWER:
             failed += 1
             continue
         turn = work.apply(conv, work.renderer.next_context(conv), result_of(row))
