@@ -33,6 +33,7 @@ from typing import Any
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
+from dflash_build.engines import registry
 from dflash_build.ops import estimate, explain, gc, registrations, standing, status, verify
 from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
@@ -46,6 +47,7 @@ def _plan(args: argparse.Namespace) -> plan_mod.Plan:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(args)
+    registry.check_environment(plan.config.engine)
     estimates, disk, mix_forecast = estimate.estimate_with_disk(plan, args.tokens_per_second)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=2))

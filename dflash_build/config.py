@@ -21,6 +21,7 @@ from dflash_build import configfile, inputs, language
 from dflash_build.spec import (
     SAMPLING_FIELDS,
     AcceptSpec,
+    Calibration,
     Checks,
     Config,
     ConfigError,
@@ -301,6 +302,9 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
         max_new_tokens=int(accept["max_new_tokens"]),
         engine_options=dict(accept["engine_options"]),
         weakest=int(accept["weakest"]),
+        calibration=Calibration(
+            **{f.name: int(accept["calibration"][f.name]) for f in dataclasses.fields(Calibration)}
+        ),
     )
 
 
@@ -398,10 +402,28 @@ def _check_dataset_dir(config: Config) -> None:
             )
 
 
+def _to_fill_in(raw: Mapping[str, Any]) -> list[str]:
+    """Every hub dataset without a pinned commit (a placeholder such as PIN-A-COMMIT), by config key."""
+    hubs = [(f"sources.{n}.hf", s.get("hf")) for n, s in raw["sources"].items()]
+    references = (raw.get("decontaminate") or {}).get("references") or {}
+    hubs += [(f"decontaminate.references.{n}.hf", r.get("hf")) for n, r in references.items()]
+    return [
+        f"{key}.revision ({hf.get('path')}: {hf.get('revision')!r})"
+        for key, hf in hubs
+        if hf is not None and not os.path.isdir(hf["path"]) and not _COMMIT.fullmatch(hf.get("revision") or "")
+    ]
+
+
 def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build the typed config from a schema-validated dict with its defaults filled (:func:`validate`):
     every default is the schema's, written nowhere else."""
     _finite(raw, "")
+    if len(unpinned := _to_fill_in(raw)) > 1:  # all at once: pinning them one error at a time is N runs
+        raise ConfigError(
+            unpinned[0].split(" ")[0],
+            f"{len(unpinned)} hub datasets need a pinned revision (a 40-hex-digit commit; content behind a branch "
+            f"can change under the same key): {', '.join(unpinned)}",
+        )
     mix = raw["mix"]
     # Shares are weights: 46/26/11/9/7 sums to 99 and means exactly what it says.
     weights = {str(k): float(v) for k, v in mix["categories"].items()}

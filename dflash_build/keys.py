@@ -8,7 +8,8 @@ decision here, so a new field cannot be added without one. Engine options are de
 own descriptor (:mod:`dflash_build.engines.registry`, an ``Option`` per name), which the same test walks.
 
 A decision names the first key the field enters; every key downstream follows (prompt_key is part of
-gen_key, gen_key of tok_key). ``None``: in no key (recorded in the stats sidecars where it matters).
+gen_key, gen_key of tok_key; both, less :data:`NOT_IN_EVAL_KEY`, of the eval split's eval_key). ``None``:
+in no key (recorded in the stats sidecars where it matters).
 """
 
 from __future__ import annotations
@@ -40,9 +41,16 @@ SAMPLING_NOT_IN_REUSE_KEY = ("max_new_tokens", "samples_per_prompt")
 # seed) and its budget: the model, the engine options that change the numbers, and the sampling (the
 # base seed included, from which every row's seed derives).
 REQUEST_COMPONENTS = ("model", "engine", "sampling")
+# The eval split's key (config key `eval`): what its rows ask an engine for. Each source's gen components
+# enter it, less these, which change how a build generates or which rows it keeps but never a held-out
+# prompt's render or sampling: the split is rendered from the held-out prompts with the template at each
+# answer slot, under the source's sampling, whatever the engine's numerics (accept_key has those), the
+# window, the parser, the turn_samples policy or the copies another source keeps.
+EVAL = "eval_key"
+NOT_IN_EVAL_KEY = ("engine", "trainer_window", "context_length", TOOL_CALLS, "turn_samples", CROSS_SOURCE)
 
 
-def _sampling_without_budgets(components: Mapping[str, Any]) -> dict[str, Any]:
+def sampling_without_budgets(components: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in components["sampling"].items() if k not in SAMPLING_NOT_IN_REUSE_KEY}
 
 
@@ -57,7 +65,7 @@ def reuse_key(gen_components: Mapping[str, Any], conversations: bool = False) ->
     ``conversations``: the key of ``turns: all`` rows, which are reused turn by turn from the first
     while each turn's request is the same (its prompt on the history, its seed, its budget)."""
     parts = {k: gen_components[k] for k in REQUEST_COMPONENTS}
-    parts["sampling"] = _sampling_without_budgets(gen_components)
+    parts["sampling"] = sampling_without_budgets(gen_components)
     return hashing.content_key({"conversations": parts} if conversations else parts)
 
 
@@ -66,7 +74,7 @@ def generation_key(gen_components: Mapping[str, Any]) -> str:
     the same settings (template, template kwargs, scheme, turns policy); one reused across two of them
     is counted apart (a template, prepare or scheme change that left its request as it was)."""
     parts = {k: v for k, v in gen_components.items() if k not in NOT_IN_GENERATION_KEY}
-    parts["sampling"] = _sampling_without_budgets(gen_components)
+    parts["sampling"] = sampling_without_budgets(gen_components)
     return hashing.content_key(parts)
 
 
@@ -180,11 +188,12 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "decontaminate.references": _d(PROMPT, "by content, like sources: file digests or hub id and pinned commit"),
     "eval.share": _d(PROMPT, "which prompts are held out of training (by prompt id): every source's prompts"),
     "eval.cap": _d(PROMPT, "which prompts are held out of training (by prompt id): every source's prompts"),
-    "eval.benchmarks": _d(None, "only the eval split's folder: the params trigger reruns it"),
+    "eval.benchmarks": _d(EVAL, "which reference sets the eval split renders (by content, as decontaminate's)"),
     "accept.drafters": _d(None, _ACCEPT),
     "accept.max_new_tokens": _d(None, _ACCEPT),
     "accept.engine_options": _d(None, _ACCEPT),
     "accept.weakest": _d(None, _ACCEPT),
+    "accept.calibration": _d(None, "only the calibration's own measurement, keyed by it (stages.accept)"),
     "checks.max_drop_fraction": _d(None, _CHECK),
     "checks.max_failed_fraction": _d(None, _CHECK),
     "checks.share_tolerance": _d(None, _CHECK),

@@ -23,7 +23,14 @@ from dflash_build import hashing, keys, lsh, readers
 from dflash_build.engines import registry
 from dflash_build.spec import LOCAL_SUFFIXES, TOOL_TURNS, Config, ConfigError, HubSpec, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
-from dflash_build.versions import GEN_VERSION, LANGUAGE_VERSION, PREP_VERSION, TOK_VERSION, WORDS_VERSION
+from dflash_build.versions import (
+    EVAL_VERSION,
+    GEN_VERSION,
+    LANGUAGE_VERSION,
+    PREP_VERSION,
+    TOK_VERSION,
+    WORDS_VERSION,
+)
 
 TOKENIZER_FILES = frozenset(
     {
@@ -109,6 +116,40 @@ class Plan:
     sources: dict[str, SourcePlan]
     reference_files: dict[str, tuple[Path, ...]] = field(default_factory=dict)  # decontaminate's local files
     drafter_fingerprints: dict[str, str] = field(default_factory=dict)  # accept: each drafter's files, by name
+
+    @functools.cached_property
+    def eval_components(self) -> dict[str, Any] | None:
+        """What the eval split asks an engine for (None without `eval`): each source's gen components
+        less :data:`keys.NOT_IN_EVAL_KEY` (its held-out prompts by prompt key, the model, the template and
+        its kwargs, the sampling without its budgets: accept asks for its own), and each benchmark's
+        reference set by content with the config's kwargs and sampling, which its rows are rendered and
+        sampled under."""
+        cfg = self.config
+        if not cfg.held_out:
+            return None
+        sources = {
+            name: {
+                **{k: v for k, v in sp.gen_components.items() if k not in keys.NOT_IN_EVAL_KEY},
+                "sampling": keys.sampling_without_budgets(sp.gen_components),  # accept has its own budget
+            }
+            for name, sp in sorted(self.sources.items())
+        }
+        references = next(iter(self.sources.values())).prompt_components.get("decontaminate", {}).get("references", {})
+        benchmarks = {name: references.get(name) for name in cfg.eval_benchmarks}
+        if benchmarks:
+            benchmarks = {
+                "sets": benchmarks,
+                "model": self.model_fingerprint["digest"],
+                "template": self.template_fingerprint["digest"],
+                "chat_template_kwargs": dict(cfg.model.chat_template_kwargs),
+                "sampling": keys.sampling_without_budgets({"sampling": cfg.sampling.as_dict()}),
+            }
+        return {"scheme": EVAL_VERSION, "sources": sources, **keys.unless_default({"benchmarks": (benchmarks, {})})}
+
+    @functools.cached_property
+    def eval_key(self) -> str | None:
+        """The eval split's key: its rule's params, so Snakemake renders it again when it changes."""
+        return None if self.eval_components is None else hashing.content_key(self.eval_components)
 
     # This plan's store paths (from layout, which owns them).
     def stage_dir(self, stage: layout.Stage, source: str) -> Path:
@@ -488,7 +529,35 @@ def fingerprint_drafters(config: Config, cache: fingerprints.FingerprintCache) -
         if not files:
             raise ConfigError(f"accept.drafters.{name}.path", f"'{root}' holds no model files (weights, config.json)")
         digests[name] = hashing.digest(cache.files(files, root if root.is_dir() else root.parent))
+        _check_vocabulary(config, name, drafter.method, root)
     return digests
+
+
+def vocabulary_size(path: Path) -> int | None:
+    """A checkpoint folder's vocabulary size, as its config.json states it (a multimodal model's text
+    config's); None where it states none."""
+    try:
+        conf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = conf.get("vocab_size", (conf.get("text_config") or {}).get("vocab_size"))
+    return int(size) if isinstance(size, int) else None
+
+
+def _check_vocabulary(config: Config, name: str, method: str, drafter: Path) -> None:
+    """A drafter its engine's method needs on the target's vocabulary, checked as the engine checks it when
+    its server starts (before any server, in one line)."""
+    speculative = registry.get(config.engine.backend).speculative
+    if speculative is None or method.upper() not in {m.upper() for m in speculative.same_vocabulary}:
+        return
+    target, own = vocabulary_size(Path(config.model.path)), vocabulary_size(drafter)
+    if target is not None and own is not None and target != own:
+        raise ConfigError(
+            f"accept.drafters.{name}.path",
+            f"'{drafter}' has a vocabulary of {own} tokens and the target {config.model.path} one of {target}: "
+            f"the {method} method drafts in the target's vocabulary (the engine refuses it); use a drafter "
+            "trained with the target's tokenizer",
+        )
 
 
 def _prepared(

@@ -29,15 +29,40 @@ _MASK_ALL = "masked.update(self.bfs(self.depending, job))"
 _MASK_FRESH = "masked.update(await _downstream_through_fresh_inputs(self, job))"
 
 
-def apply() -> None:
-    """Every change below, once per process (the Snakefile calls this at parse time)."""
-    import snakemake.api  # noqa: F401 (Snakemake's modules in the order its own entry point loads them)
+# The Snakemake releases these changes were written for and tested on (pyproject.toml pins the same range).
+TESTED = ("9.27.1",)
+# Set to 1, a build runs on a Snakemake whose code a fix does not find, without that fix (docs/snakemake.md
+# says what each one's absence costs).
+UNFIXED_ENV = "DFLASH_BUILD_SNAKEMAKE_UNFIXED"
 
-    fix_list_params_changes()
-    fix_needrun_behind_ancient_inputs()
-    record_order_only_inputs_apart()
-    quiet_restore_without_backup()
-    fix_sigterm_during_job_selection()
+
+def apply() -> list[str]:
+    """Every change below, once per process (the Snakefile calls this at parse time). A Snakemake outside
+    :data:`TESTED`, or one whose code a change does not find, stops the run in one line naming the version
+    and the changes, unless :data:`UNFIXED_ENV` is 1. Returns the changes that did not apply."""
+    import os
+    import sys
+
+    import snakemake
+    import snakemake.api
+
+    missed = []
+    for fix in FIXES:
+        try:
+            applied = fix() is not False
+        except (ImportError, AttributeError, OSError, TypeError):  # its target moved or went
+            applied = False
+        if not applied:
+            missed.append(fix.__name__)
+    version = getattr(snakemake, "__version__", "?")
+    if (missed or version not in TESTED) and os.environ.get(UNFIXED_ENV) != "1":
+        what = f"its code is not what {', '.join(missed)} was written for" if missed else "it is not tested"
+        sys.exit(
+            f"dflash-build: Snakemake {version}: {what} (tested: {', '.join(TESTED)}); install "
+            f"snakemake=={TESTED[-1]} (pyproject.toml's range), or set {UNFIXED_ENV}=1 to run without those "
+            "fixes (docs/snakemake.md: what each absence costs)"
+        )
+    return missed
 
 
 def fix_sigterm_during_job_selection() -> bool:
@@ -94,7 +119,7 @@ def quiet_restore_without_backup() -> bool:
     return True
 
 
-def fix_list_params_changes() -> None:
+def fix_list_params_changes() -> bool:
     """Make ``snakemake --list-changes params`` list only outputs whose params changed.
 
     Snakemake 9's ``ParamsChange`` (persistence) iterates its files even when it holds no change, and
@@ -107,6 +132,7 @@ def fix_list_params_changes() -> None:
 
     if list(ParamsChange(files={"probe"})):
         ParamsChange.__iter__ = lambda self: iter(self.files if self else ())  # type: ignore[method-assign]
+    return not list(ParamsChange(files={"probe"}))
 
 
 async def _downstream_through_fresh_inputs(dag: Any, job: Any) -> set[Any]:
@@ -163,7 +189,7 @@ def order_only(path: Any) -> Any:
     return flag(ancient(path), ORDER_ONLY)
 
 
-def record_order_only_inputs_apart() -> None:
+def record_order_only_inputs_apart() -> bool:
     """Leave order-only inputs out of the set of inputs Snakemake records and compares (the ``input``
     rerun trigger), so a rule given one reruns none of the jobs it made before."""
     from snakemake.io import is_flagged
@@ -171,7 +197,7 @@ def record_order_only_inputs_apart() -> None:
 
     recorded = PersistenceBase._input
     if getattr(recorded, "dflash_fixed", False):
-        return
+        return True
 
     def _input(self: Any, job: Any) -> list[str]:
         skipped = {str(f) for f in job.input if is_flagged(f, ORDER_ONLY)}
@@ -179,3 +205,13 @@ def record_order_only_inputs_apart() -> None:
 
     _input.dflash_fixed = True  # type: ignore[attr-defined]
     PersistenceBase._input = _input  # type: ignore[method-assign]
+    return True
+
+
+FIXES = (
+    fix_list_params_changes,
+    fix_needrun_behind_ancient_inputs,
+    record_order_only_inputs_apart,
+    quiet_restore_without_backup,
+    fix_sigterm_during_job_selection,
+)

@@ -315,6 +315,15 @@ class DrafterSpec:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Config key `accept.calibration`: the target drafting for itself on ``rows`` eval rows per sampling."""
+
+    rows: int
+    max_new_tokens: int
+    draft_tokens: int
+
+
+@dataclass(frozen=True)
 class AcceptSpec:
     """Config key `accept` (dflash_build.stages.accept): acceptance per slice of the eval split."""
 
@@ -322,6 +331,7 @@ class AcceptSpec:
     max_new_tokens: int
     engine_options: Mapping[str, Any]  # over engine.options, for the speculative server
     weakest: int
+    calibration: Calibration
 
 
 @dataclass(frozen=True)

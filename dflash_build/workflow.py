@@ -13,16 +13,20 @@ import errno
 import importlib
 import json
 import logging
+import os
+import platform
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dflash_build import config as config_mod
-from dflash_build import engines, keys
+from dflash_build import engines, keys, running
 from dflash_build import plan as plan_mod
+from dflash_build.engines.host.slots import alive
 from dflash_build.publish import release
-from dflash_build.spec import Config, EngineSpec
+from dflash_build.spec import Config, ConfigError, EngineSpec
 from dflash_build.stages.common import job as job_mod
 from dflash_build.stages.common.job import Job, StageFailure
 from dflash_build.store import filesystem, layout
@@ -57,15 +61,17 @@ def logged(log_path: str | Path | None, writing: str | Path | None = None) -> It
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(_LogFile(log_path, mode="w", encoding="utf-8"))
+        # appended: a rerun (a restore after a crash) keeps what the run that generated the shard wrote
+        handlers.append(_LogFile(log_path, mode="a", encoding="utf-8"))
     for h in handlers:
         h.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(h)
     previous = root.level
     root.setLevel(logging.INFO)
+    root.info("---- a run of this job (pid %d) ----", os.getpid())
     try:
         yield
-    except StageFailure as e:  # its message is the whole story
+    except (StageFailure, engines.EngineDied) as e:  # its message is the whole story
         root.error("%s", e)
         raise SystemExit(1) from None
     except Exception as e:
@@ -140,6 +146,69 @@ def or_exit(step: Callable[..., object], *args: Any) -> None:
         if (env := filesystem.fault(e)) is None:
             raise
         sys.exit(f"dflash-build: {env}")
+
+
+T = TypeVar("T")
+
+
+def parsed(step: Callable[..., T], *args: Any) -> T:
+    """A parse-time step that reads the config (validate, build, plan): a config error ends the run in the
+    one line that names the key, as `dflash-build plan` prints it, without Snakemake's frames."""
+    try:
+        return step(*args)
+    except ConfigError as e:
+        sys.exit(f"dflash-build: {e}")
+
+
+_RUN_LOCK: list[Any] = []  # this process's hold on the working directory's run lock, for its whole life
+
+
+RUN_LOCK = ".snakemake/dflash-build.lock"  # held by the live run of a working directory, naming it
+
+
+def build_running(workdir: Path) -> dict[str, Any] | None:
+    """The live run of this working directory's workflow (pid, host, since), or None: none is alive."""
+    try:
+        record = json.loads((workdir / RUN_LOCK).read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("host") == platform.node() and not alive(int(record.get("pid", 0))):
+        return None
+    return record
+
+
+def release_stale_locks(workdir: Path) -> list[Path]:
+    """After a killed Snakemake, its locks (``.snakemake/locks``) outlive it and the next plain run stops on
+    them. Each run of this workflow holds an flock on ``.snakemake/dflash-build.lock`` while it lives (the
+    kernel drops it with the process, kill -9 too): a run that gets it is the only one alive, so the locks
+    it finds are a dead run's and go, with a line that says so. A run that does not get it leaves them
+    to Snakemake, which refuses to run beside a live one. Returns the locks removed."""
+    import fcntl
+
+    folder = workdir / ".snakemake"
+    folder.mkdir(exist_ok=True)
+    handle = open(workdir / RUN_LOCK, "a+")  # noqa: SIM115 (held for the process's life)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return []
+    _RUN_LOCK.append(handle)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": platform.node(), "since": round(time.time(), 3)}))
+    handle.flush()  # `status` reads who runs the build from it
+    stale = sorted((folder / "locks").glob("*.lock"))
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    if stale:
+        logging.getLogger("dflash_build").warning(
+            "removed the locks of a run that ended without releasing them (killed): %d in %s; the build goes on "
+            "where it stopped (incomplete outputs are run again, finished shards restored from their journals)",
+            len(stale),
+            folder / "locks",
+        )
+    return stale
 
 
 def sync_index(config: Config) -> None:
@@ -236,11 +305,14 @@ def run_rule(smk: Any, stage: str) -> None:
     GPU driver.
     """
     module = importlib.import_module(f"dflash_build.stages.{stage}")
-    with logged(smk.log[0] if smk.log else None, _first_output(smk)):
+    log = smk.log[0] if smk.log else None
+    with logged(log, _first_output(smk)):
         job = job_of(smk, stage)
-        if job.key is not None and job.source is not None:
-            check_key(job.plan, stage, job.source, job.key, getattr(smk.params, "components", None))
-        module.run(job)
+        what = {"stage": stage, "source": job.source, "shard": job.shard, "format": job.fmt}
+        with running.recorded(job.plan.config.logs, log, **what):  # what `status` shows running
+            if job.key is not None and job.source is not None:
+                check_key(job.plan, stage, job.source, job.key, getattr(smk.params, "components", None))
+            module.run(job)
 
 
 def generate_resources(engine: EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:

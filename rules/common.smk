@@ -1,4 +1,6 @@
+import os
 import sys
+from pathlib import Path
 
 import dflash_build.config
 import dflash_build.configfile
@@ -23,14 +25,18 @@ from dflash_build.publish.card import summary
 # names it and the closest valid key (Snakemake's validate quotes the whole schema); the schema's
 # defaults are filled in place.
 for config_file in workflow.config_settings.configfiles or workflow.configfiles:
-    dflash_build.configfile.read_file(config_file)
-dflash_build.configfile.validate(config)
+    dflash_build.workflow.parsed(dflash_build.configfile.read_file, config_file)
+dflash_build.workflow.parsed(dflash_build.configfile.validate, config)
 
 
 dflash_build.workflow.warnings_to_stderr()
 dflash_build.snakemake_fixes.apply()
-CONFIG = dflash_build.config.from_dict(config)
-PLAN = dflash_build.plan.build(CONFIG)
+CONFIG = dflash_build.workflow.parsed(dflash_build.config.from_dict, config)
+PLAN = dflash_build.workflow.parsed(dflash_build.plan.build, CONFIG)
+# The engine this machine would start (its device, its interpreter), named with the setting to use.
+dflash_build.workflow.parsed(
+    dflash_build.engines.registry.check_environment, CONFIG.engine
+)
 STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
@@ -49,6 +55,9 @@ dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
 # dflash_build.workflow.is_dry_run).
 DRY_RUN = dflash_build.workflow.is_dry_run(sys.argv)
+# A killed run's locks stop the next plain run: they go when no other run of this workflow is alive.
+if not DRY_RUN:
+    dflash_build.workflow.release_stale_locks(Path(os.getcwd()))
 # A build needs a store it can write, with checks.min_free_gb free: one line, before any job starts.
 if not DRY_RUN:
     dflash_build.workflow.or_exit(dflash_build.workflow.check_store, CONFIG)
@@ -69,7 +78,9 @@ if GPU_JOBS is not None:
 # job takes a GPU; its prepare job would find it only after the other sources' generation started.
 for source_name in PLAN.sources:
     if not PLAN.prompt_manifest(source_name).exists():
-        dflash_build.stages.prepare.checks.check_sample(PLAN, source_name)
+        dflash_build.workflow.parsed(
+            dflash_build.stages.prepare.checks.check_sample, PLAN, source_name
+        )
 # What each key is made of, kept in the store: a job whose own plan gives another key says what
 # changed (workflow.check_key) without a params function per job.
 if not DRY_RUN:

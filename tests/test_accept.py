@@ -83,7 +83,13 @@ NGRAM = {
 }
 
 
-def accept_config(model: Path, data: Path, drafters: dict[str, Any] | None) -> dict[str, Any]:
+GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8, "seed": 0}
+SAMPLED = {**GREEDY, "temperature": 0.6, "top_p": 0.95}  # the production config's, but top_k
+
+
+def accept_config(
+    model: Path, data: Path, drafters: dict[str, Any] | None, sampling: dict[str, Any] = GREEDY
+) -> dict[str, Any]:
     write_jsonl(data / "code.jsonl", [{"instruction": p} for p in CODE])
     write_jsonl(data / "prose.jsonl", [{"instruction": p} for p in PROSE])
     sources = {
@@ -92,7 +98,7 @@ def accept_config(model: Path, data: Path, drafters: dict[str, Any] | None) -> d
     }
     config = base_config(model, sources, engine=shared_engine(model, "vllm"))
     config["model"].pop("chat_template")  # SmolLM2's own
-    config["sampling"] = {"temperature": 0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8, "seed": 0}
+    config["sampling"] = dict(sampling)
     config["checks"]["allow_shortfall"] = True
     write_jsonl(data / "gsm8k.jsonl", GSM8K)
     config["decontaminate"] = {"references": {"gsm8k": {"files": [str(data / "gsm8k.jsonl")], "field": "question"}}}
@@ -143,11 +149,37 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         verify = _cli(wf, "verify")
         steps["verify"] = [verify.returncode, verify.stdout + verify.stderr]
         steps["gc"] = _cli(wf, "gc").stdout  # a dry run: lists, deletes nothing
+        # the build's sampling moves to T 0.6: the eval split is stale until rendered again
+        wf.write_config(accept_config(target, data, {"self": self_drafter}, SAMPLED))
+        steps["sampled_dry_run"] = wf.run("-n", "accept").stdout
+        steps["sampled_plan"] = _cli(wf, "plan").stdout
+        steps["sampled_status"] = _run_watching_status(wf, "accept")
+        steps["sampled"] = _report(wf)
+        steps["sampled_readme"] = (wf.workdir / "dist" / "test-mix-acceptance" / "README.md").read_text()
+        steps["sampled_plan_after"] = _cli(wf, "plan").stdout
+        # top_k > 0 kills vLLM 0.32.0's CPU engine core in its rejection sampler
+        wf.write_config(accept_config(target, data, {"self": self_drafter}, {**SAMPLED, "top_k": 20}))
+        engines_before = len(engine_history(wf.workdir / "logs"))
+        crashed = wf.run("accept", check=False)
+        steps["crashed"] = [crashed.returncode, crashed.stdout + crashed.stderr, _accept_log_of(wf.workdir)]
+        steps["crash_engines"] = engine_history(wf.workdir / "logs")[engines_before:]
         (root / "steps.json").write_text(json.dumps(steps))
 
     root = once_per_session(tmp_path_factory, "accept", build)
     steps = json.loads((root / "steps.json").read_text())
     return {**steps, "workdir": root / "work"}
+
+
+def _run_watching_status(wf: Workflow, *args: str) -> list[str]:
+    """Run Snakemake with ``args`` while `dflash-build status` is asked again and again; what it said."""
+    cmd, env = wf.command(*args)
+    with open(wf.workdir / "watched.log", "w") as out:
+        build = subprocess.Popen(cmd, cwd=wf.workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        said = []
+        while build.poll() is None:
+            said.append(_cli(wf, "status").stdout)
+        assert build.wait() == 0, (wf.workdir / "watched.log").read_text()[-4000:]
+    return said
 
 
 def _cli(wf: Workflow, *args: str) -> subprocess.CompletedProcess[str]:
@@ -161,8 +193,14 @@ def _report(wf: Workflow) -> dict[str, Any]:
 
 def _measurements(workdir: Path, drafter: str) -> list[Path]:
     """The store's measurement folders of the drafter the config names ``drafter``."""
-    folders = (workdir / "store" / layout.ACCEPTANCE).iterdir()
+    folders = [f for f in (workdir / "store" / layout.ACCEPTANCE).iterdir() if f.name not in _calibrations(workdir)]
     return [f for f in folders if json.loads((f / accept.SUMMARY_FILE).read_text())["drafter"]["name"] == drafter]
+
+
+def _calibrations(workdir: Path) -> set[str]:
+    """The store's calibration folders (the engine's check, one per split and engine)."""
+    folders = (workdir / "store" / layout.ACCEPTANCE).iterdir()
+    return {f.name for f in folders if json.loads((f / accept.SUMMARY_FILE).read_text()).get("kind") == "calibration"}
 
 
 def _summaries(workdir: Path, drafter: str) -> list[dict[str, Any]]:
@@ -207,7 +245,8 @@ def test_a_random_dflash_drafter_runs_end_to_end(measured: dict[str, Any]) -> No
     [summary] = _summaries(measured["workdir"], "dflash")
     overall = summary["slices"]["all"]["all"]
     assert summary["failed"] == 0 and overall["steps"] > 0 and overall["drafted"] == DRAFT * overall["steps"]
-    assert 1.0 <= overall["tau"] <= DRAFT + 1
+    # random weights over a 49,152-token vocabulary: it guesses next to nothing the target writes
+    assert overall["accepted"] <= 0.05 * overall["drafted"] and overall["tau"] < 1.2, overall
     assert measured["third"]["drafters"].keys() == {"target-itself", "dflash"}, "the config's drafters, by its names"
 
 
@@ -222,7 +261,8 @@ def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[s
     assert line.startswith("accept: measures 1 of 2 drafters (dflash: a server each, "), "plan said so before"
     assert "reads 1 from the store (target-itself)" in line, line
     assert measured["third"]["drafters"]["target-itself"]["overall"]["tau"] == pytest.approx(DRAFT + 1, abs=0.01)
-    assert len(list((measured["workdir"] / "store" / layout.ACCEPTANCE).iterdir())) == 3, "self, ngram, dflash"
+    measurements = {f.name for f in (measured["workdir"] / "store" / layout.ACCEPTANCE).iterdir()}
+    assert len(measurements - _calibrations(measured["workdir"])) == 4, "self, ngram, dflash; self at T 0.6 after"
     report = measured["second"]
     assert report["drafters"].keys() == {"self", "ngram"}
     assert all("change" in s and "ngram" in s["change"] for s in report["slices"] if s["self"] is not None)
@@ -231,7 +271,11 @@ def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[s
 
 
 def _accept_log(measured: dict[str, Any]) -> str:
-    return (measured["workdir"] / "logs" / "dist" / "test-mix-acceptance.log").read_text()
+    return _accept_log_of(measured["workdir"])
+
+
+def _accept_log_of(workdir: Path) -> str:
+    return (workdir / "logs" / "dist" / "test-mix-acceptance.log").read_text()
 
 
 def test_the_eval_split_is_never_trained_on_and_adding_it_generates_nothing_again(measured: dict[str, Any]) -> None:
@@ -275,3 +319,61 @@ def test_the_built_store_stays_whole_and_a_preview_lists_nothing_left(measured: 
     ]
     assert len(superseded) == 2, measured["gc"]
     assert "Nothing to be done" in measured["dry_run_after"], measured["dry_run_after"][-2000:]
+
+
+def test_a_sampling_edit_renders_the_eval_split_again_before_any_measurement(measured: dict[str, Any]) -> None:
+    assert "rule evalset:" in measured["sampled_dry_run"], "-n accept lists the split's render"
+    [line] = [li for li in measured["sampled_plan"].splitlines() if li.startswith("accept: ")]
+    assert "once the eval split is rendered again" in line, line
+    assert measured["sampled"]["split_key"] != measured["first"]["split_key"], "new rows, a new split key"
+    split = evalset.read(release.in_place(measured["workdir"] / "dist" / "test-mix-eval"))
+    assert set(split.column("temperature").to_pylist()) == {0.6}, "every row asks the new sampling"
+
+
+def test_status_sees_the_accept_job_its_progress_and_its_engine_starting(measured: dict[str, Any]) -> None:
+    said = measured["sampled_status"]
+    assert len(said) >= 3, said
+    accept_lines = [li for out in said for li in out.splitlines() if li.strip().startswith("accept: ")]
+    assert any("drafter target-itself" in li and "step calibration" in li for li in accept_lines), accept_lines
+    assert any("drafter self" in li and "step eval requests" in li for li in accept_lines), accept_lines
+    assert any("starting for" in out for out in said), "an engine host whose server loads is named"
+    assert all("no Snakemake runs" not in out.splitlines()[0] for out in said[:-1]), said[0]
+
+
+def test_the_calibration_trusts_the_greedy_figures_and_flags_the_cpu_builds_sampled_ones(
+    measured: dict[str, Any],
+) -> None:
+    greedy = measured["first"]["drafters"]["self"]["calibration"]
+    assert greedy["trusted"] and [s["sampling"] for s in greedy["samplings"]] == ["T 0, top_p 1, top_k 0, min_p 0"]
+    [at_0] = greedy["samplings"]
+    assert at_0["position_1"] == pytest.approx(1.0) and at_0["expected"] >= 0.95 and at_0["tokens"] > 0
+    sampled = measured["sampled"]["drafters"]["self"]["calibration"]
+    [at_06] = sampled["samplings"]
+    # vLLM 0.32.0's CPU build: the target drafting for itself accepts almost nothing at T 0.6, while its own
+    # argmax is most of its answers' tokens (docs/acceptance.md)
+    assert not sampled["trusted"] and at_06["position_1"] < at_06["expected"] - at_06["margin"], at_06
+    assert "UNTRUSTED at T 0.6, top_p 0.95, top_k 0, min_p 0" in measured["sampled_readme"]
+    assert "untrusted" in measured["sampled_plan_after"].lower(), "plan says so too"
+
+
+def test_an_engine_that_dies_fails_accept_in_one_line_and_is_not_replaced(measured: dict[str, Any]) -> None:
+    rc, output, log_text = measured["crashed"]
+    assert rc != 0
+    [line] = [li for li in log_text.splitlines() if "engine on cpu died:" in li]
+    assert "RuntimeError: index" in line and "out of bounds" in line and "log: " in line, line
+    assert "nvidia-smi" not in output and "Traceback" not in log_text, log_text[-3000:]
+    assert len(measured["crash_engines"]) == 1, "one server, no replacement for the same requests"
+
+
+def test_the_report_shows_sampling_ceiling_requests_and_both_taus(measured: dict[str, Any]) -> None:
+    report = measured["second"]
+    readme = measured["sampled_readme"]
+    assert f"k = {DRAFT}, ceiling τ {DRAFT + 1}" in readme
+    [overall] = [s for s in report["slices"] if s["slice"] == "overall"]
+    assert overall["requests"] > 0 and overall["samplings"] == ["T 0, top_p 1, top_k 0, min_p 0"]
+    assert overall["self per request"] == pytest.approx(DRAFT + 1, abs=0.01)
+    assert any(s["column"] == "context" for s in report["slices"]), "a prompt-length slice"
+    assert "| overall | T 0.6, top_p 0.95, top_k 0, min_p 0 |" in readme, readme[:3000]
+    assert "per token / per request" in readme and "left out" in readme
+    assert report["drafters"]["self"]["engine"]["version"] == "0.32.0"
+    assert report["drafters"]["self"]["engine"]["backend"] == "vllm"

@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dflash_build import config as cfg
-from dflash_build import plan as plan_mod
 from dflash_build.engines.backends import vllm
 from dflash_build.engines.base import Acceptance
 from dflash_build.engines.openai_http import completion_acceptance
 from dflash_build.engines.sglang_wire import acceptance
 from dflash_build.spec import ConfigError, HeldOut
 from dflash_build.stages import accept
+from dflash_build.stages.common import degenerate
 from dflash_build.stages.prepare.identity import held_out
 from tests.conftest import write_jsonl
 from tests.test_config import build, raw  # noqa: F401 (the config fixture)
@@ -80,7 +79,8 @@ def _row(source: str, hist: list[int], drafted_per_step: int = 3) -> dict[str, A
     slice_ = {"source": source, "category": "c", "language": "en", "variant": None, "turn": 0, "tool_context": False}
     accepted = sum(i * n for i, n in enumerate(hist))
     counts = {"steps": steps, "drafted": drafted_per_step * steps, "accepted": accepted, "histogram": hist}
-    return {"prompt_id": "p", **slice_, "finish_reason": "length", "output_tokens": 9, **counts}
+    sampling = {"sampling": "T 0, top_p 1, top_k 0, min_p 0", "prompt_tokens": 40, "degenerate": None}
+    return {"prompt_id": "p", **slice_, **sampling, "finish_reason": "length", "output_tokens": 9, **counts}
 
 
 def test_tau_counts_the_bonus_token_and_position_i_counts_the_steps_that_reached_it() -> None:
@@ -97,6 +97,66 @@ def test_tau_counts_the_bonus_token_and_position_i_counts_the_steps_that_reached
     summary["engine_totals"]["accepted"] = 12  # another client's request in the counters
     with pytest.raises(accept.AcceptanceMismatch, match="not the engine's own totals"):
         accept.check_totals(summary)
+
+
+def test_a_planted_loop_is_counted_apart_and_leaves_tau_unchanged() -> None:
+    """A looping answer is what a drafter predicts best: left in, it would lift τ."""
+    import pyarrow as pa
+
+    rows = [_row("a", [1, 2, 1, 0]), _row("b", [2, 1, 1, 0])]
+    loop = {**_row("b", [0, 0, 0, 40]), "degenerate": degenerate.reason([5, 6, 7] * 60, "length")}
+    empty = {**_row("a", [0, 0, 0, 0]), "degenerate": degenerate.reason([], "stop")}
+    clean = accept.summarize(pa.Table.from_pylist(rows, schema=accept.REQUEST_SCHEMA))
+    planted = accept.summarize(pa.Table.from_pylist([*rows, loop, empty], schema=accept.REQUEST_SCHEMA))
+    for column, value in (("all", "all"), ("source", "b")):
+        a, b = clean["slices"][column][value], planted["slices"][column][value]
+        assert (a["tau"], a["tau_per_request"], a["per_position"]) == (
+            b["tau"],
+            b["tau_per_request"],
+            b["per_position"],
+        )
+    assert planted["degenerate"] == {"loop": 1, "empty": 1} and planted["slices"]["source"]["b"]["degenerate"] == 1
+    assert planted["counted"]["accepted"] == clean["counted"]["accepted"] + 120, "the engine's totals count it"
+
+
+def test_degenerate_answers_are_loops_to_the_budget_and_empty_answers_not_repeated_code() -> None:
+    code = [11, 12, 13, 14, 15, 16, 17, 18] * 30  # a function written out 30 times, then a stop
+    assert degenerate.reason(code, "stop") is None, "an answer that repeats for a reason stops on its own"
+    assert degenerate.reason(code, "length") == degenerate.LOOP
+    assert degenerate.reason([1, 2] * 20, "length") is None, "a short repeat is no loop"
+    assert degenerate.reason(list(range(300)), "length") is None
+    assert degenerate.reason([], "stop") == degenerate.EMPTY and degenerate.reason([], "length") is None
+
+
+def test_per_request_tau_weighs_every_request_alike() -> None:
+    import pyarrow as pa
+
+    long, short = _row("a", [0, 0, 0, 30]), _row("a", [3, 0, 0, 0])  # τ 4 over 30 steps, τ 1 over 3
+    figures = accept.summarize(pa.Table.from_pylist([long, short], schema=accept.REQUEST_SCHEMA))["slices"]["all"][
+        "all"
+    ]
+    assert figures["tau"] == round(1 + 90 / 33, 4) and figures["tau_per_request"] == 2.5
+
+
+def test_a_drafter_of_another_vocabulary_fails_at_parse_time(
+    raw: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """As vLLM checks when its server starts ("Target and draft model should have the same vocabulary size")."""
+    config = _with_accept(raw)
+    target = Path(config["model"]["path"])
+    other = tmp_path / "other-drafter"
+    other.mkdir()
+    conf = {**json.loads((target / "config.json").read_text()), "vocab_size": 49152}  # SmolLM2's
+    (target / "config.json").write_text(json.dumps(conf))
+    (other / "config.json").write_text(json.dumps({**conf, "vocab_size": 151936}))  # Qwen3's
+    (other / "model.safetensors").write_bytes(b"weights")
+    config["accept"]["drafters"]["d"]["path"] = str(other)
+    with pytest.raises(ConfigError, match=r"has a vocabulary of 151936 tokens and the target .* one of 49152") as err:
+        build(config, tmp_path)
+    assert err.value.key == "accept.drafters.d.path"
+    config["accept"]["drafters"]["d"] = {"method": "ngram", "options": {"num_speculative_tokens": 3}}
+    build(config, tmp_path)  # a drafter that drafts from the text has no vocabulary of its own
 
 
 def test_the_held_out_draw_follows_the_prompt_id_alone() -> None:
@@ -128,6 +188,11 @@ def _with_accept(raw: dict[str, Any], **drafter: Any) -> dict[str, Any]:  # noqa
         ({"options": {"prompt_lookup_max": 3}}, "accept.drafters.d.options.num_speculative_tokens", "required"),
         ({"options": {"num_speculative_tokens": 3, "model": "x"}}, "accept.drafters.d.options.model", "remove it"),
         ({"method": "eagle3", "path": None}, "accept.drafters.d.path", "checkpoint"),
+        (
+            {"options": {"num_speculative_tokens": 3, "rejection_sample_method": "synthetic"}},
+            "accept.drafters.d.options.rejection_sample_method",
+            "not by the target's probabilities",
+        ),
     ],
 )
 def test_a_drafter_the_pinned_vllm_does_not_know_is_refused_by_name(
@@ -162,7 +227,7 @@ def test_accept_needs_a_speculative_engine_an_eval_split_and_known_benchmarks(
     assert err.value.key == "eval.benchmarks.0"
     plan = build(_with_accept(raw), tmp_path)
     assert plan.drafter_fingerprints.keys() == {"d"}, "the drafter's files are fingerprinted with the plan"
-    assert isinstance(plan, plan_mod.Plan) and cfg is not None
+    assert plan.config.accept is not None and plan.eval_key is not None, "with eval, the split has its key"
 
 
 def test_no_copy_or_near_copy_of_a_held_out_prompt_is_left_to_train_on(tmp_path: Path) -> None:
@@ -233,8 +298,14 @@ def test_gc_keeps_the_measurements_in_use_and_verify_finds_a_damaged_one(
 
     plan = build(_with_accept(raw), tmp_path)
     cfg_ = plan.config
-    assert accept.preview(plan) == "accept: measures 1 drafters (d: a server each) once the eval split is in"
-    _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": []})
+    first, broken = accept.preview(plan).split("\n")
+    assert first == "accept: measures 1 drafters (d: a server each) once the eval split is in"
+    # the schema's default sampling (T 0.6, top_k 20) on vLLM's CPU build: said before any server starts
+    assert broken.startswith("accept: at T 0.6, top_p 0.95, top_k 20, min_p 0: vLLM 0.32.0's CPU build kills"), broken
+    assert "measure at top_k 0 on CPU" in broken
+    _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": [], "eval_key": "rendered for another config"})
+    assert "once the eval split is rendered again" in accept.preview(plan), "a stale split is named as such"
+    _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": [], "eval_key": plan.eval_key})
     assert accept.preview(plan).startswith("accept: measures 1 of 1 drafters (d: a server each, 7 eval requests), ")
     [drafter] = cfg_.accept.drafters.values()
     mine, reported, stale = (

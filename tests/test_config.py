@@ -541,3 +541,25 @@ def test_a_key_the_schema_cannot_fill_takes_its_unfilled_default(key: str, tmp_p
     raw["sources"]["a"].update({"turns": "first", key: schema_default})
     with pytest.raises(ConfigError, match=f"sources.a.{key}"):
         cfg.from_dict(_defaults(raw))
+
+
+def test_vllm_that_cannot_start_here_fails_plan_in_one_line_naming_the_setting(
+    raw: dict[str, Any], tmp_path: Path
+) -> None:
+    """Without a GPU (nothing on PATH lists one, no scheduler) vLLM needs `device: cpu`; from an interpreter
+    without vLLM, `python` naming one (the venv `make setup` builds): said by `plan`, before any job."""
+    import subprocess
+    import sys
+
+    def plan(engine: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump({**raw, "engine": engine}))
+        env = {"PATH": str(tmp_path / "no-tools"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+        command = [sys.executable, "-m", "dflash_build", "--configfile", "config.yaml", "plan"]
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    no_device = plan({"backend": "vllm"})
+    assert no_device.returncode == 2 and len(no_device.stderr.strip().splitlines()) == 1, no_device.stderr
+    assert "config key 'engine.options.device'" in no_device.stderr and "device: cpu" in no_device.stderr
+    no_vllm = plan({"backend": "vllm", "options": {"device": "cpu"}})
+    assert no_vllm.returncode == 2 and len(no_vllm.stderr.strip().splitlines()) == 1, no_vllm.stderr
+    assert "config key 'engine.options.python'" in no_vllm.stderr and ".venv-vllm/bin/python" in no_vllm.stderr

@@ -107,9 +107,9 @@ def wait_session_gone(session: int) -> None:
 
 
 def recover(wf: Workflow, *args: str, cores: int = 2) -> subprocess.CompletedProcess[str]:
-    """The recovery the README gives (and Snakemake asks for, one message at a time)."""
-    wf.run("--unlock")
-    return wf.run("--rerun-incomplete", *args, cores=cores)
+    """The recovery after any crash: the plain command (the profile reruns incomplete outputs, the workflow
+    removes a dead run's locks)."""
+    return wf.run(*args, cores=cores)
 
 
 def generated_in_logs(workdir: Path) -> dict[tuple[str, str], int]:

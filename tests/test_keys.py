@@ -45,7 +45,9 @@ def schema_fields(node: dict[str, Any], prefix: str = "") -> set[str]:
 
 def test_every_schema_field_has_a_decision_and_every_decision_a_field() -> None:
     assert schema_fields(SCHEMA) == set(keys.CONFIG_FIELDS)
-    assert all(d.why and d.key in (None, keys.PROMPT, keys.GEN, keys.TOK) for d in keys.CONFIG_FIELDS.values())
+    assert all(
+        d.why and d.key in (None, keys.PROMPT, keys.GEN, keys.TOK, keys.EVAL) for d in keys.CONFIG_FIELDS.values()
+    )
 
 
 @pytest.mark.parametrize("backend", sorted(registry.BACKENDS))
@@ -101,6 +103,11 @@ class Workspace:
         path.write_text(yaml.safe_dump(raw))
         plan = plan_mod.build(cfg.load(path))
         return {name: (sp.prompt_key, sp.gen_key, sp.tok_key) for name, sp in plan.sources.items()}
+
+    def eval_key(self, raw: dict[str, Any]) -> str | None:
+        path = self.root / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return plan_mod.build(cfg.load(path)).eval_key
 
     def reuse_keys(self, raw: dict[str, Any]) -> dict[str, str]:
         """The key each source's rows are found under in the row index (a conversation's for turns: all)."""
@@ -306,7 +313,27 @@ def test_the_edit_catalogue_covers_every_keyed_field() -> None:
     keyed -= {"model.revision"}  # a hub model: test_a_hub_models_commit_is_its_identity
     keyed -= {"sources.*.filters.max_chars"}  # the same mechanism as min_chars
     keyed -= {"variants", "sources.*.variants"}  # they rename sources: test_each_variant_edit_re_keys_its_variant_only
+    keyed -= {"eval.benchmarks"}  # the eval split's alone: test_the_benchmarks_of_the_eval_split_are_keyed_by_...
     assert keyed <= {e.split(" ")[0] for e in EDITS}
+
+
+def _edited(
+    ws: Workspace, base: dict[str, Any], name: str, edit: Edit, measure: Callable[[dict[str, Any]], Any]
+) -> tuple[dict[str, Any], str | set[str] | None, Any]:
+    """One edit of the catalogue on a copy of ``base``: the config, what it touched, and ``measure`` of it
+    (the model files an edit rewrites are put back after)."""
+    config = copy.deepcopy(base)
+    readme, config_json = ws.model / "README.md", (ws.model / "config.json").read_text()
+    touched = edit(config, ws)
+    if name == "sources.*.format":
+        config["sources"][touched]["fields"] = {"prompt": "instruction"}
+    if name == "sources.*.fields":
+        config["sources"][touched]["fields"] = {"input": "instruction"}
+    try:
+        return config, touched, measure(config)
+    finally:
+        readme.unlink(missing_ok=True)
+        (ws.model / "config.json").write_text(config_json)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -316,16 +343,7 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
     base = random_config(ws, rng)
     before = ws.keys(base)
     for name, (edit, first_key) in EDITS.items():
-        config = copy.deepcopy(base)
-        readme, config_json = ws.model / "README.md", (ws.model / "config.json").read_text()
-        touched = edit(config, ws)
-        if name == "sources.*.format":
-            config["sources"][touched]["fields"] = {"prompt": "instruction"}
-        if name == "sources.*.fields":
-            config["sources"][touched]["fields"] = {"input": "instruction"}
-        after = ws.keys(config)
-        readme.unlink(missing_ok=True)
-        (ws.model / "config.json").write_text(config_json)
+        config, touched, after = _edited(ws, base, name, edit, ws.keys)
         above_before, above_after = _above(base, before), _above(config, after)
         for source, old in before.items():
             changed = {k for k, a, b in zip(ORDER, old, after[source], strict=True) if a != b}
@@ -334,6 +352,52 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
             if above_before[source] != above_after[source]:  # which of its prompts it skips as copies
                 expected |= {keys.GEN, keys.TOK}
             assert changed == expected, f"edit {name!r} on source {source}: changed {changed}, expected {expected}"
+
+
+# The edits that re-key a source's generation but not what its held-out prompts ask the engine (each
+# for the component keys.NOT_IN_EVAL_KEY names): the eval split stays, and so does every measurement on it.
+NOT_IN_EVAL = {"engine.options.dtype", "trainer.max_length", "trainer.min_new_tokens", "model.context_length"}
+NOT_IN_EVAL |= {"model.tool_call_parser", "sources.*.tool_match", "sources.*.turn_samples"}
+NOT_IN_EVAL |= {"dedup.across_sources", "dedup.prefer", "sampling.max_new_tokens", "sampling.samples_per_prompt"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_eval_key_changes_exactly_with_what_the_split_asks(tmp_path: Path, seed: int) -> None:
+    """With `eval` on, every edit of the catalogue that re-keys a source's prompts or generation re-keys the
+    eval split, but those of NOT_IN_EVAL; an unkeyed edit re-keys nothing (so a sampling, template, kwargs,
+    model or prompt edit renders the split again: Snakemake's params trigger)."""
+    rng = random.Random(seed)
+    ws = Workspace(tmp_path)
+    base = {**random_config(ws, rng), "eval": {"share": 0.5}}
+    keys_before, eval_before = ws.keys(base), ws.eval_key(base)
+    assert eval_before is not None
+    for name, (edit, _first_key) in EDITS.items():
+        _, _, (keys_after, eval_after) = _edited(ws, base, name, edit, lambda c: (ws.keys(c), ws.eval_key(c)))
+        rekeyed = any(keys_before[s][:2] != keys_after[s][:2] for s in keys_before)
+        expected = rekeyed and name.split(" ")[0] not in NOT_IN_EVAL
+        assert (eval_after != eval_before) == expected, f"edit {name!r}: eval key changed {eval_after != eval_before}"
+
+
+def test_the_benchmarks_of_the_eval_split_are_keyed_by_content_kwargs_and_sampling(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(5))
+    base["decontaminate"] = {"references": {"bench": {"files": [str(ws.root / "ref.jsonl")], "field": "q"}}}
+    base["eval"] = {"share": 0.5, "benchmarks": ["bench"]}
+    for source in base["sources"].values():  # the sources' own sampling: only the benchmark rows use the top level
+        source["sampling"] = {"temperature": 0.5}
+    before = ws.eval_key(base)
+    without = copy.deepcopy(base)
+    without["eval"]["benchmarks"] = []
+    assert ws.eval_key(without) != before
+    for edit in (
+        lambda c: c["sampling"].update(top_k=7),
+        lambda c: c["model"].update(chat_template_kwargs={"enable_thinking": False}),
+        lambda c: c["decontaminate"]["references"]["bench"].update(files=[str(ws.root / "ref2.jsonl")]),
+    ):
+        config = copy.deepcopy(base)
+        edit(config)
+        assert ws.eval_key(config) != before
+    assert ws.eval_key({**base, "eval": {"share": 0.5, "benchmarks": ["bench"]}}) == before
 
 
 # The edits that change what the engine is asked besides each row's prompt ids and seed: the model, its
@@ -624,3 +688,44 @@ def test_the_shipped_configs_keep_their_keys(tmp_path: Path) -> None:
     if os.environ.get("DFLASH_BUILD_PIN_KEYS"):
         PINNED_KEYS.write_text(json.dumps(keys_now, indent=1, sort_keys=True) + "\n")
     assert keys_now == json.loads(PINNED_KEYS.read_text())
+
+
+def test_an_acceptance_measurement_is_keyed_by_what_changes_its_numbers(tmp_path: Path) -> None:
+    """accept_key: the target, the drafter's files, method and options, the engine's numerics, the split and
+    the budget; not the speed options, the report's settings or the drafter's name."""
+    from dflash_build.stages import accept
+
+    ws = Workspace(tmp_path)
+    base = random_config(ws, random.Random(4))
+    base["engine"] = {"backend": "vllm", "options": {"device": "cpu"}}
+    base["eval"] = {"share": 0.5}
+    drafter = {"method": "draft_model", "path": str(ws.root / "weights-2"), "options": {"num_speculative_tokens": 3}}
+    base["accept"] = {"drafters": {"d": drafter}}
+
+    def key(raw: dict[str, Any], split: str = "split-1") -> str:
+        path = ws.root / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        plan = plan_mod.build(cfg.load(path))
+        assert plan.config.accept is not None
+        return accept.accept_key(plan, next(iter(plan.config.accept.drafters.values())), split)
+
+    before = key(base)
+    keyed: list[Callable[[dict[str, Any]], None]] = [
+        lambda c: c["model"].update(path=str(ws.root / "weights-2")),
+        lambda c: c["accept"]["drafters"]["d"]["options"].update(num_speculative_tokens=4),
+        lambda c: c["accept"]["drafters"]["d"].update(path=str(ws.model)),
+        lambda c: c["accept"].update(max_new_tokens=64),
+        lambda c: c["accept"].update(engine_options={"dtype": "bfloat16"}),
+        lambda c: c["engine"]["options"].update(dtype="bfloat16"),
+    ]
+    unkeyed: list[Callable[[dict[str, Any]], None]] = [
+        lambda c: c["accept"].update(engine_options={"max_num_seqs": 8}),
+        lambda c: c["accept"].update(weakest=2),
+        lambda c: c["accept"].update(drafters={"renamed": c["accept"]["drafters"]["d"]}),
+        lambda c: c["accept"].update(calibration={"rows": 2}),
+    ]
+    for i, edit in enumerate(keyed + unkeyed):
+        config = copy.deepcopy(base)
+        edit(config)
+        assert (key(config) != before) == (i < len(keyed)), f"edit {i}"
+    assert key(base, "split-2") != before, "another split (its rows' digest)"

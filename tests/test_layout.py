@@ -246,6 +246,12 @@ def test_the_registry_is_the_one_list_of_backends() -> None:
     for name, backend in registry.BACKENDS.items():
         assert backend.name == name and (backend.load is not None or backend.serve is not None), name
         assert not backend.always_through_server or backend.serve is not None, name
+    # the docs name the same backends: configuration.md's engine.backend row, the schema's engine.shared text
+    [row] = [li for li in (REPO / "docs" / "configuration.md").read_text().splitlines() if "| `engine.backend` |" in li]
+    assert set(re.findall(r"`(\w+)`", row.split("|")[3])) == set(registry.BACKENDS), row
+    shared = schema["properties"]["engine"]["properties"]["shared"]["description"]
+    servable = {name for name, b in registry.BACKENDS.items() if b.serve is not None}
+    assert {name for name in registry.BACKENDS if re.search(rf"\b{name}\b", shared)} == servable, shared
 
 
 def test_the_package_imports_its_modules_at_the_top() -> None:

@@ -5,6 +5,9 @@ so the pin and the fix are revisited together (the builds that rely on them are 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from dflash_build import snakemake_fixes
 
 
 def test_every_fix_finds_the_code_it_was_written_for() -> None:
-    snakemake_fixes.apply()
+    assert snakemake_fixes.apply() == []
     assert snakemake_fixes.fix_needrun_behind_ancient_inputs()
     assert snakemake_fixes.quiet_restore_without_backup()
     assert snakemake_fixes.fix_sigterm_during_job_selection()
@@ -110,3 +113,43 @@ def test_a_sigterm_while_snakemake_selects_jobs_ends_the_build(tmp_path: Path, t
     wf.pythonpath = None
     wf.run("--unlock")
     wf.run("--rerun-incomplete")
+
+
+# A stub release: the installed Snakemake with its version, or the code one fix was written for, changed
+# before the workflow's Snakefile reads it (sitecustomize runs at the interpreter's start).
+STUB_VERSION = "import snakemake\nsnakemake.__version__ = '9.31.0'\n"
+STUB_SCHEDULER = """
+from snakemake.scheduling import job_scheduler
+_init = job_scheduler.JobScheduler.__init__
+def __init__(self, *args, **kwargs):  # a release that took another lock
+    _init(self, *args, **kwargs)
+job_scheduler.JobScheduler.__init__ = __init__
+"""
+
+
+@pytest.mark.parametrize(
+    ("stub", "said"),
+    [
+        (STUB_VERSION, "Snakemake 9.31.0: it is not tested (tested: 9.27.1)"),
+        (STUB_SCHEDULER, "its code is not what fix_sigterm_during_job_selection was written for"),
+    ],
+)
+def test_a_snakemake_the_fixes_were_not_written_for_stops_the_workflow_in_one_line(
+    tmp_path: Path, stub: str, said: str
+) -> None:
+    from tests.conftest import REPO
+
+    (tmp_path / "stub").mkdir()
+    (tmp_path / "stub" / "sitecustomize.py").write_text(stub)
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--lint"]
+    command += ["--configfile", str(REPO / "config" / "demo.yaml"), "--directory", str(REPO)]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'stub'}{os.pathsep}{REPO}"}
+    env.pop(snakemake_fixes.UNFIXED_ENV, None)
+    stopped = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    lines = [li for li in stopped.stderr.splitlines() if li.startswith("dflash-build:")]
+    assert stopped.returncode != 0 and len(lines) == 1 and said in lines[0], stopped.stderr[-3000:]
+    assert f"{snakemake_fixes.UNFIXED_ENV}=1" in lines[0] and "Traceback" not in stopped.stderr
+    opted_out = subprocess.run(
+        command, env={**env, snakemake_fixes.UNFIXED_ENV: "1"}, capture_output=True, text=True, timeout=300
+    )
+    assert opted_out.returncode == 0 and "dflash-build: Snakemake" not in opted_out.stderr, opted_out.stderr[-3000:]

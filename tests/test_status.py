@@ -98,3 +98,53 @@ def test_status_follows_a_build_in_progress_and_says_done_at_the_end(tmp_path: P
     plain = wf.cli("status").stdout
     assert plain.startswith(f"rows {len(PROMPTS)}/{len(PROMPTS)} (100.0%)") and "; done" in plain
     assert "jobs running: 0" in plain and "engines running: 0" in plain
+
+
+def test_status_says_when_no_snakemake_runs_the_build_and_the_plain_rerun_finishes_it(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """kill -9 of Snakemake mid-build: status names every job still running by its own record, then (the
+    orphaned jobs done) no ETA and what to run; the plain command then finishes the build with no row
+    generated again (no --unlock, no --rerun-incomplete: issue 71)."""
+    import signal
+
+    from dflash_build.engines import host as engine_host
+    from tests.conftest import wait_until
+
+    data = write_jsonl(tmp_path / "p.jsonl", [{"instruction": p} for p in PROMPTS])
+    config = base_config(tiny_model, {"s": {"category": "c", "files": [str(data)], "format": "alpaca"}}, shard_size=8)
+    config["sampling"]["max_new_tokens"] = 96
+    own_engines(config, tmp_path / "locks", journal_flush_rows=1)
+    wf = Workflow.at(tmp_path / "work", config)
+    cmd, env = wf.command()
+    build = subprocess.Popen(cmd, cwd=wf.workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                             start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: _journaled(wf.workdir / "store") > 0, 300, "a row journaled")
+        running = _status(wf)
+        assert running["build"] is not None and running["build"]["pid"] == build.pid, running["build"]
+        assert running["jobs"] and all(Path(f"/proc/{j['pid']}").exists() for j in running["jobs"])
+        os.kill(build.pid, signal.SIGKILL)
+        build.wait()
+        killed = _status(wf)
+        assert killed["build"] is None and killed["eta_seconds"] is None
+        plain = wf.cli("status").stdout
+        assert "no Snakemake runs this build now: run it again to go on" in plain.splitlines()[0], plain
+        wait_until(lambda: not engine_host.processes(session=build.pid), 300, "the orphaned jobs finished")
+    finally:
+        if build.poll() is None:
+            build.kill()
+    before = _journaled(wf.workdir / "store")
+    rerun = wf.run()  # the plain command
+    assert "removed the locks of a run that ended without releasing them" in rerun.stdout + rerun.stderr
+    final = _status(wf)
+    assert final["done"] and final["rows_done"] == len(PROMPTS)
+    generated = sum(
+        json.loads(p.read_text())["generated"] for p in (wf.workdir / "store").glob("completions/*/*/*.stats.json")
+    )
+    assert generated == len(PROMPTS), "each row generated once: the killed run's by it, the rest by the rerun"
+    assert 0 < before <= len(PROMPTS)
+    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
+    assert logs.count("---- a run of this job") > len(list(wf.workdir.glob("logs/completions/*/*/*.log"))), (
+        "a job run again appends to its log: the first run's lines stay"
+    )

@@ -20,6 +20,9 @@ from dflash_build.engines.base import (
     Engine as Engine,
 )
 from dflash_build.engines.base import (
+    EngineDied as EngineDied,
+)
+from dflash_build.engines.base import (
     EngineFailed as EngineFailed,
 )
 from dflash_build.engines.base import (

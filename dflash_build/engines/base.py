@@ -78,6 +78,11 @@ class EngineStalled(EngineFailed):
     """The engine held requests and made no progress for ``engine.stall_timeout``."""
 
 
+class EngineDied(EngineFailed):
+    """A served engine exited on an error of its own (its log's last exception, quoted in the message,
+    which states the whole story): the same requests would fail the same way, so it is not replaced."""
+
+
 class Engine(Protocol):
     """What a backend implements."""
 

@@ -74,6 +74,16 @@ class Speculative:
     # The server's own totals from its /metrics text (steps, drafted, accepted, per_position); None: it
     # has none to check the requests' counts against.
     totals: Callable[[str], dict[str, Any]] | None = None
+    # Methods whose drafter must share the target's vocabulary, as the engine checks when its server starts
+    # (vLLM's draft_model: "Target and draft model should have the same vocabulary size"): checked at parse time.
+    same_vocabulary: frozenset[str] = frozenset()
+    # The drafter that is the target itself with ``k`` draft tokens (the engine's calibration), and a
+    # drafter's draft length (its k, whose k + 1 is τ's ceiling; None where its options do not say).
+    self_drafter: Callable[[str, int], DrafterSpec] | None = None
+    draft_tokens: Callable[[DrafterSpec], int | None] = lambda drafter: None
+    # What the pinned engine is known to get wrong under speculation at a sampling, on these options (one
+    # line naming the setting that works), or None: `plan` says it before any server starts.
+    known_broken: Callable[[Mapping[str, Any], Mapping[str, Any]], str | None] = lambda options, sampling: None
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,9 @@ class Backend:
     # Cores a job asks Snakemake for (the rule's threads:).
     threads: Callable[[Mapping[str, Any]], int] = field(default=lambda options: 1)
     speculative: Speculative | None = None  # None: its server cannot serve a drafter
+    # Whether this machine can run the engine as configured (its device, its interpreter): a look of
+    # milliseconds at parse time that names the setting to use, instead of a job that fails (engine checks).
+    environment: Callable[[EngineSpec], None] | None = None
 
     def decision(self, name: str) -> Option | None:
         """The decision for one option; None for a name this backend does not accept."""
@@ -172,6 +185,14 @@ def check(engine: EngineSpec) -> None:
         raise ConfigError("engine.shared", f"the {backend.name} backend talks to servers it does not run; remove it")
 
 
+def check_environment(engine: EngineSpec) -> None:
+    """Whether this machine can start the configured engine (`plan` and the workflow's parse, not every
+    plan: a job on a node of its own sees its own)."""
+    backend = get(engine.backend)
+    if backend.environment is not None:
+        backend.environment(engine)
+
+
 def check_drafters(engine: EngineSpec, accept: AcceptSpec | None) -> None:
     """`accept`'s drafters against the engine's pinned release, with the engine (before any job)."""
     if accept is None:
@@ -183,6 +204,12 @@ def check_drafters(engine: EngineSpec, accept: AcceptSpec | None) -> None:
     backend.check({**engine.options, **accept.engine_options})
     for name, drafter in accept.drafters.items():
         backend.speculative.check(f"accept.drafters.{name}", drafter)
+
+
+def draft_tokens(backend: str, drafter: DrafterSpec) -> int | None:
+    """A drafter's draft length k on ``backend``'s engine (τ's ceiling is k + 1)."""
+    speculative = get(backend).speculative
+    return None if speculative is None else speculative.draft_tokens(drafter)
 
 
 def keyed_options(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from dflash_build import running, workflow
 from dflash_build.engines import host as engine_host
 from dflash_build.ops import estimate, standing
 from dflash_build.plan import Plan
@@ -75,6 +76,9 @@ class Status:
     sources: list[SourceStatus] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     engines: list[dict[str, Any]] = field(default_factory=list)
+    starting: list[dict[str, Any]] = field(default_factory=list)  # engine hosts whose server is not ready yet
+    others: list[dict[str, Any]] = field(default_factory=list)  # running jobs of other stages (accept, mix, ...)
+    build: dict[str, Any] | None = None  # the live Snakemake of this working directory (None: none runs)
     standing: str | None = None  # a standing dataset's lost shards (ops.standing): not left to build
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,10 +154,29 @@ def collect(plan: Plan, window: float = WINDOW_SECONDS, now: float | None = None
     status.output_tokens_per_second = recent.per_second(recent.tokens)
     status.done = status.rows_done >= status.rows and all(s.shards_done == s.shards for s in status.sources)
     left = status.rows - status.rows_done
-    if not status.done and status.rows_per_second > 0:
-        status.eta_seconds = left / status.rows_per_second
+    status.build = workflow.build_running(Path.cwd())
+    records = running.jobs(plan.config.logs)
+    _add_recorded(status, records, now)
+    if not status.done and status.rows_per_second > 0 and status.build is not None:
+        status.eta_seconds = left / status.rows_per_second  # no build, no end to foresee
     status.engines = [_engine(e, now) for e in engine_host.running(plan.config.engine.lock_dir)]
+    status.starting = [
+        {**s, "waiting": [f"{r['source']}/{r['shard']}" for r in records if r.get("stage") == "generate"]}
+        for s in engine_host.starting(plan.config.engine.lock_dir)
+    ]
     return status
+
+
+def _add_recorded(status: Status, records: list[dict[str, Any]], now: float) -> None:
+    """The jobs running by their own records: a generate job the journals missed (it has not taken its
+    shard's lock yet: loading, waiting for its engine), and the other stages' jobs with their progress."""
+    seen = {(j.source, j.shard) for j in status.jobs}
+    for r in records:
+        if r.get("stage") == "generate":
+            if (r.get("source"), r.get("shard")) not in seen:
+                status.jobs.append(Job(r["source"], r["shard"], r["pid"], r["host"], r.get("since"), 0, 0, None))
+        else:
+            status.others.append(r)
 
 
 def _planned_rows(prompts: Path, planned: int, shards: int, samples: int) -> int:
@@ -247,14 +270,31 @@ def text(status: Status) -> str:
         lines.append(
             f"{s.source:<28}{s.rows_done:>12}{rows:>10}{shards:>10}{s.failed:>8}{s.skipped:>9}{s.truncated:>11}"
         )
-    lines.append(f"jobs running: {len(status.jobs)}")
+    if status.build is None and not status.done:
+        lines[0] += " (no Snakemake runs this build now: run it again to go on; `dflash-build plan` says what is left)"
+    lines.append(f"jobs running: {len(status.jobs) + len(status.others)}")
+    for r in status.others:
+        what = "/".join(str(r[k]) for k in ("stage", "source", "shard", "format") if r.get(k))
+        done = r.get("progress") or {}
+        progress = ", ".join(f"{k} {v}" for k, v in done.items())
+        lines.append(
+            f"  {what}: {progress or 'started'}; pid {r['pid']} on {r['host']} "
+            f"running {_duration(status.at - r['since'])}"
+        )
     for j in status.jobs:
         since = f"running {_duration(status.at - j.since)}" if j.since else ""
         last = "no row yet" if j.last_row_ago is None else f"last row {_duration(j.last_row_ago)} ago"
         lines.append(f"  {j.source}/{j.shard}: {j.rows_done}/{j.rows} rows, {last}; pid {j.pid} on {j.host} {since}")
     if status.standing is not None:
         lines.append(status.standing)
-    lines.append(f"engines running: {len(status.engines)}")
+    lines.append(
+        f"engines running: {len(status.engines)}" + (f", {len(status.starting)} starting" if status.starting else "")
+    )
+    for e in status.starting:
+        waiting = f"; jobs waiting: {', '.join(e['waiting'])}" if e["waiting"] else ""
+        lines.append(
+            f"  {e['slot']}: starting for {_duration(status.at - e['since'])} (host pid {e['host_pid']}){waiting}"
+        )
     for e in status.engines:
         lines.append(
             f"  {e['slot']}: {e['backend']} on {'GPU ' + str(e['gpu']) if e['gpu'] else 'CPU'} at {e['url']}, "

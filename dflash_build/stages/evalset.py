@@ -27,10 +27,10 @@ from dflash_build.spec import Sampling
 from dflash_build.stages.common import chat, decontaminate
 from dflash_build.stages.common.job import Job
 from dflash_build.store import atomic, layout
+from dflash_build.versions import EVAL_VERSION
 
 log = logging.getLogger(__name__)
 
-EVAL_VERSION = 1
 BENCHMARK_CATEGORY = "benchmark"
 # How z-lab's benchmark script (z-lab/dflash, dflash/benchmark.py) prompts the sets drafters are judged on,
 # by reference set name; a set not named here is prompted with its text as it is.
@@ -59,7 +59,6 @@ EVAL_SCHEMA = pa.schema(
         ("top_p", pa.float64()),
         ("top_k", pa.int32()),
         ("min_p", pa.float64()),
-        ("max_new_tokens", pa.int32()),
         ("seed", pa.int64()),
     ]
 )
@@ -81,6 +80,7 @@ def run(job: Job) -> dict[str, Any]:
             "stage": "evalset",
             "scheme": EVAL_VERSION,
             "split_key": split_key(table),
+            "eval_key": plan.eval_key,
             "rows": table.num_rows,
             "prompts": len(set(table.column("prompt_id").to_pylist())),
             "files": [{"path": DATA_FILE, **written}],
@@ -113,7 +113,8 @@ def read(placed: release.InPlace) -> pa.Table:
 
 
 def _sampling_columns(sampling: Sampling) -> dict[str, Any]:
-    """The sampling fields a row carries (all but samples_per_prompt: a slice is measured once a prompt)."""
+    """The sampling fields a row carries: all but the budgets (accept asks for its own) and
+    samples_per_prompt (a slice is measured once a prompt)."""
     return {k: v for k, v in sampling.as_dict().items() if k in EVAL_SCHEMA.names}
 
 

@@ -87,6 +87,9 @@ PUBLISHED_STATS = "published" + SIDECAR
 
 
 ACCEPTANCE = "acceptance"  # each drafter's measurement on the eval split, by accept_key (stages.accept)
+# A measurement's files: each request's counts, then the summary, written last (it marks the measurement done).
+ACCEPTANCE_REQUESTS = "requests.parquet"
+ACCEPTANCE_SUMMARY = "summary.json"
 
 
 def acceptance_dir(store: Path, key: str) -> Path:
@@ -171,6 +174,11 @@ def prepared_record(logs: str | Path, name: str) -> str:
 
 def sizing_round(path: str | Path) -> int:
     return int(Path(path).stem.rsplit("-", 1)[1])
+
+
+def running_dir(logs: str | Path) -> Path:
+    """Where each running job records itself (dflash_build.running), for `status`."""
+    return Path(logs) / "running"
 
 
 def dist_log(logs: str | Path, name: str) -> str:

@@ -202,5 +202,18 @@ BACKEND = Backend(
     env_only=("dflash_build.engines.sglang_backend",),
     undecided=Option(GEN, "a ServerArgs field not decided here: keyed, it may change what the model writes"),
     check_names=check_names,
-    speculative=Speculative(_check_drafter, _speculative_options),
+    # STANDALONE drafts with a small model of its own, verified token by token: the same vocabulary
+    speculative=Speculative(
+        _check_drafter,
+        _speculative_options,
+        same_vocabulary=frozenset({"STANDALONE"}),
+        # a chain of k drafts (one candidate a step), verified with the target's bonus token: k + 1 tokens
+        self_drafter=lambda path, k: DrafterSpec(
+            "target-itself",
+            "STANDALONE",
+            path,
+            {"speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1},
+        ),
+        draft_tokens=lambda drafter: drafter.options.get("speculative_num_steps"),
+    ),
 )

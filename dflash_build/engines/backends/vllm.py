@@ -166,6 +166,12 @@ def _check_drafter(key: str, drafter: DrafterSpec) -> None:
             )
     if "num_speculative_tokens" not in drafter.options:
         raise ConfigError(f"{key}.options.num_speculative_tokens", "required: the draft length of each step")
+    if drafter.options.get("rejection_sample_method") == "synthetic":
+        raise ConfigError(
+            f"{key}.options.rejection_sample_method",
+            "'synthetic' accepts drafts at the configured rates, not by the target's probabilities: its figures "
+            "are not the drafter's and its answers not the target's; use 'standard' (the default) or 'block'",
+        )
 
 
 def _speculative_options(drafter: DrafterSpec) -> dict[str, Any]:
@@ -225,6 +231,60 @@ def _env(options: Mapping[str, Any]) -> dict[str, str]:
 
 def _cpu_chunked_prefill(options: Mapping[str, Any]) -> bool | None:
     return False if BACKEND.value(options, "device") == "cpu" else None  # elsewhere vLLM's own
+
+
+VENV = ".venv-vllm"  # what `make setup` builds: vLLM's CPU build in a venv of its own
+
+
+def _environment(engine: EngineSpec) -> None:
+    """The device and the interpreter the server would run on this machine, in one line each."""
+    if engine.gpus is None and BACKEND.value(engine.options, "device") != "cpu" and not _gpus_or_scheduler():
+        raise ConfigError(
+            "engine.options.device",
+            "this machine has no GPU (nvidia-smi lists none, CUDA_VISIBLE_DEVICES is unset) and no scheduler to "
+            "send jobs to one; vLLM's CPU build runs with `device: cpu` (and `python` naming its interpreter)",
+        )
+    python = BACKEND.value(engine.options, "python") or sys.executable
+    found = subprocess.run(
+        [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True,
+        check=False,
+    )
+    if found.returncode != 0:
+        raise ConfigError(
+            "engine.options.python",
+            f"{python} has no vLLM to run the server with; `make setup` builds {VENV} with vLLM {VLLM_VERSION}'s "
+            f"CPU build: `python: {VENV}/bin/python` (on GPUs, an env from envs/vllm.yaml)",
+        )
+
+
+def _gpus_or_scheduler() -> bool:
+    """Whether jobs here can reach a GPU: this machine's, or a scheduler's node (a SLURM login node)."""
+    import os
+    import shutil
+
+    return (
+        bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        or shutil.which("nvidia-smi") is not None
+        or bool(shutil.which("sbatch") or os.environ.get("SLURM_JOB_ID"))
+    )
+
+
+def _known_broken(options: Mapping[str, Any], sampling: Mapping[str, Any]) -> str | None:
+    """vLLM 0.32.0's CPU build under speculation (its C++ rejection kernels, docs/acceptance.md)."""
+    if BACKEND.value(options, "device") != "cpu":
+        return None
+    if sampling.get("top_k", 0) > 0:
+        return (
+            f"vLLM {VLLM_VERSION}'s CPU build kills its engine core under speculation with top_k > 0 "
+            "(apply_top_k_top_p_pytorch: index out of bounds); measure at top_k 0 on CPU, or on a GPU build"
+        )
+    if sampling.get("temperature", 0) > 0:
+        return (
+            f"vLLM {VLLM_VERSION}'s CPU build measures acceptance wrong at temperature > 0 (its calibration "
+            "fails there); measure at temperature 0 on CPU, or on a GPU build"
+        )
+    return None
 
 
 def _uses_gpu(engine: EngineSpec) -> bool:
@@ -304,5 +364,14 @@ BACKEND = Backend(
     conda_env="vllm",
     undecided=Option(GEN, "an engine argument not decided here: keyed, it may change what the model writes"),
     check_names=check_names,
-    speculative=Speculative(_check_drafter, _speculative_options, speculative_totals),
+    environment=_environment,
+    speculative=Speculative(
+        _check_drafter,
+        _speculative_options,
+        speculative_totals,
+        same_vocabulary=frozenset({"draft_model"}),
+        self_drafter=lambda path, k: DrafterSpec("target-itself", "draft_model", path, {"num_speculative_tokens": k}),
+        draft_tokens=lambda drafter: drafter.options.get("num_speculative_tokens"),
+        known_broken=_known_broken,
+    ),
 )

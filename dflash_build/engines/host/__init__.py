@@ -60,11 +60,11 @@ from dflash_build.engines.host.slots import host_slots as host_slots
 from dflash_build.engines.host.slots import leftovers as leftovers
 from dflash_build.engines.host.slots import processes as processes
 from dflash_build.engines.host.slots import read_state as read_state
-from dflash_build.engines.host.slots import running, stop_idle
+from dflash_build.engines.host.slots import running, starting, stop_idle
 from dflash_build.engines.host.slots import state_path as state_path
 from dflash_build.spec import Config, EngineSpec
 
-__all__ = ["running", "stop_idle"]
+__all__ = ["running", "starting", "stop_idle"]
 
 
 def describe(states: list[dict[str, Any]]) -> str:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from dflash_build.engines import registry
+from dflash_build.engines.base import EngineDied
 from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.host.attach import Attached, attach, join_others
 from dflash_build.engines.host.launch import LaunchSpec, launch_spec
@@ -29,6 +32,54 @@ def concurrency(engine: EngineSpec) -> int:
 
 
 STALLED_STOP_SECONDS = 20.0  # a stalled server is SIGKILLed by its host at once; then the host itself
+ERROR_SCAN_BYTES = 1 << 20  # how much of a dead server's log is read for its error
+# A Python exception as a server logs it (vLLM prefixes each line with its process and level); the
+# wrappers that only point back at the root cause are skipped.
+_EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_WRAPPERS = ("EngineDeadError", "EngineGenerateError")
+_POINTS_BACK = re.compile(r"stack trace (\(?above\)?|above)", re.IGNORECASE)
+_PROCESS = re.compile(r"^\([^)]*\)")
+_EXITED = re.compile(r"the server exited with (-?\d+)")  # the host's own line (engines.host.process)
+EXIT_WAIT_SECONDS = 10.0  # the host notices its server's exit within its poll
+
+
+def engine_error(log_path: str | Path, since: int = 0) -> str | None:
+    """The root exception a server's log shows after byte ``since``, with the innermost frame its process
+    raised it in, or None. A wrapper that points back at it ("see the stack trace above") is skipped."""
+    try:
+        with open(log_path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(since, size - ERROR_SCAN_BYTES))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    frames: dict[str, str] = {}  # by the process a line is from (vLLM prefixes each with it)
+    found = None
+    for line in lines:
+        process = _PROCESS.match(line)
+        who = process.group(0) if process else ""
+        if (where := _FRAME.search(line)) is not None:
+            frames[who] = f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}"
+            continue
+        error = _EXCEPTION.search(line)
+        if error is None or error.group(1).endswith(_WRAPPERS) or _POINTS_BACK.search(error.group(2)):
+            continue
+        frame = frames.get(who)
+        found = f"{error.group(1).rsplit('.', 1)[-1]}: {error.group(2).strip()}" + (f" ({frame})" if frame else "")
+    return found
+
+
+def exit_code(log_path: str | Path, since: int = 0) -> int | None:
+    """The exit status the host saw its server end with (negative: a signal killed it), or None yet."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    codes = _EXITED.findall(text)
+    return int(codes[-1]) if codes else None
 
 
 class ServedEngine:
@@ -43,6 +94,9 @@ class ServedEngine:
         self.spec, self.attached, self.stop_on_close, self.pool = spec, attached, stop_on_close, pool
         self.client: Any = None
         self.replaced = self.closed = False
+        self.died: EngineDied | None = None  # a server that exited on its own error: not replaced
+        # where each server's log stood when the job attached: an error before it was another job's
+        self._log_sizes = {e["url"]: _size(e.get("log")) for e in attached.engines}
         self._lock = threading.Lock()  # the pool's changes come from threads of their own
         self.identity: dict[str, Any] = {
             "identity_key": spec.identity_key,
@@ -60,12 +114,15 @@ class ServedEngine:
         try:
             yield from self.client.generate(requests)
         except ServerDown as e:
+            if self.died is not None:
+                raise self.died from None
             slots = sorted({engine["slot"] for engine in self.identity["engines"]})
             logs = ", ".join(str(Path(self.spec.log_dir) / f"{slot}.log") for slot in slots)
+            gpus = " and the GPUs (nvidia-smi)" if any(e.get("gpu") for e in self.attached.engines) else ""
             e.add_note(
                 f"No engine of the pool is left (each job replaces its own GPU's engine once). Finished rows are "
-                f"journaled. See the engines' logs ({logs}) and the GPUs (nvidia-smi), then run the build again: "
-                "it generates only the rest."
+                f"journaled. See the engines' logs ({logs}){gpus}, then run the build again: it generates only "
+                "the rest."
             )
             raise
 
@@ -77,6 +134,10 @@ class ServedEngine:
         if state is None:
             return PoolChange()
         self.identity.setdefault("lost", []).append({**described(state), "stalled": stalled, "why": why[:300]})
+        if not stalled and (error := self._died_of(state)) is not None:
+            log.error("%s", error)
+            self.died = self.died or error
+            return PoolChange()
         # nobody replaced it yet: a stalled server is stopped, and so is one that does not answer when we are
         # about to replace it (a stall, as far as this job can tell; else the replacement would find its
         # host still up, while another job stops it, and join it again)
@@ -105,6 +166,27 @@ class ServedEngine:
                 self.attached.members[joined_url] = (joined, fd)
                 self.identity["engines"].append(described(joined))
         return PoolChange(joined=attached.urls)
+
+    def _died_of(self, state: dict[str, Any]) -> EngineDied | None:
+        """The engine's own error, when its server exited on one while this job used it (a killed server
+        leaves none, and is replaced): replacing it would only fail the same requests again."""
+        if not state.get("log"):
+            return None
+        since = self._log_sizes.get(state["url"], 0)
+        deadline = time.monotonic() + EXIT_WAIT_SECONDS
+        while (code := exit_code(state["log"], since)) is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the server logs its error, then exits; its host says so within a poll
+        if code is None or code < 0:  # still up, or killed by a signal (kill -9): replaced as before
+            return None
+        error = engine_error(state["log"], since)
+        if error is None:
+            return None
+        where = "on " + (f"GPU {state['gpu']}" if state.get("gpu") else "cpu")
+        return EngineDied(
+            f"the {self.spec.backend} engine {where} died: {error}; log: {state['log']}. Finished rows are "
+            "journaled; no replacement was started, since the same requests would fail it again: fix the cause, "
+            "then run again"
+        )
 
     def _replaces(self, lost: dict[str, Any]) -> bool:
         """Whether this job replaces the lost engine: its own slot's, once, while the job is open."""
@@ -139,6 +221,13 @@ class ServedEngine:
                 self.attached.release()
             if self.stop_on_close:
                 stop_idle(self.spec.lock_dir, [self.spec.slot])
+
+
+def _size(path: str | None) -> int:
+    try:
+        return 0 if path is None else os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def described(state: dict[str, Any]) -> dict[str, Any]:

@@ -124,6 +124,22 @@ def stop_host(state: dict[str, Any], reason: str, wait: float = STOP_GRACE_SECON
             os.kill(pid, signal.SIGKILL)  # its server dies with it (PDEATHSIG)
 
 
+def starting(lock_dir: Path | str) -> list[dict[str, Any]]:
+    """Engine hosts alive whose server is not serving yet (loading a model takes minutes): slot, host pid,
+    since when."""
+    found = []
+    for path in sorted(Path(lock_dir).glob("engine-*.server.json")):
+        slot = path.name.removeprefix("engine-").removesuffix(".server.json")
+        try:
+            record = json.loads(path.read_text())
+            since = path.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if alive(int(record.get("host_pid", 0))) and read_state(lock_dir, slot) is None:
+            found.append({"slot": slot, "host_pid": record["host_pid"], "since": round(since, 3)})
+    return found
+
+
 def server_record(lock_dir: Path | str, slot: str) -> Path:
     """Which server a slot's host started last: its process group (the server leads it) and its session."""
     return Path(lock_dir) / f"engine-{slot}.server.json"

@@ -1,0 +1,514 @@
+"""Acceptance per slice (config key `accept`): serve the target with each drafter through the engine layer,
+generate the eval split (``dist/NAME-eval``) under each slice's own sampling, and read acceptance from the
+engine itself, per request (vLLM's ``metrics.speculative_decoding``, SGLang's ``meta_info``), checked
+against the engine's own totals over the run (vLLM's ``/metrics`` counters) where it has them.
+
+τ, the acceptance length, is tokens per verify step with the target's bonus token: ``1 + accepted /
+steps``, as DFlash reports it, summed over a slice's steps (per token) and averaged over its requests (per
+request: long answers weigh no more than short ones); acceptance at draft position i is the part of the
+steps that accepted position i. Answers that looped to their budget or were empty
+(:mod:`~dflash_build.stages.common.degenerate`) are left out of τ and counted apart: a drafter predicts a
+loop easily. Before the drafters, the engine's calibration (:mod:`.calibration`) checks that it measures
+right at the split's samplings; a drafter measured on an engine that fails it is marked untrusted.
+
+A drafter's measurement is keyed by :func:`accept_key` (the target, the drafter's files, method and
+options, the engine's keyed options, the split and the budget) and kept in the store (``store/acceptance/
+KEY``): a rerun measures nothing again, a new drafter only itself. The report (:mod:`dflash_build.publish.
+acceptance`), ``dist/NAME-acceptance``, puts the drafters side by side per slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from dflash_build import hashing, running
+from dflash_build.engines import Request, Result, SamplingParams, gpus, registry, uses_gpu
+from dflash_build.engines import host as engine_host
+from dflash_build.plan import Plan
+from dflash_build.publish import acceptance as report_mod
+from dflash_build.publish import release
+from dflash_build.spec import DrafterSpec
+from dflash_build.stages import evalset
+from dflash_build.stages.accept import calibration
+from dflash_build.stages.common import chat, degenerate
+from dflash_build.stages.common.failure import StageFailure
+from dflash_build.stages.common.job import Job
+from dflash_build.stages.generate.work import row_seed
+from dflash_build.store import atomic, layout
+
+log = logging.getLogger(__name__)
+
+# 2: accept.max_new_tokens is the budget (the build's no longer caps it); degenerate answers are left out
+# of τ; requests carry their sampling and prompt length; the summary its calibration and engine.
+ACCEPT_VERSION = 2
+REQUESTS_FILE = layout.ACCEPTANCE_REQUESTS
+SUMMARY_FILE = layout.ACCEPTANCE_SUMMARY
+REPORT_JSON = "acceptance.json"
+PLOT = "plots/acceptance.png"
+OVERALL = report_mod.OVERALL
+COUNTS = ("steps", "drafted", "accepted")
+PROGRESS_EVERY = 16  # results between two updates of the job's progress record (dflash_build.running)
+# The prompt's length in tokens, in bands: acceptance decays with context.
+CONTEXT_BANDS = (256, 1024, 4096, 16384)
+SLICES = (*evalset.SLICES, "context")
+REQUEST_SCHEMA = pa.schema(
+    [
+        *(evalset.EVAL_SCHEMA.field(c) for c in ("prompt_id", *evalset.SLICES)),
+        ("sampling", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("output_tokens", pa.int32()),
+        ("degenerate", pa.string()),
+        ("steps", pa.int64()),
+        ("drafted", pa.int64()),
+        ("accepted", pa.int64()),
+        ("histogram", pa.list_(pa.int64())),
+    ]
+)
+
+
+class AcceptanceMismatch(RuntimeError):
+    """The requests' own counts do not add up to the engine's totals over the run."""
+
+
+def accept_key(plan: Plan, drafter: DrafterSpec, split_key: str) -> str:
+    """What one drafter's measurement depends on."""
+    cfg = plan.config
+    assert cfg.accept is not None
+    return hashing.content_key(
+        {
+            "scheme": ACCEPT_VERSION,
+            **_engine_components(plan),
+            "method": drafter.method,
+            "drafter": plan.drafter_fingerprints.get(drafter.name),
+            "options": dict(drafter.options),
+            "split": split_key,
+            "max_new_tokens": cfg.accept.max_new_tokens,
+        }
+    )
+
+
+def _engine_components(plan: Plan) -> dict[str, Any]:
+    """The target and what of the engine changes its numbers: every measurement's key has them."""
+    cfg = plan.config
+    assert cfg.accept is not None
+    options = {**cfg.engine.options, **cfg.accept.engine_options}
+    return {
+        "target": plan.model_fingerprint["digest"],
+        "backend": cfg.engine.backend,
+        "engine": registry.keyed_options(cfg.engine.backend, options),
+    }
+
+
+def run(job: Job) -> dict[str, Any]:
+    """Calibrate the engine, measure each drafter not measured yet, then write the report into a new
+    version of the folder."""
+    plan = job.plan
+    accept = plan.config.accept
+    assert accept is not None
+    placed = release.in_place(release.folder_of(job.input("split")))
+    if placed.manifest.get("eval_key") != plan.eval_key:
+        raise StageFailure(
+            f"accept: the eval split in place ({release.folder_of(job.input('split'))}) was rendered for other "
+            "settings than this config's (its sampling, template, model or prompts); run `snakemake evalset` first"
+        )
+    split, split_key = evalset.read(placed), placed.manifest["split_key"]
+    keys = {name: accept_key(plan, d, split_key) for name, d in accept.drafters.items()}
+    todo = {n for n, key in keys.items() if kept(layout.acceptance_dir(plan.config.store, key)) is None}
+    verdict = calibrated(plan, split, split_key, measure_now=bool(todo))
+    measured = {}
+    for i, (name, drafter) in enumerate(accept.drafters.items()):
+        running.progress(drafters_done=f"{i}/{len(keys)}", to_measure=len(todo))
+        folder = layout.acceptance_dir(plan.config.store, keys[name])
+        summary = kept(folder)
+        if summary is None:
+            summary = measure(plan, drafter, split, folder, verdict)
+        else:
+            log.info("accept: %s measured before (%s): nothing to run", name, folder)
+        measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
+    training = report_mod.training_shares(release.folder_of(job.input("dataset")))
+    report = report_mod.build_report(measured, training, accept.weakest, split_key)
+    record = job.output("record")
+    with release.publish(release.folder_of(record), record) as tmp:
+        atomic.write_json(tmp / REPORT_JSON, report)
+        atomic.write_text(tmp / "README.md", report_mod.render_table(report))
+        report_mod.plot(report, tmp / PLOT)
+        # named by its report's digest (release.publish names a version by its manifest's)
+        report_digest = hashing.sha256_file(tmp / REPORT_JSON)
+        # the measurements it was made from, by drafter: gc keeps them, verify checks them
+        manifest = {"stage": "accept", "split_key": split_key, "files": [], "report": REPORT_JSON, "measurements": keys}
+        if verdict is not None:
+            manifest["calibration"] = verdict["key"]
+        atomic.write_json(tmp / layout.MANIFEST, {**manifest, "report_sha256": report_digest})
+    for name, drafter in report["drafters"].items():
+        if drafter.get("calibration") and not drafter["calibration"]["trusted"]:
+            log.warning("accept: %s: %s", name, report_mod.trust_line(drafter))
+    return report
+
+
+def calibrated(plan: Plan, split: pa.Table, split_key: str, measure_now: bool) -> dict[str, Any] | None:
+    """The engine's calibration on this split: kept, or run now when a drafter is to be measured (None with
+    accept.calibration.rows 0, or none kept and nothing to measure)."""
+    accept = plan.config.accept
+    assert accept is not None
+    if not accept.calibration.rows:
+        return None
+    key = calibration.key(plan, split_key, _engine_components(plan))
+    folder = layout.acceptance_dir(plan.config.store, key)
+    if (summary := kept(folder)) is not None or not measure_now:
+        return summary
+    backend = registry.get(plan.config.engine.backend)
+    assert backend.speculative is not None and backend.speculative.self_drafter is not None
+    drafter = backend.speculative.self_drafter(plan.config.model.path, accept.calibration.draft_tokens)
+    rows = calibration.rows(split.to_pylist(), accept.calibration.rows)
+    log.info("accept: calibrating the engine: the target drafting for itself on %d eval rows", len(rows))
+    running.progress(drafter=drafter.name, step="calibration: starting its server")
+    with serving(plan, drafter) as served:
+        requests = [_request(i, row, accept.calibration.max_new_tokens) for i, row in enumerate(rows)]
+        results = served.generate(requests, "calibration")
+        oracle = served.generate(calibration.oracle_requests(requests, results), "calibration's argmax")
+    verdict = calibration.verdict(rows, requests, results, oracle, key)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(folder / SUMMARY_FILE, {**verdict, "engine": served.engine})
+    return kept(folder)
+
+
+@dataclasses.dataclass
+class Served:
+    """One speculative server for one drafter: requests in, results by prompt id out."""
+
+    engine: dict[str, Any]
+    _served: Any
+    label: str = ""
+
+    def generate(self, requests: list[Request], step: str = "requests") -> dict[str, Result]:
+        """Every request's result by prompt id; `status` sees how many are done."""
+        out: dict[str, Result] = {}
+        for result in self._served.generate(requests):
+            out[result.prompt_id] = result
+            if len(out) % PROGRESS_EVERY == 0 or len(out) == len(requests):
+                running.progress(drafter=self.label, step=step, done=f"{len(out)}/{len(requests)}")
+        return out
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._served.attached.urls)
+
+
+@contextlib.contextmanager
+def serving(plan: Plan, drafter: DrafterSpec) -> Iterator[Served]:
+    """The target served with ``drafter`` on an engine of its own, stopped when done (the next drafter is
+    another server)."""
+    cfg = plan.config
+    accept = cfg.accept
+    assert accept is not None
+    backend = registry.get(cfg.engine.backend)
+    assert backend.speculative is not None, "registry.check_drafters refuses it at parse time"
+    options = {**cfg.engine.options, **accept.engine_options, **backend.speculative.options(drafter)}
+    engine_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, options=options, shared=False))
+    tokenizer = chat.load_tokenizer(cfg.model, plan.tokenizer_cache())
+    stop_ids = chat.stop_token_ids(tokenizer, cfg.model.path)
+    with gpus.pinned(engine_cfg.engine) if uses_gpu(engine_cfg.engine) else contextlib.nullcontext() as lease:
+        served = engine_host.open_engine(
+            engine_cfg, stop_ids, lease, tokenizer, plan.model_fingerprint, chat.context_length(cfg.model)
+        )
+        try:
+            urls = list(served.attached.urls)
+            yield Served({"backend": cfg.engine.backend, "version": _version(urls), "urls": urls}, served, drafter.name)
+        finally:
+            served.close()
+
+
+def measure(
+    plan: Plan, drafter: DrafterSpec, split: pa.Table, folder: Path, verdict: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Serve the target with ``drafter``, generate every row of the split, and keep each request's counts
+    and the summary in ``folder`` (the summary last: it marks the measurement done)."""
+    accept = plan.config.accept
+    assert accept is not None
+    backend = registry.get(plan.config.engine.backend)
+    rows = split.to_pylist()
+    requests = [_request(i, row, accept.max_new_tokens) for i, row in enumerate(rows)]
+    log.info("accept: %s (%s) on %d eval requests", drafter.name, drafter.method, len(requests))
+    running.progress(drafter=drafter.name, step="starting its server")
+    with serving(plan, drafter) as served:
+        before = _totals(backend, served.urls)
+        results = served.generate(requests, "eval requests")
+        after = _totals(backend, served.urls)
+    out = [_request_row(row, requests[i], results.get(str(i))) for i, row in enumerate(rows)]
+    table = pa.Table.from_pylist(out, schema=REQUEST_SCHEMA)
+    summary = summarize(table)
+    summary["drafter"] = {"name": drafter.name, "method": drafter.method, "path": drafter.path, **drafter.options}
+    summary["draft_tokens"] = registry.draft_tokens(plan.config.engine.backend, drafter)
+    summary["ceiling"] = None if summary["draft_tokens"] is None else summary["draft_tokens"] + 1
+    summary["engine"] = served.engine
+    summary["calibration"] = verdict
+    summary["engine_totals"] = _difference(before, after)
+    check_totals(summary)
+    return keep(folder, table, summary)
+
+
+def _request_row(row: dict[str, Any], request: Request, result: Result | None) -> dict[str, Any]:
+    counted = None if result is None else result.acceptance
+    finish = "missing" if result is None else result.finish_reason
+    output = [] if result is None else result.output_ids
+    return {
+        **{c: row[c] for c in ("prompt_id", *evalset.SLICES)},
+        "sampling": calibration.sampling_label(row),
+        "prompt_tokens": len(request.prompt_ids),
+        "finish_reason": finish,
+        "output_tokens": len(output),
+        "degenerate": degenerate.reason(output, finish) if result is not None else None,
+        "steps": counted.steps if counted else 0,
+        "drafted": counted.drafted if counted else 0,
+        "accepted": counted.accepted if counted else 0,
+        "histogram": list(counted.histogram) if counted else [],
+    }
+
+
+def keep(folder: Path, table: pa.Table, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write a measurement: its requests, then its summary (which marks it done) with their rows and digest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_parquet(folder / REQUESTS_FILE, table)
+    record = {"rows": table.num_rows, "sha256": hashing.sha256_file(folder / REQUESTS_FILE)}
+    summary = {**summary, REQUESTS_FILE: record}
+    atomic.write_json(folder / SUMMARY_FILE, summary)
+    return summary
+
+
+def kept(folder: Path) -> dict[str, Any] | None:
+    """The measurement kept in ``folder``: None when there is none, or its summary is damaged (then the
+    drafter is measured again, and the summary replaced)."""
+    try:
+        return json.loads((folder / SUMMARY_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        log.warning("accept: %s is damaged (%s): measuring again", folder / SUMMARY_FILE, e)
+        return None
+
+
+def _config_folders(plan: Plan) -> tuple[release.InPlace, dict[str, Path], Path | None] | None:
+    """The eval split in place, by drafter the folder the config's drafters' measurements on it go to, and
+    the calibration's (None without `accept` or a split in place)."""
+    cfg = plan.config
+    if cfg.accept is None or release.current(cfg.eval_dir) is None:
+        return None
+    placed = release.in_place(cfg.eval_dir)
+    split_key = placed.manifest["split_key"]
+    drafters = cfg.accept.drafters.items()
+    folders = {name: layout.acceptance_dir(cfg.store, accept_key(plan, d, split_key)) for name, d in drafters}
+    calibration_folder = None
+    if cfg.accept.calibration.rows:
+        calibration_folder = layout.acceptance_dir(
+            cfg.store, calibration.key(plan, split_key, _engine_components(plan))
+        )
+    return placed, folders, calibration_folder
+
+
+def measurements(plan: Plan, reports: list[Path]) -> set[Path]:
+    """The measurement folders in use: those the config's drafters (and its calibration) key to on the eval
+    split in place, and those each acceptance report in ``reports`` was made from."""
+    in_place = _config_folders(plan)
+    used: set[Path] = set()
+    if in_place is not None:
+        used |= set(in_place[1].values()) | ({in_place[2]} if in_place[2] else set())
+    for report in reports:
+        if release.current(report) is not None:
+            manifest = release.in_place(report).manifest
+            keys = [*manifest.get("measurements", {}).values(), *filter(None, [manifest.get("calibration")])]
+            used |= {layout.acceptance_dir(plan.config.store, key) for key in keys}
+    return used
+
+
+def preview(plan: Plan) -> str | None:
+    """`plan`'s line: which drafters `snakemake accept` would serve and which it reads from the store, and
+    whether the engine's calibration found its figures untrustworthy."""
+    cfg = plan.config
+    if cfg.accept is None:
+        return None
+    return "\n".join([_preview(plan), *known_broken(plan)])
+
+
+def known_broken(plan: Plan) -> list[str]:
+    """A line for each sampling of the split the pinned engine is known to measure wrong (or die on) under
+    speculation, with the setting that works: said before any server starts."""
+    cfg = plan.config
+    assert cfg.accept is not None
+    speculative = registry.get(cfg.engine.backend).speculative
+    assert speculative is not None
+    options = {**cfg.engine.options, **cfg.accept.engine_options}
+    samplings = {
+        calibration.sampling_label(sp.spec.sampling.as_dict()): sp.spec.sampling for sp in plan.sources.values()
+    }
+    if cfg.eval_benchmarks:
+        samplings[calibration.sampling_label(cfg.sampling.as_dict())] = cfg.sampling
+    lines = []
+    for label, sampling in sorted(samplings.items()):
+        if (why := speculative.known_broken(options, sampling.as_dict())) is not None:
+            lines.append(f"accept: at {label}: {why}")
+    return lines
+
+
+def _preview(plan: Plan) -> str:
+    cfg = plan.config
+    assert cfg.accept is not None
+    names = list(cfg.accept.drafters)
+    in_place = _config_folders(plan)
+    if in_place is None:
+        return f"accept: measures {len(names)} drafters ({', '.join(names)}: a server each) once the eval split is in"
+    placed, folders, calibration_folder = in_place
+    if placed.manifest.get("eval_key") != plan.eval_key:
+        return (
+            f"accept: measures up to {len(names)} drafters ({', '.join(names)}) once the eval split is rendered again: "
+            f"the one in place ({placed.manifest['split_key']}) was rendered for other settings (sampling, "
+            "template, model or prompts); the build renders it first, and a drafter is measured again only where "
+            "its rows changed"
+        )
+    todo = [name for name, folder in folders.items() if kept(folder) is None]
+    read = [name for name in names if name not in todo]
+    serve = f" ({', '.join(todo)}: a server each, {placed.manifest['rows']} eval requests)" if todo else ""
+    reads = f" ({', '.join(read)})" if read else ""
+    line = (
+        f"accept: measures {len(todo)} of {len(names)} drafters{serve}, reads {len(read)} from the store{reads}; "
+        f"on the eval split in place ({placed.manifest['split_key']}: a build that changes it measures every "
+        "drafter again)"
+    )
+    verdict = None if calibration_folder is None else kept(calibration_folder)
+    if verdict is not None and not verdict["trusted"]:
+        line += f"\naccept: the engine's figures are {report_mod.trust_line({'calibration': verdict})}"
+    return line
+
+
+def _request(i: int, row: dict[str, Any], max_new_tokens: int) -> Request:
+    # accept's own budget: acceptance is measured over as long an answer as it asks, the build's limit aside
+    sampling = {f.name: row[f.name] for f in dataclasses.fields(SamplingParams) if f.name != "max_new_tokens"}
+    params = SamplingParams(**sampling, max_new_tokens=max_new_tokens)
+    # the row's own seed, as generate gives it (a prompt id and turn), under an index the results come back by
+    return Request(str(i), 0, list(row["prompt_ids"]), params, row_seed(row["seed"], row["prompt_id"], 0, row["turn"]))
+
+
+def _version(urls: list[str]) -> str | None:
+    """The serving engine's version, as its server reports it (vLLM's /version)."""
+    for url in urls:
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(f"{url}/version", timeout=10) as answer:
+            return str(json.loads(answer.read()).get("version"))
+    return None
+
+
+def _totals(backend: registry.Backend, urls: list[str]) -> dict[str, Any] | None:
+    """The engine's own counters summed over its servers, where the backend exposes them."""
+    assert backend.speculative is not None
+    if backend.speculative.totals is None:
+        return None
+    totals: dict[str, Any] = {}
+    for url in urls:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=30) as answer:
+            totals = _added(totals, backend.speculative.totals(answer.read().decode()))
+    return totals
+
+
+def _difference(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if before is None or after is None else _added(after, before, -1)
+
+
+def _added(a: dict[str, Any], b: dict[str, Any], sign: int = 1) -> dict[str, Any]:
+    """Counters ``a + sign * b``, a list of them (per draft position) position by position."""
+    out = dict(a)
+    for name, value in b.items():
+        if isinstance(value, list):
+            out[name] = [x + sign * y for x, y in itertools.zip_longest(out.get(name) or [], value, fillvalue=0)]
+        else:
+            out[name] = out.get(name, 0) + sign * value
+    return out
+
+
+def check_totals(summary: dict[str, Any]) -> None:
+    """The requests' counts, summed, must be the engine's own totals over the run (when it has them)."""
+    totals = summary["engine_totals"]
+    if totals is None:
+        return
+    ours = {**{k: summary["counted"][k] for k in COUNTS}, "per_position": summary["counted"]["per_position_steps"]}
+    theirs = {k: totals.get(k) for k in ours}
+    positions = len(ours["per_position"])
+    if theirs["per_position"] is not None:
+        theirs["per_position"] = (list(theirs["per_position"]) + [0] * positions)[:positions]
+    if ours != theirs:
+        raise AcceptanceMismatch(
+            f"accept: the requests' counts {ours} are not the engine's own totals over the run {theirs}: "
+            "another client used the server meanwhile, or the engine counts differently; measure again"
+        )
+
+
+def context_band(prompt_tokens: int) -> str:
+    """The prompt-length band a request falls in (``<256``, ``256-1K``, ..., ``>=16K``)."""
+    names = [_k(b) for b in CONTEXT_BANDS]
+    for i, bound in enumerate(CONTEXT_BANDS):
+        if prompt_tokens < bound:
+            return f"<{names[0]}" if i == 0 else f"{names[i - 1]}-{names[i]}"
+    return f">={names[-1]}"
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 else str(n)
+
+
+def summarize(table: pa.Table) -> dict[str, Any]:
+    """τ and acceptance per draft position for every slice value and overall, over the answers that are
+    not degenerate (those are counted apart); ``counted``: every request's counts, as the engine's totals
+    count them."""
+    rows = table.to_pylist()
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[OVERALL].append(row)
+        for column in SLICES:
+            value = context_band(row["prompt_tokens"]) if column == "context" else row[column]
+            groups[(column, str(value))].append(row)
+    slices: dict[str, dict[str, Any]] = defaultdict(dict)
+    for (column, value), members in sorted(groups.items()):
+        slices[column][value] = _figures(members)
+    failed = sum(r["finish_reason"] not in ("stop", "length") for r in rows)
+    left_out: dict[str, int] = defaultdict(int)
+    for row in rows:
+        if row["degenerate"]:
+            left_out[row["degenerate"]] += 1
+    return {
+        "slices": dict(slices),
+        "requests": len(rows),
+        "failed": failed,
+        "degenerate": dict(left_out),
+        "counted": _figures(rows, everything=True),
+    }
+
+
+def _figures(rows: list[dict[str, Any]], everything: bool = False) -> dict[str, Any]:
+    """A group's figures over its answers that are not degenerate (all of them with ``everything``)."""
+    kept_rows = rows if everything else [r for r in rows if not r["degenerate"]]
+    steps, drafted, accepted = (sum(r[k] for r in kept_rows) for k in COUNTS)
+    width = max((len(r["histogram"]) for r in kept_rows), default=1) - 1
+    per_position = [sum(sum(r["histogram"][p + 1 :]) for r in kept_rows) for p in range(max(width, 0))]
+    per_request = [1 + r["accepted"] / r["steps"] for r in kept_rows if r["steps"]]
+    return {
+        "requests": len(kept_rows),
+        "degenerate": len(rows) - len(kept_rows),
+        "samplings": sorted({r["sampling"] for r in rows}),
+        "steps": steps,
+        "drafted": drafted,
+        "accepted": accepted,
+        "tau": round(1 + accepted / steps, 4) if steps else None,
+        "tau_per_request": round(sum(per_request) / len(per_request), 4) if per_request else None,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "per_position_steps": per_position,
+        "per_position": [round(n / steps, 4) for n in per_position] if steps else [],
+    }
