@@ -50,7 +50,10 @@ def progress(**fields: Any) -> None:
     """Say how far the running job is (no-op outside a recorded job)."""
     if not _CURRENT:
         return
-    _CURRENT["record"] = {**_CURRENT["record"], "progress": {**_CURRENT["record"].get("progress", {}), **fields}}
+    earlier = dict(_CURRENT["record"].get("progress", {}))
+    if "step" in fields and fields["step"] != earlier.get("step"):
+        earlier.pop("done", None)  # how far the last step went says nothing of the next
+    _CURRENT["record"] = {**_CURRENT["record"], "progress": {**earlier, **fields}}
     with contextlib.suppress(OSError):
         atomic.write_json(_CURRENT["path"], _CURRENT["record"])
 

@@ -50,6 +50,11 @@ class _LogFile(logging.FileHandler):
             print(f"dflash-build: the job's log stops here: {env}", file=sys.stderr)
 
 
+def history_log(log_path: str | Path) -> Path:
+    """Every run's lines of a job's log (``NAME.log.history``), which Snakemake does not delete."""
+    return Path(f"{log_path}.history")
+
+
 @contextlib.contextmanager
 def logged(log_path: str | Path | None, writing: str | Path | None = None) -> Iterator[None]:
     """Send the package's log records to ``log_path`` (and stderr) for the duration of a job.
@@ -61,8 +66,10 @@ def logged(log_path: str | Path | None, writing: str | Path | None = None) -> It
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        # appended: a rerun (a restore after a crash) keeps what the run that generated the shard wrote
-        handlers.append(_LogFile(log_path, mode="a", encoding="utf-8"))
+        handlers.append(_LogFile(log_path, mode="w", encoding="utf-8"))
+        # Snakemake deletes a job's log before it runs the job again (a restore after a crash): every run's
+        # lines are kept beside it too, appended under a header that names the run
+        handlers.append(_LogFile(history_log(log_path), mode="a", encoding="utf-8"))
     for h in handlers:
         h.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(h)

@@ -33,10 +33,7 @@ dflash_build.workflow.warnings_to_stderr()
 dflash_build.snakemake_fixes.apply()
 CONFIG = dflash_build.workflow.parsed(dflash_build.config.from_dict, config)
 PLAN = dflash_build.workflow.parsed(dflash_build.plan.build, CONFIG)
-# The engine this machine would start (its device, its interpreter), named with the setting to use.
-dflash_build.workflow.parsed(
-    dflash_build.engines.registry.check_environment, CONFIG.engine
-)
+
 STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
 DATASET_DIR = str(CONFIG.dataset_dir)
@@ -55,6 +52,12 @@ dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
 # dflash_build.workflow.is_dry_run).
 DRY_RUN = dflash_build.workflow.is_dry_run(sys.argv)
+# The engine a build would start on this machine (its device, its interpreter), named with the setting
+# to use (a dry run, like `plan`, on a login node, starts none).
+if not DRY_RUN:
+    dflash_build.workflow.parsed(
+        dflash_build.engines.registry.check_environment, CONFIG.engine
+    )
 # A killed run's locks stop the next plain run: they go when no other run of this workflow is alive.
 if not DRY_RUN:
     dflash_build.workflow.release_stale_locks(Path(os.getcwd()))

@@ -149,6 +149,8 @@ def test_a_snakemake_the_fixes_were_not_written_for_stops_the_workflow_in_one_li
     lines = [li for li in stopped.stderr.splitlines() if li.startswith("dflash-build:")]
     assert stopped.returncode != 0 and len(lines) == 1 and said in lines[0], stopped.stderr[-3000:]
     assert f"{snakemake_fixes.UNFIXED_ENV}=1" in lines[0] and "Traceback" not in stopped.stderr
+    if stub != STUB_VERSION:
+        return  # the opt-out, once
     opted_out = subprocess.run(
         command, env={**env, snakemake_fixes.UNFIXED_ENV: "1"}, capture_output=True, text=True, timeout=300
     )

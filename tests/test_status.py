@@ -144,7 +144,10 @@ def test_status_says_when_no_snakemake_runs_the_build_and_the_plain_rerun_finish
     )
     assert generated == len(PROMPTS), "each row generated once: the killed run's by it, the rest by the rerun"
     assert 0 < before <= len(PROMPTS)
-    logs = "".join(p.read_text() for p in wf.workdir.glob("logs/completions/*/*/*.log"))
-    assert logs.count("---- a run of this job") > len(list(wf.workdir.glob("logs/completions/*/*/*.log"))), (
-        "a job run again appends to its log: the first run's lines stay"
-    )
+    # Snakemake deletes a log before it runs its job again: every run's lines stay in the history beside it
+    histories = list(wf.workdir.glob("logs/completions/*/*/*.log.history"))
+    assert len(histories) == len(list(wf.workdir.glob("logs/completions/*/*/*.log")))
+    runs = [p.read_text().count("---- a run of this job") for p in histories]
+    assert max(runs) == 2 and all(n >= 1 for n in runs), runs
+    rerun_history = next(p.read_text() for p in histories if p.read_text().count("---- a run of this job") == 2)
+    assert "published" in rerun_history.split("---- a run of this job")[1], "the first run's lines are kept"
