@@ -12,6 +12,7 @@ second and a third (only they run).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -89,7 +90,11 @@ SAMPLED = {**GREEDY, "temperature": 0.6, "top_p": 0.95}  # the production config
 
 
 def accept_config(
-    model: Path, data: Path, drafters: dict[str, Any] | None, sampling: dict[str, Any] = GREEDY
+    model: Path,
+    data: Path,
+    drafters: dict[str, Any] | None,
+    sampling: dict[str, Any] = GREEDY,
+    source_sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     write_jsonl(data / "code.jsonl", [{"instruction": p} for p in CODE])
     write_jsonl(data / "prose.jsonl", [{"instruction": p} for p in PROSE])
@@ -100,6 +105,8 @@ def accept_config(
     config = base_config(model, sources, engine=shared_engine(model, "vllm"))
     config["model"].pop("chat_template")  # SmolLM2's own
     config["sampling"] = dict(sampling)
+    for source in sources.values() if source_sampling else ():  # the sources' own: only benchmark rows use the top's
+        source["sampling"] = dict(source_sampling or {})
     config["checks"]["allow_shortfall"] = True
     write_jsonl(data / "gsm8k.jsonl", GSM8K)
     config["decontaminate"] = {"references": {"gsm8k": {"files": [str(data / "gsm8k.jsonl")], "field": "question"}}}
@@ -158,8 +165,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[
         steps["sampled"] = _report(wf)
         steps["sampled_readme"] = (wf.workdir / "dist" / "test-mix-acceptance" / "README.md").read_text()
         steps["sampled_plan_after"] = _cli(wf, "plan").stdout
-        # top_k > 0 kills vLLM 0.32.0's CPU engine core in its rejection sampler
-        wf.write_config(accept_config(target, data, {"self": self_drafter}, {**SAMPLED, "top_k": 20}))
+        # top_k > 0 kills vLLM 0.32.0's CPU engine core in its rejection sampler: on the benchmark rows alone
+        # (the sources keep their sampling, so the dataset stands and no row is generated)
+        top_k = {**SAMPLED, "top_k": 20}
+        wf.write_config(accept_config(target, data, {"self": self_drafter}, top_k, source_sampling=SAMPLED))
         engines_before = len(engine_history(wf.workdir / "logs"))
         crashed = wf.run("accept", check=False)
         steps["crashed"] = [crashed.returncode, crashed.stdout + crashed.stderr, _accept_log_of(wf.workdir)]
@@ -179,7 +188,7 @@ def _run_watching_status(wf: Workflow, *args: str) -> list[str]:
         said = []
         while build.poll() is None:
             said.append(_cli(wf, "status").stdout)
-            time.sleep(2)  # a status costs a core for a second: the build keeps the machine
+            time.sleep(5)  # a status costs a core for a second: the build keeps the machine
         assert build.wait() == 0, (wf.workdir / "watched.log").read_text()[-4000:]
     return said
 
@@ -346,7 +355,9 @@ def test_status_sees_the_accept_job_its_progress_and_its_engine_starting(measure
     assert len(said) >= 3, said
     accept_lines = [li for out in said for li in out.splitlines() if li.strip().startswith("accept: ")]
     assert any("drafter target-itself" in li and "step calibration" in li for li in accept_lines), accept_lines
-    assert any("drafter self" in li and "step eval requests" in li for li in accept_lines), accept_lines
+    assert any("drafter self" in li for li in accept_lines), "then the drafter it measures"
+    counted = [li for li in accept_lines if re.search(r"done \d+/\d+", li) and "step calibration's argmax" in li]
+    assert counted, "how many of the calibration's requests are done"
     assert any("starting for" in out for out in said), "an engine host whose server loads is named"
     busy = [out for out in said if "jobs running: 0" not in out]
     assert busy and all("no Snakemake runs" not in out.splitlines()[0] for out in busy), "a job runs: so does it"
@@ -374,11 +385,12 @@ def test_an_engine_that_dies_fails_accept_in_one_line_and_is_not_replaced(measur
     [line] = {li.split(": ", 1)[1] for li in log_text.splitlines() if "engine on cpu died:" in li}  # one message
     assert "RuntimeError: index" in line and "out of bounds" in line and "log: " in line, line
     assert "nvidia-smi" not in output and "Traceback" not in log_text, log_text[-3000:]
-    # the run's engines: the build's generation server (stopped for the next identity), then the calibration's,
-    # which died of the engine's error; none started again for the same requests
+    # the calibration's server died of the engine's error, and none was started again for the same requests
+    # (an idle engine of the step before may be stopped for it: 'replaced')
     engines = measured["crash_engines"]
     [died] = [e for e in engines if e["reason"] == "server exited (0)"]
     assert [e["identity_key"] for e in engines].count(died["identity_key"]) == 1, engines
+    assert {e["reason"] for e in engines} <= {"server exited (0)", "replaced"}, engines
 
 
 def test_the_report_shows_sampling_ceiling_requests_and_both_taus(measured: dict[str, Any]) -> None:
