@@ -417,16 +417,7 @@ def test_a_row_is_found_for_reuse_only_under_the_same_model_numerics_seed_and_sa
     base = random_config(ws, random.Random(seed))
     before = ws.reuse_keys(base)
     for name, (edit, _) in EDITS.items():
-        config = copy.deepcopy(base)
-        readme, config_json = ws.model / "README.md", (ws.model / "config.json").read_text()
-        touched = edit(config, ws)
-        if name == "sources.*.format":
-            config["sources"][touched]["fields"] = {"prompt": "instruction"}
-        if name == "sources.*.fields":
-            config["sources"][touched]["fields"] = {"input": "instruction"}
-        after = ws.reuse_keys(config)
-        readme.unlink(missing_ok=True)
-        (ws.model / "config.json").write_text(config_json)
+        _, touched, after = _edited(ws, base, name, edit, ws.reuse_keys)
         for source, old in before.items():
             hit = touched is None or (source in touched if isinstance(touched, set) else touched == source)
             moved = (
