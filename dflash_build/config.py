@@ -231,7 +231,7 @@ def _kwargs_from(raw: Mapping[str, Any], key: str) -> dict[str, TemplateKwargFro
 
 def _hub(h: Mapping[str, Any], key: str) -> HubSpec:
     hf = HubSpec(h["path"], h["name"], h["split"], h["revision"], h["data_files"])
-    if not hf.is_local and not _COMMIT.fullmatch(hf.revision or ""):
+    if _unpinned(hf.path, hf.revision):
         raise ConfigError(
             f"{key}.revision",
             f"hub dataset '{hf.path}' needs a pinned revision: a 40-hex-digit commit, not {hf.revision!r} "
@@ -410,8 +410,13 @@ def _to_fill_in(raw: Mapping[str, Any]) -> list[str]:
     return [
         f"{key}.revision ({hf.get('path')}: {hf.get('revision')!r})"
         for key, hf in hubs
-        if hf is not None and not os.path.isdir(hf["path"]) and not _COMMIT.fullmatch(hf.get("revision") or "")
+        if hf is not None and _unpinned(hf["path"], hf.get("revision"))
     ]
+
+
+def _unpinned(path: str, revision: str | None) -> bool:
+    """A hub dataset (not a local folder) without a 40-hex-digit commit."""
+    return not os.path.isdir(path) and not _COMMIT.fullmatch(revision or "")
 
 
 def from_dict(raw: Mapping[str, Any]) -> Config:

@@ -58,6 +58,12 @@ def progress(**fields: Any) -> None:
         atomic.write_json(_CURRENT["path"], _CURRENT["record"])
 
 
+def live(record: dict[str, Any]) -> bool:
+    """Whether the process a record names (``pid`` on ``host``) still runs: one on another host is taken
+    as running, since its process table cannot be seen from here."""
+    return record.get("host") != platform.node() or alive(int(record.get("pid", 0)))
+
+
 def jobs(logs: Path) -> list[dict[str, Any]]:
     """The running jobs' records (read only): a record whose process is gone on this host is none."""
     out = []
@@ -66,7 +72,6 @@ def jobs(logs: Path) -> list[dict[str, Any]]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if record.get("host") == platform.node() and not alive(int(record.get("pid", 0))):
-            continue
-        out.append(record)
+        if live(record):
+            out.append(record)
     return sorted(out, key=lambda r: r.get("since", 0))

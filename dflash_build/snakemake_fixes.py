@@ -17,6 +17,8 @@ leaves a Snakemake that differs alone (tests/test_snakemake_fixes.py fails then,
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import textwrap
 from collections import deque
 from typing import Any
@@ -40,9 +42,6 @@ def apply() -> list[str]:
     """Every change below, once per process (the Snakefile calls this at parse time). A Snakemake outside
     :data:`TESTED`, or one whose code a change does not find, stops the run in one line naming the version
     and the changes, unless :data:`UNFIXED_ENV` is 1. Returns the changes that did not apply."""
-    import os
-    import sys
-
     import snakemake
     import snakemake.api
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import importlib
 import json
 import logging
@@ -24,7 +25,6 @@ from typing import Any, TypeVar
 from dflash_build import config as config_mod
 from dflash_build import engines, keys, running
 from dflash_build import plan as plan_mod
-from dflash_build.engines.host.slots import alive
 from dflash_build.publish import release
 from dflash_build.spec import Config, ConfigError, EngineSpec
 from dflash_build.stages.common import job as job_mod
@@ -167,10 +167,8 @@ def parsed(step: Callable[..., T], *args: Any) -> T:
         sys.exit(f"dflash-build: {e}")
 
 
-_RUN_LOCK: list[Any] = []  # this process's hold on the working directory's run lock, for its whole life
-
-
 RUN_LOCK = ".snakemake/dflash-build.lock"  # held by the live run of a working directory, naming it
+_RUN_LOCK: list[Any] = []  # this process's hold on it, for its whole life
 
 
 def build_running(workdir: Path) -> dict[str, Any] | None:
@@ -179,9 +177,7 @@ def build_running(workdir: Path) -> dict[str, Any] | None:
         record = json.loads((workdir / RUN_LOCK).read_text())
     except (OSError, ValueError):
         return None
-    if record.get("host") == platform.node() and not alive(int(record.get("pid", 0))):
-        return None
-    return record
+    return record if running.live(record) else None
 
 
 def release_stale_locks(workdir: Path) -> list[Path]:
@@ -190,9 +186,7 @@ def release_stale_locks(workdir: Path) -> list[Path]:
     kernel drops it with the process, kill -9 too): a run that gets it is the only one alive, so the locks
     it finds are a dead run's and go, with a line that says so. A run that does not get it leaves them
     to Snakemake, which refuses to run beside a live one. Returns the locks removed."""
-    import fcntl
-
-    folder = workdir / ".snakemake"
+    folder = (workdir / RUN_LOCK).parent
     folder.mkdir(exist_ok=True)
     handle = open(workdir / RUN_LOCK, "a+")  # noqa: SIM115 (held for the process's life)
     try:

@@ -156,7 +156,7 @@ def collect(plan: Plan, window: float = WINDOW_SECONDS, now: float | None = None
     left = status.rows - status.rows_done
     status.build = workflow.build_running(Path.cwd())
     records = running.jobs(plan.config.logs)
-    _add_recorded(status, records, now)
+    _add_recorded(status, records)
     if not status.done and status.rows_per_second > 0 and status.build is not None:
         status.eta_seconds = left / status.rows_per_second  # no build, no end to foresee
     status.engines = [_engine(e, now) for e in engine_host.running(plan.config.engine.lock_dir)]
@@ -167,7 +167,7 @@ def collect(plan: Plan, window: float = WINDOW_SECONDS, now: float | None = None
     return status
 
 
-def _add_recorded(status: Status, records: list[dict[str, Any]], now: float) -> None:
+def _add_recorded(status: Status, records: list[dict[str, Any]]) -> None:
     """The jobs running by their own records: a generate job the journals missed (it has not taken its
     shard's lock yet: loading, waiting for its engine), and the other stages' jobs with their progress."""
     seen = {(j.source, j.shard) for j in status.jobs}

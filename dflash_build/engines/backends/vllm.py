@@ -17,6 +17,8 @@ pins its own transformers), on ``device`` (``cpu`` for vLLM's CPU build).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -260,9 +262,6 @@ def _environment(engine: EngineSpec) -> None:
 
 def _gpus_or_scheduler() -> bool:
     """Whether jobs here can reach a GPU: this machine's, or a scheduler's node (a SLURM login node)."""
-    import os
-    import shutil
-
     return (
         bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
         or shutil.which("nvidia-smi") is not None

@@ -124,18 +124,18 @@ def run(job: Job) -> dict[str, Any]:
             "settings than this config's (its sampling, template, model or prompts); run `snakemake evalset` first"
         )
     split, split_key = evalset.read(placed), placed.manifest["split_key"]
-    keys = {name: accept_key(plan, d, split_key) for name, d in accept.drafters.items()}
-    todo = {n for n, key in keys.items() if kept(layout.acceptance_dir(plan.config.store, key)) is None}
-    verdict = calibrated(plan, split, split_key, measure_now=bool(todo))
+    folders, calibration_folder = _folders(plan, split_key)
+    summaries = {name: kept(folder) for name, folder in folders.items()}
+    todo = [name for name, summary in summaries.items() if summary is None]
+    verdict = calibrated(plan, split, calibration_folder, measure_now=bool(todo))
     measured = {}
     for i, (name, drafter) in enumerate(accept.drafters.items()):
-        running.progress(drafters_done=f"{i}/{len(keys)}", to_measure=len(todo))
-        folder = layout.acceptance_dir(plan.config.store, keys[name])
-        summary = kept(folder)
+        running.progress(drafters_done=f"{i}/{len(folders)}", to_measure=len(todo))
+        summary = summaries[name]
         if summary is None:
-            summary = measure(plan, drafter, split, folder, verdict)
+            summary = measure(plan, drafter, split, folders[name], verdict)
         else:
-            log.info("accept: %s measured before (%s): nothing to run", name, folder)
+            log.info("accept: %s measured before (%s): nothing to run", name, folders[name])
         measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
     training = report_mod.training_shares(release.folder_of(job.input("dataset")))
     report = report_mod.build_report(measured, training, accept.weakest, split_key)
@@ -147,6 +147,7 @@ def run(job: Job) -> dict[str, Any]:
         # named by its report's digest (release.publish names a version by its manifest's)
         report_digest = hashing.sha256_file(tmp / REPORT_JSON)
         # the measurements it was made from, by drafter: gc keeps them, verify checks them
+        keys = {name: folder.name for name, folder in folders.items()}  # a measurement's folder is its key
         manifest = {"stage": "accept", "split_key": split_key, "files": [], "report": REPORT_JSON, "measurements": keys}
         if verdict is not None:
             manifest["calibration"] = verdict["key"]
@@ -157,15 +158,13 @@ def run(job: Job) -> dict[str, Any]:
     return report
 
 
-def calibrated(plan: Plan, split: pa.Table, split_key: str, measure_now: bool) -> dict[str, Any] | None:
-    """The engine's calibration on this split: kept, or run now when a drafter is to be measured (None with
-    accept.calibration.rows 0, or none kept and nothing to measure)."""
+def calibrated(plan: Plan, split: pa.Table, folder: Path | None, measure_now: bool) -> dict[str, Any] | None:
+    """The engine's calibration on this split, kept in ``folder``: kept, or run now when a drafter is to be
+    measured (None with accept.calibration.rows 0, or none kept and nothing to measure)."""
     accept = plan.config.accept
     assert accept is not None
-    if not accept.calibration.rows:
+    if folder is None:
         return None
-    key = calibration.key(plan, split_key, _engine_components(plan))
-    folder = layout.acceptance_dir(plan.config.store, key)
     if (summary := kept(folder)) is not None or not measure_now:
         return summary
     backend = registry.get(plan.config.engine.backend)
@@ -178,10 +177,10 @@ def calibrated(plan: Plan, split: pa.Table, split_key: str, measure_now: bool) -
         requests = [_request(i, row, accept.calibration.max_new_tokens) for i, row in enumerate(rows)]
         results = served.generate(requests, "calibration")
         oracle = served.generate(calibration.oracle_requests(requests, results), "calibration's argmax")
-    verdict = calibration.verdict(rows, requests, results, oracle, key)
+    verdict = {**calibration.verdict(rows, requests, results, oracle, folder.name), "engine": served.engine}
     folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(folder / SUMMARY_FILE, {**verdict, "engine": served.engine})
-    return kept(folder)
+    atomic.write_json(folder / SUMMARY_FILE, verdict)
+    return verdict
 
 
 @dataclasses.dataclass
@@ -306,15 +305,19 @@ def _config_folders(plan: Plan) -> tuple[release.InPlace, dict[str, Path], Path 
     if cfg.accept is None or release.current(cfg.eval_dir) is None:
         return None
     placed = release.in_place(cfg.eval_dir)
-    split_key = placed.manifest["split_key"]
+    return placed, *_folders(plan, placed.manifest["split_key"])
+
+
+def _folders(plan: Plan, split_key: str) -> tuple[dict[str, Path], Path | None]:
+    """By drafter, the folder of the config's drafters' measurements on the split ``split_key``, and its
+    calibration's (None with accept.calibration.rows 0)."""
+    cfg = plan.config
+    assert cfg.accept is not None
     drafters = cfg.accept.drafters.items()
     folders = {name: layout.acceptance_dir(cfg.store, accept_key(plan, d, split_key)) for name, d in drafters}
-    calibration_folder = None
-    if cfg.accept.calibration.rows:
-        calibration_folder = layout.acceptance_dir(
-            cfg.store, calibration.key(plan, split_key, _engine_components(plan))
-        )
-    return placed, folders, calibration_folder
+    if not cfg.accept.calibration.rows:
+        return folders, None
+    return folders, layout.acceptance_dir(cfg.store, calibration.key(plan, split_key, _engine_components(plan)))
 
 
 def measurements(plan: Plan, reports: list[Path]) -> set[Path]:
