@@ -3,8 +3,11 @@ every prompt would give, from lengths measured where the store has them and assu
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -13,7 +16,7 @@ from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build.ops import estimate, forecast
 from dflash_build.stages import mix
-from tests.conftest import base_config, write_jsonl
+from tests.conftest import Workflow, base_config, write_jsonl
 
 
 def _plan(tmp_path: Path, tiny_model: Path, **mix_settings: object) -> plan_mod.Plan:
@@ -110,3 +113,42 @@ def test_the_size_stage_sizes_each_round_from_the_shards_its_job_declares(tmp_pa
         *(("long", f"{i:05d}") for i in range(4)),
         *(("short", f"{i:05d}") for i in range(3)),
     ], "the mix declares the shards the top-up names"
+
+
+@pytest.mark.workflow
+def test_plan_forecasts_the_share_check_the_build_then_fails_and_the_fix_it_names(
+    operated_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Issue 71: a category whose target is under half a sample still takes one, so a small dataset's
+    shares move by whole samples. `plan` says so before any GPU time (on mean lengths), the build then
+    fails the same check, `plan` on the built shards says exactly what the mix says, and the tolerance it
+    names lets the build through."""
+    wf = Workflow(operated_store[0]).copy_to(tmp_path / "w")
+    config = copy.deepcopy(operated_store[1])
+    write_jsonl(wf.workdir / "code.jsonl", [{"instruction": "Write a function that reverses a list in place."}])
+    config["sources"]["code"] = {"category": "coding", "files": ["code.jsonl"], "format": "alpaca"}
+    config["mix"] = {"categories": {"general": 0.98, "coding": 0.02}}
+    config["checks"] = {"share_tolerance": 0.02}
+    wf.write_config(config)
+
+    before = wf.cli("plan").stdout
+    assert "warning: at these mean lengths the mix's checks would fail:" in before, before
+    assert "category 'general' reaches" in before, before
+
+    failed = wf.run(check=False)
+    assert failed.returncode != 0
+    log = (wf.workdir / "logs" / "dist" / "test-mix.log").read_text()
+    said = re.search(r"  - (category 'general' reaches .*)", log)
+    assert said, log
+
+    after = wf.cli("plan").stdout
+    assert "warning: on the built token shards the mix's checks would fail:" in after, after
+    assert f"  - {said.group(1)}" in after.splitlines(), "plan says what the mix said, word for word"
+
+    tolerance = re.search(r"checks\.share_tolerance: ([0-9.]+)", said.group(1))
+    assert tolerance, said.group(1)
+    config["checks"] = {"share_tolerance": float(tolerance.group(1))}
+    wf.write_config(config)
+    assert "mix checks: every category within" in wf.cli("plan").stdout
+    wf.build()
+    assert (wf.workdir / "dist" / "test-mix" / "manifest.json").exists()

@@ -7,7 +7,13 @@ category's target: without a budget the scarcest category relative to its share 
 the size. Under ``as_needed`` the forecast adds the shards per source the sizing
 (:mod:`dflash_build.stages.size`) would ask for from the same lengths. Lengths come from this source's
 shards in the store when it has any, else from this model's other shards, else they are assumed (half of
-``max_new_tokens``, no prompt tokens), and the forecast says which.
+``max_new_tokens``, no prompt tokens), and the forecast says which. The mix's share check is forecast too:
+each category filled by the mix's own rule (:func:`~dflash_build.stages.mix.take_to_target`) from samples
+of its sources' mean lengths, then checked as the mix checks it (:func:`~dflash_build.stages.mix.checks.
+missed_shares`): a category whose target is under half a sample still takes one, and a small dataset's
+shares move by whole samples. Once every token shard the mix would read is built, the forecast is the
+mix's own selection and checks on them (:func:`~dflash_build.stages.mix.choose`): what the build will
+say, before it runs.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dflash_build.plan import Plan
 from dflash_build.stages import size
-from dflash_build.stages.mix import binds, category_targets
+from dflash_build.stages.mix import binds, category_targets, choose, take_to_target
+from dflash_build.stages.mix.checks import MixError, missed_shares
 from dflash_build.store import records as R
 
 MEASURED_HERE, MEASURED_MODEL, ASSUMED = "measured", "this model's other shards", "assumed"
@@ -63,6 +72,10 @@ class MixForecast:
     # of those it names, and the rounds estimated (measured on fewer shards than they name)
     replayed_built: dict[str, int] | None = None
     replayed_estimated: tuple[int, ...] = ()
+    # the mix's share check on the forecast's samples: each share it would miss, with what to change
+    missed_shares: list[str] = field(default_factory=list)
+    share_tolerance: float = 0.0
+    checked_on_built: bool = False  # the mix's own checks on the built token shards, not mean lengths
 
     @property
     def expected_tokens(self) -> float:
@@ -106,6 +119,12 @@ class MixForecast:
                 else "measured on the shards they read"
             )
             out.append(f"as needed (mix.generate): the size jobs will name {each} ({basis})")
+        on = "on the built token shards" if self.checked_on_built else "at these mean lengths"
+        if self.missed_shares:
+            out.append(f"warning: {on} the mix's checks would fail:")
+            out += [f"  - {problem}" for problem in self.missed_shares]
+        else:
+            out.append(f"mix checks: every category within {self.share_tolerance:.1%} of its share {on}")
         bases = Counter(self.bases.values())
         out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
         return out
@@ -161,7 +180,7 @@ def forecast(
         )
         for c, share in shares.items()
     ]
-    sized = {}
+    sized: dict[str, tuple[int, int]] = {}
     if cfg.mix_generate == "as_needed":
         supplies = [
             size.Supply(
@@ -177,4 +196,49 @@ def forecast(
         ]
         shards, _ = size.shards_needed(shares, cfg.mix_budget_tokens, supplies)
         sized = {name: (max(1, shards[name]), plan.sources[name].n_shards) for name in plan.sources}
-    return MixForecast(categories, {n: v.basis for n, v in lengths.items()}, tokens_per_second, sized)
+    generated = {
+        name: samples[name] * (sized[name][0] / sized[name][1] if name in sized else 1.0) for name in plan.sources
+    }
+    built = _built_mix_checks(plan, sized)
+    missed = built if built is not None else _share_check(plan, shares, generated, per_sample)
+    return MixForecast(
+        categories,
+        {n: v.basis for n, v in lengths.items()},
+        tokens_per_second,
+        sized,
+        missed_shares=missed,
+        share_tolerance=cfg.checks.share_tolerance,
+        checked_on_built=built is not None,
+    )
+
+
+def _built_mix_checks(plan: Plan, sized: dict[str, tuple[int, int]]) -> list[str] | None:
+    """The mix's problems with the token shards it would read (``sized``: as_needed's shards per source),
+    from its own selection; None while any of them is not built."""
+    shards = {name: plan.token_shards(name)[: sized[name][0] if name in sized else None] for name in plan.sources}
+    if not all(p.exists() for paths in shards.values() for p in paths):
+        return None
+    try:
+        choose(plan, shards)
+    except MixError as e:
+        return e.problems
+    return []
+
+
+def _share_check(
+    plan: Plan, shares: dict[str, float], samples: dict[str, float], per_sample: dict[str, float]
+) -> list[str]:
+    """The mix's share check on samples of each source's mean length: each category's samples in an
+    interleaved order (the mix's rank is a hash, so sources mix evenly), filled to the mix's targets."""
+    by_category: dict[str, list[tuple[float, int]]] = {c: [] for c in shares}
+    for name, sp in plan.sources.items():
+        n = round(samples[name])
+        tokens = max(1, round(per_sample[name]))
+        by_category.setdefault(sp.spec.category, []).extend(((i + 0.5) / n, tokens) for i in range(n))
+    available = Counter({c: sum(t for _, t in rows) for c, rows in by_category.items() if c in shares})
+    targets = category_targets(shares, dict(available), plan.config.mix_budget_tokens)
+    chosen: Counter[str] = Counter()
+    for category in shares:
+        lengths = np.array([t for _, t in sorted(by_category[category])], dtype=np.int64)
+        chosen[category] = int(lengths[take_to_target(lengths, targets[category])].sum())
+    return missed_shares(plan, shares, targets, chosen, available)

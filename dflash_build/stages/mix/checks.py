@@ -23,6 +23,10 @@ NOTED_DEVIATION = 0.01  # a share further than this from its target is stated in
 class MixError(StageFailure):
     """The dataset would miss what the config asks for; the message names the cause and the key to change."""
 
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.problems = problems
+
 
 def missed_floors(plan: Plan, reached: dict[str, dict[str, dict[str, Any]]], targets: dict[str, float]) -> list[str]:
     """Each language floor of ``mix.languages`` missed by more than the tolerance, with what to change."""
@@ -105,17 +109,28 @@ def check(
                 f"source '{name}' reaches the mix with no samples ({why}); {advice}; or allow it with "
                 f"checks.allow_shortfall: [{sp.spec.category}]"
             )
-    total = sum(chosen.values())
-    if total == 0:
+    if sum(chosen.values()) == 0:
         problems.insert(0, "the dataset would be empty: no token shard has a usable sample")
-    else:
-        for category, share in shares.items():
-            achieved = chosen[category] / total
-            if share - achieved > checks.share_tolerance and category not in checks.allow_shortfall:
-                problems.append(_missed_share(category, share, chosen, available, targets, checks.share_tolerance))
+    problems += missed_shares(plan, shares, targets, chosen, available)
     problems += missed or []
     if problems:
-        raise MixError("the mix misses the configured dataset:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise MixError(problems)
+
+
+def missed_shares(
+    plan: Plan, shares: dict[str, float], targets: dict[str, float], chosen: Counter[str], available: Counter[str]
+) -> list[str]:
+    """Each category share the chosen tokens miss by more than ``checks.share_tolerance`` (and not allowed),
+    with what to change: the check the mix runs, and the one `plan` forecasts."""
+    checks = plan.config.checks
+    total = sum(chosen.values())
+    if total == 0:
+        return []
+    return [
+        _missed_share(category, share, chosen, available, targets, checks.share_tolerance)
+        for category, share in shares.items()
+        if share - chosen[category] / total > checks.share_tolerance and category not in checks.allow_shortfall
+    ]
 
 
 def drawn_empty(plan: Plan, name: str) -> bool:
