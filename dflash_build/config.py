@@ -27,11 +27,13 @@ from dflash_build.spec import (
     ConfigError,
     DecontaminationSpec,
     DedupSpec,
+    Degenerate,
     DrafterSpec,
     EngineSpec,
     ExportSpec,
     HeldOut,
     HubSpec,
+    LoopRule,
     ModelSpec,
     NearSpec,
     PackSpec,
@@ -308,6 +310,22 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
     )
 
 
+def _degenerate(raw: Mapping[str, Any]) -> Degenerate:
+    loop = dict(raw["loop"])
+    return Degenerate(
+        loop=LoopRule(loop["max_period"], loop["min_repeats"], loop["min_span"]),
+        loop_policy=loop["policy"],
+        stop_early=loop["stop_early"],
+        repetitive_ngram=raw["repetitive"]["ngram"],
+        repetitive_min_distinct=float(raw["repetitive"]["min_distinct"]),
+        repetitive_min_tokens=raw["repetitive"]["min_tokens"],
+        repetitive_policy=raw["repetitive"]["policy"],
+        unclosed_reasoning_policy=raw["unclosed_reasoning"]["policy"],
+        empty_policy=raw["empty"]["policy"],
+        reasoning_markers=tuple(raw["reasoning_markers"]),
+    )
+
+
 def _checks(raw: Mapping[str, Any], categories: Mapping[str, float]) -> Checks:
     allow = raw["allow_shortfall"]
     if allow is True:
@@ -463,6 +481,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_generate=mix["generate"],
         sources=sources,
         checks=checks,
+        degenerate=_degenerate(raw["degenerate"]),
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
         exports=_exports(raw),
         trainer=trainer,

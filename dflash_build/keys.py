@@ -31,6 +31,9 @@ CROSS_SOURCE = "cross_source"
 # The gen component of a turns: all source under model.tool_call_parser: the parser and tool_match,
 # which decide where a tool conversation goes on. A conversation without tools does not depend on it.
 TOOL_CALLS = "tool_calls"
+# The gen component of a build whose engine stops a looping row (config degenerate.loop.stop_early): the
+# rule, which decides where such a row ends. Not in the reuse key: a row is checked against it as reused.
+LOOP_STOP = "loop_stop"
 
 # What gen_key holds that is not how a row is generated: the prompt set, which of it other sources keep,
 # and the budgets (a row generated under another max_new_tokens or window is cut or continued;
@@ -47,7 +50,7 @@ REQUEST_COMPONENTS = ("model", "engine", "sampling")
 # answer slot, under the source's sampling, whatever the engine's numerics (accept_key has those), the
 # window, the parser, the turn_samples policy or the copies another source keeps.
 EVAL = "eval_key"
-NOT_IN_EVAL_KEY = ("engine", "trainer_window", "context_length", TOOL_CALLS, "turn_samples", CROSS_SOURCE)
+NOT_IN_EVAL_KEY = ("engine", "trainer_window", "context_length", TOOL_CALLS, "turn_samples", CROSS_SOURCE, LOOP_STOP)
 
 
 def sampling_without_budgets(components: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,6 +106,17 @@ _EXPORT = "only that export's folder: the params trigger reruns it, export_key n
 _SAMPLING = "changes the distribution of answers"
 _ACCEPT = "only the acceptance report: each drafter's result is keyed by its own accept_key (stages.accept)"
 
+_DEGENERATE = "which answers are no training data, and whether each is dropped (tokenize's verdict)"
+_DEGENERATE_FIELDS = (
+    *("repetitive.policy", "repetitive.ngram", "repetitive.min_distinct", "repetitive.min_tokens"),
+    *("unclosed_reasoning.policy", "empty.policy", "reasoning_markers"),
+)
+_LOOP_STOP = (
+    "where the backend stops rows (Backend.stops_loops) and a loop is dropped, the rule decides where a looping "
+    "row ends (keys.LOOP_STOP; not in the reuse key: an earlier row is checked against the rule as it is reused); "
+    "elsewhere only tokenize's verdict (tok)"
+)
+
 # Every field of config/schema.yaml; `sources.*` stands for each source.
 CONFIG_FIELDS: dict[str, Decision] = {
     "store": _d(None, _WHERE),
@@ -151,6 +165,9 @@ CONFIG_FIELDS: dict[str, Decision] = {
     ),
     "shard_size": _d(PROMPT, "fixes the shard count, so which prompts share a shard"),
     "truncated": _d(TOK, "whether truncated answers become samples"),
+    **{f"degenerate.{name}": _d(TOK, _DEGENERATE) for name in _DEGENERATE_FIELDS},
+    **{f"degenerate.loop.{name}": _d(GEN, _LOOP_STOP) for name in ("policy", "max_period", "min_repeats", "min_span")},
+    "degenerate.loop.stop_early": _d(GEN, _LOOP_STOP),
     "mix.categories": _d(None, _MIX),
     "mix.budget_tokens": _d(None, _MIX),
     "mix.seed": _d(None, _MIX),

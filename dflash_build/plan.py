@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash_build import hashing, keys, lsh, readers
 from dflash_build.engines import registry
-from dflash_build.spec import LOCAL_SUFFIXES, TOOL_TURNS, Config, ConfigError, HubSpec, SourceSpec
+from dflash_build.spec import LOCAL_SUFFIXES, TOOL_TURNS, Config, ConfigError, HubSpec, LoopRule, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
 from dflash_build.versions import (
     EVAL_VERSION,
@@ -460,9 +460,18 @@ def _gen_components(
                 "trainer_window": (asdict(config.trainer) if config.trainer.max_length is not None else None, None),
                 # which of its prompts another source keeps, skipped before generation (keys.CROSS_SOURCE)
                 keys.CROSS_SOURCE: ([[name, key] for name, key in above.items()], []),
+                # a row the engine stopped on the loop rule is shorter than the one it would have written
+                keys.LOOP_STOP: (rule.as_dict() if (rule := loop_stop(config)) is not None else None, None),
             }
         ),
     }
+
+
+def loop_stop(config: Config) -> LoopRule | None:
+    """The loop rule the engine stops rows on (``degenerate.loop``) where its backend can (``stops_loops``);
+    None where answers run whole (tokenize drops a loop after the fact, on the same rule)."""
+    rule = config.degenerate.stopping
+    return rule if rule is not None and registry.get(config.engine.backend).stops_loops else None
 
 
 def ranked_above(config: Config, source: str) -> list[str]:
@@ -506,6 +515,8 @@ def build(config: Config, only: str | None = None) -> Plan:
             "scheme": TOK_VERSION,
             "gen_key": hashing.content_key(gen_components),
             "truncated": config.truncated,
+            # which answers are no training data, and whether each is dropped (stages.common.degenerate)
+            "degenerate": config.degenerate.components(),
             "language": LANGUAGE_VERSION,
         }
         n_shards = prompt_components["n_shards"]

@@ -197,6 +197,63 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class LoopRule:
+    """When a repeated span is a loop (config ``degenerate.loop``; defaults measured in docs/benchmarks.md)."""
+
+    max_period: int = 64
+    min_repeats: int = 3
+    min_span: int = 96
+
+    def as_dict(self) -> dict[str, int]:
+        return {"max_period": self.max_period, "min_repeats": self.min_repeats, "min_span": self.min_span}
+
+
+DEGENERATE_POLICIES = ("drop", "keep")
+# The reasons an answer is no training data, in the order they are tested (stages.common.degenerate)
+DEGENERATE_REASONS = ("loop", "repetitive", "unclosed_reasoning", "empty")
+
+
+@dataclass(frozen=True)
+class Degenerate:
+    """Answers that are no training data (config ``degenerate``, :mod:`dflash_build.stages.common.degenerate`):
+    each reason's thresholds and policy, and whether the engine stops a loop as it happens."""
+
+    loop: LoopRule = LoopRule()
+    loop_policy: str = "drop"
+    stop_early: bool = True
+    repetitive_ngram: int = 4
+    repetitive_min_distinct: float = 0.2
+    repetitive_min_tokens: int = 256
+    repetitive_policy: str = "drop"
+    unclosed_reasoning_policy: str = "drop"
+    empty_policy: str = "drop"
+    reasoning_markers: tuple[str, ...] = ("<think>", "</think>")
+
+    def policy(self, reason: str) -> str:
+        return str(getattr(self, f"{reason}_policy"))
+
+    @property
+    def stopping(self) -> LoopRule | None:
+        """The loop rule the engine stops rows on: only where a loop is dropped (a kept one runs to its end)."""
+        return self.loop if self.stop_early and self.loop_policy == "drop" else None
+
+    def components(self) -> dict[str, Any]:
+        """What decides tokenize's verdicts (its key component)."""
+        return {
+            "loop": {**self.loop.as_dict(), "policy": self.loop_policy},
+            "repetitive": {
+                "ngram": self.repetitive_ngram,
+                "min_distinct": self.repetitive_min_distinct,
+                "min_tokens": self.repetitive_min_tokens,
+                "policy": self.repetitive_policy,
+            },
+            "unclosed_reasoning": {"policy": self.unclosed_reasoning_policy},
+            "empty": {"policy": self.empty_policy},
+            "reasoning_markers": list(self.reasoning_markers),
+        }
+
+
+@dataclass(frozen=True)
 class Checks:
     """When a build fails instead of losing data quietly (docs/configuration.md: "Loud failure")."""
 
@@ -362,6 +419,7 @@ class Config:
     eval_benchmarks: tuple[str, ...] = ()  # decontaminate.references in the eval split, a slice each
     sampling: Sampling | None = None  # the top-level sampling (each source's holds it merged)
     accept: AcceptSpec | None = None
+    degenerate: Degenerate = field(default_factory=Degenerate)
 
     @property
     def dataset_dir(self) -> Path:

@@ -119,10 +119,12 @@ def test_a_planted_loop_is_counted_apart_and_leaves_tau_unchanged() -> None:
     assert planted["counted"]["accepted"] == clean["counted"]["accepted"] + 120, "the engine's totals count it"
 
 
-def test_degenerate_answers_are_loops_to_the_budget_and_empty_answers_not_repeated_code() -> None:
-    code = [11, 12, 13, 14, 15, 16, 17, 18] * 30  # a function written out 30 times, then a stop
-    assert degenerate.reason(code, "stop") is None, "an answer that repeats for a reason stops on its own"
-    assert degenerate.reason(code, "length") == degenerate.LOOP
+def test_accept_judges_degenerate_answers_by_the_builds_rule() -> None:
+    """The same rule as tokenize's (a loop anywhere, on each prefix): a stopped or truncated loop is one, a
+    short repeat and varied text are not, an empty stop is empty (tests/test_degenerate.py has the rest)."""
+    loop = [11, 12, 13, 14, 15, 16, 17, 18] * 30
+    assert degenerate.reason(loop, "stop") == degenerate.reason(loop, "length") == degenerate.LOOP
+    assert degenerate.reason(loop[:95], "length") is None, "under min_span"
     assert degenerate.reason([1, 2] * 20, "length") is None, "a short repeat is no loop"
     assert degenerate.reason(list(range(300)), "length") is None
     assert degenerate.reason([], "stop") == degenerate.EMPTY and degenerate.reason([], "length") is None

@@ -266,6 +266,19 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "trainer.min_new_tokens": (lambda c, ws: c.update(trainer={"max_length": 4096, "min_new_tokens": 8}), keys.GEN),
     "shard_size": (_shard_count, keys.PROMPT),
     "truncated": (_set("truncated", "keep"), keys.TOK),
+    # the random configs run the transformers backend, which stops loops: the loop rule is in gen_key
+    "degenerate.loop.policy": (_set("degenerate.loop.policy", "keep"), keys.GEN),
+    "degenerate.loop.max_period": (_set("degenerate.loop.max_period", 32), keys.GEN),
+    "degenerate.loop.min_repeats": (_set("degenerate.loop.min_repeats", 4), keys.GEN),
+    "degenerate.loop.min_span": (_set("degenerate.loop.min_span", 200), keys.GEN),
+    "degenerate.loop.stop_early": (_set("degenerate.loop.stop_early", False), keys.GEN),
+    "degenerate.repetitive.policy": (_set("degenerate.repetitive.policy", "keep"), keys.TOK),
+    "degenerate.repetitive.ngram": (_set("degenerate.repetitive.ngram", 3), keys.TOK),
+    "degenerate.repetitive.min_distinct": (_set("degenerate.repetitive.min_distinct", 0.3), keys.TOK),
+    "degenerate.repetitive.min_tokens": (_set("degenerate.repetitive.min_tokens", 64), keys.TOK),
+    "degenerate.unclosed_reasoning.policy": (_set("degenerate.unclosed_reasoning.policy", "keep"), keys.TOK),
+    "degenerate.empty.policy": (_set("degenerate.empty.policy", "keep"), keys.TOK),
+    "degenerate.reasoning_markers": (_set("degenerate.reasoning_markers", ["<r>", "</r>"]), keys.TOK),
     "mix.seed": (_set("mix.seed", 5), None),
     "dedup.near.threshold": (_near("threshold", 0.6), keys.PROMPT),
     "dedup.near.ngram": (_near("ngram", 3), keys.PROMPT),
@@ -359,6 +372,7 @@ def test_every_edit_changes_exactly_the_keys_its_decision_names(tmp_path: Path, 
 NOT_IN_EVAL = {"engine.options.dtype", "trainer.max_length", "trainer.min_new_tokens", "model.context_length"}
 NOT_IN_EVAL |= {"model.tool_call_parser", "sources.*.tool_match", "sources.*.turn_samples"}
 NOT_IN_EVAL |= {"dedup.across_sources", "dedup.prefer", "sampling.max_new_tokens", "sampling.samples_per_prompt"}
+NOT_IN_EVAL |= {f"degenerate.loop.{k}" for k in ("policy", "max_period", "min_repeats", "min_span", "stop_early")}
 
 
 @pytest.mark.parametrize("seed", range(3))

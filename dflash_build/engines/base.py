@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Protocol
 
-from dflash_build.spec import Sampling
+from dflash_build.spec import LoopRule, Sampling
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    # stop the row when this loop rule fires (finish reason loop): backends whose descriptor says stops_loops
+    stop_loops: LoopRule | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Result:
     prompt_id: str
     sample_idx: int
     output_ids: list[int]  # without the stop token
-    finish_reason: str  # stop | length | abort | error
+    finish_reason: str  # stop | length | loop | abort | error
     stop_token_id: int | None = None
     error: str | None = None
     # Set by backends that only get text back: output_ids then come from re-tokenizing it, and the

@@ -145,7 +145,10 @@ def completion_acceptance(out: Any) -> Acceptance | None:
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
     """SGLang's native /generate takes the in-process engine's sampling params as they are."""
-    return {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request, stop_token_ids)}
+    body = {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request, stop_token_ids)}
+    if request.stop_loops is not None:  # only to a server whose backend stops loops (ours): SGLang has no such field
+        body["stop_loops"] = request.stop_loops.as_dict()
+    return body
 
 
 class ServerClient:

@@ -107,6 +107,9 @@ class Backend:
     # Cores a job asks Snakemake for (the rule's threads:).
     threads: Callable[[Mapping[str, Any]], int] = field(default=lambda options: 1)
     speculative: Speculative | None = None  # None: its server cannot serve a drafter
+    # it stops a row when Request.stop_loops fires (in its decoding loop, or its server's); others answer
+    # whole and tokenize drops the loop after the fact
+    stops_loops: bool = False
     # Whether this machine can run the engine as configured (its device, its interpreter): a look of
     # milliseconds at parse time that names the setting to use, instead of a job that fails (engine checks).
     environment: Callable[[EngineSpec], None] | None = None

@@ -26,6 +26,7 @@ from typing import Any
 
 from dflash_build.engines.base import Request, Result, SamplingParams
 from dflash_build.engines.transformers_backend import TransformersEngine
+from dflash_build.spec import LoopRule
 
 log = logging.getLogger(__name__)
 # Knobs the transformers backend does not implement: refused unless neutral, never silently ignored.
@@ -50,7 +51,9 @@ def request_of(rid: str, body: dict[str, Any], stop_ids: list[int]) -> Request:
         float(sp.get("min_p", 0.0)),
         int(sp.get("max_new_tokens", 128)),
     )
-    return Request(rid, 0, ids, params, int(sp.get("sampling_seed", 0)))
+    rule = body.get("stop_loops")
+    stop_loops = LoopRule(**{k: int(rule[k]) for k in ("max_period", "min_repeats", "min_span")}) if rule else None
+    return Request(rid, 0, ids, params, int(sp.get("sampling_seed", 0)), stop_loops)
 
 
 def answer_of(result: Result) -> dict[str, Any]:
@@ -59,8 +62,8 @@ def answer_of(result: Result) -> dict[str, Any]:
     if result.finish_reason == "stop":
         ids.append(result.stop_token_id)
         finish: dict[str, Any] = {"type": "stop", "matched": result.stop_token_id}
-    elif result.finish_reason == "length":
-        finish = {"type": "length", "length": len(ids)}
+    elif result.finish_reason in ("length", "loop"):  # loop: ours, the rule the request named fired
+        finish = {"type": result.finish_reason, "length": len(ids)}
     else:
         finish = {"type": "abort", "message": result.error or result.finish_reason}
     return {

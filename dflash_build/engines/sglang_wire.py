@@ -75,6 +75,8 @@ def _parse_finish(request: Request, out: Mapping[str, Any], stop_token_ids: list
         if stop_id is None:  # no stop id anywhere: we cannot say what ended the turn
             return abort(request, f"a stop without a stop token: {dict(finish)}", output_ids)
         return Result(request.prompt_id, request.sample_idx, output_ids, "stop", stop_token_id=stop_id)
+    if kind == "loop":  # our transformers server stopped it on the request's loop rule (never SGLang)
+        return Result(request.prompt_id, request.sample_idx, output_ids, "loop")
     if kind == "length":
         if output_ids and output_ids[-1] in stops:
             # SGLang before 0.5.6 checked the length limit before stop tokens: a stop sampled as the last

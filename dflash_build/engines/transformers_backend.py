@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_build import killpoints
+from dflash_build import killpoints, loops
 from dflash_build.engines import registry
 from dflash_build.engines.base import Request, Result, position_seed
 
@@ -127,15 +127,11 @@ class TransformersEngine:
             tokens = self._sample(logits, params, seeds)
             still: list[int] = []
             for pos, row in enumerate(active):
-                token = int(tokens[pos])
-                if token in self.stop_token_ids:
-                    yield Result(batch[row].prompt_id, batch[row].sample_idx, outputs[row], "stop", stop_token_id=token)
-                    continue
-                outputs[row].append(token)
-                if len(outputs[row]) >= params.max_new_tokens:
-                    yield Result(batch[row].prompt_id, batch[row].sample_idx, outputs[row], "length")
-                    continue
-                still.append(pos)
+                done = self._step(batch[row], outputs[row], int(tokens[pos]))
+                if done is not None:
+                    yield done
+                else:
+                    still.append(pos)
             if not still:
                 return
             if len(still) < len(active):
@@ -153,6 +149,20 @@ class TransformersEngine:
             )
             cache = getattr(out, self.cache_arg)
             logits = out.logits[:, -1, :]
+
+    def _step(self, request: Request, output: list[int], token: int) -> Result | None:
+        """Add one sampled token to a row's answer; the row's result when it ends there."""
+        if token in self.stop_token_ids:
+            return Result(request.prompt_id, request.sample_idx, output, "stop", stop_token_id=token)
+        output.append(token)
+        rule = request.stop_loops
+        if rule is not None and len(output) % loops.CHECK_EVERY == 0:
+            end = loops.loop_end(output, rule)
+            if end is not None:  # cut where the rule first fired: the same row whatever the check's step
+                return Result(request.prompt_id, request.sample_idx, output[:end], "loop")
+        if len(output) >= request.params.max_new_tokens:
+            return Result(request.prompt_id, request.sample_idx, output, "length")
+        return None
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: Any, seeds: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ say, before it runs.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from dflash_build.plan import Plan
 from dflash_build.stages import size
 from dflash_build.stages.mix import binds, category_targets, choose, take_to_target
 from dflash_build.stages.mix.checks import MixError, missed_shares
+from dflash_build.store import layout
 from dflash_build.store import records as R
 
 MEASURED_HERE, MEASURED_MODEL, ASSUMED = "measured", "this model's other shards", "assumed"
@@ -72,6 +74,8 @@ class MixForecast:
     # of those it names, and the rounds estimated (measured on fewer shards than they name)
     replayed_built: dict[str, int] | None = None
     replayed_estimated: tuple[int, ...] = ()
+    # degenerate answers tokenize dropped in the token shards built so far: rows read, then by reason
+    degenerate: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
     # the mix's share check on the forecast's samples: each share it would miss, with what to change
     missed_shares: list[str] = field(default_factory=list)
     share_tolerance: float = 0.0
@@ -125,6 +129,15 @@ class MixForecast:
             out += [f"  - {problem}" for problem in self.missed_shares]
         else:
             out.append(f"mix checks: every category within {self.share_tolerance:.1%} of its share {on}")
+        if found := {n: d for n, d in self.degenerate.items() if d[1]}:
+            each = "; ".join(
+                f"{n} {sum(r.values())} of {rows} ({', '.join(f'{k} {v}' for k, v in r.items())})"
+                for n, (rows, r) in found.items()
+            )
+            out.append(
+                f"degenerate answers dropped in the shards built (config degenerate): {each}; the forecast "
+                "leaves the same share of each source's rows out"
+            )
         bases = Counter(self.bases.values())
         out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
         return out
@@ -153,20 +166,53 @@ def source_lengths(plan: Plan, sidecars: list[tuple[Path, dict[str, Any]]]) -> d
     return out
 
 
-def forecast(
-    plan: Plan, prompt_rows: dict[str, int], lengths: dict[str, Lengths], tokens_per_second: float
-) -> MixForecast:
-    """The mix's forecast for these prompt counts (per source) and lengths."""
-    cfg = plan.config
+def _supply(
+    plan: Plan,
+    prompt_rows: dict[str, int],
+    lengths: dict[str, Lengths],
+    degenerate: dict[str, tuple[int, dict[str, int]]],
+) -> tuple[dict[str, float], dict[str, float], Counter[str], Counter[str]]:
+    """Per source its samples and tokens per sample; per category the tokens expected and of those answers."""
     expected: Counter[str] = Counter()
     answers: Counter[str] = Counter()
     samples, per_sample = {}, {}
     for name, sp in plan.sources.items():
-        samples[name] = prompt_rows[name] * sp.spec.sampling.samples_per_prompt
+        rows, dropped = degenerate[name]
+        kept = 1 - sum(dropped.values()) / rows if rows else 1.0
+        samples[name] = prompt_rows[name] * sp.spec.sampling.samples_per_prompt * kept
         answer = min(lengths[name].answer, sp.spec.sampling.max_new_tokens)
         per_sample[name] = lengths[name].prompt + answer
         expected[sp.spec.category] += samples[name] * per_sample[name]
         answers[sp.spec.category] += samples[name] * answer
+    return samples, per_sample, expected, answers
+
+
+def degenerate_drops(plan: Plan) -> dict[str, tuple[int, dict[str, int]]]:
+    """Per source, the rows its built token shards read and the degenerate ones tokenize dropped, by reason."""
+    policy = plan.config.degenerate
+    out = {}
+    for name in plan.sources:
+        rows, dropped = 0, Counter[str]()
+        for path in plan.token_shards(name):
+            stats_file = layout.sidecar(path)
+            if stats_file.exists():
+                stats = json.loads(stats_file.read_text())
+                rows += stats.get(R.STAT_INPUT_ROWS, 0)
+                for reason, by_language in (stats.get(R.STAT_DEGENERATE) or {}).items():
+                    if policy.policy(reason) == "drop":
+                        dropped[reason] += sum(by_language.values())
+        out[name] = (rows, dict(dropped))
+    return out
+
+
+def forecast(
+    plan: Plan, prompt_rows: dict[str, int], lengths: dict[str, Lengths], tokens_per_second: float
+) -> MixForecast:
+    """The mix's forecast for these prompt counts (per source) and lengths; a source's degenerate answers
+    leave out the share of its rows they took in its built shards."""
+    cfg = plan.config
+    degenerate = degenerate_drops(plan)
+    samples, per_sample, expected, answers = _supply(plan, prompt_rows, lengths, degenerate)
     shares = dict(cfg.mix_categories)
     targets = category_targets(shares, {c: int(expected[c]) for c in shares}, cfg.mix_budget_tokens)
     categories = [
@@ -209,6 +255,7 @@ def forecast(
         missed_shares=missed,
         share_tolerance=cfg.checks.share_tolerance,
         checked_on_built=built is not None,
+        degenerate=degenerate,
     )
 
 

@@ -61,6 +61,7 @@ class SourceStatus:
     failed: int = 0  # error and abort rows
     skipped: int = 0
     truncated: int = 0
+    loops: int = 0  # rows the engine stopped on the loop rule (config degenerate.loop.stop_early)
 
 
 @dataclass
@@ -193,6 +194,7 @@ def _published(source: SourceStatus, stats: dict[str, Any], recent: _Window) -> 
     source.failed += int(stats.get(R.STAT_ERROR, 0))
     source.skipped += int(stats.get(R.STAT_SKIPPED, 0))
     source.truncated += int(stats.get(R.STAT_TRUNCATED, 0))
+    source.loops += int(stats.get(R.STAT_LOOPS_STOPPED, 0))
     if "started_at" in stats and "finished_at" in stats:
         generated = float(stats.get(R.STAT_GENERATED, rows))
         tokens = float(stats.get(R.STAT_OUTPUT_TOKENS, 0)) * (generated / rows if rows else 0.0)
@@ -211,6 +213,7 @@ def _journaled(
     source.failed += sum(r["finish_reason"] in R.NO_ANSWER for r in finished.values())
     source.skipped += sum(r["finish_reason"] == R.FINISH_SKIPPED for r in finished.values())
     source.truncated += sum(r["finish_reason"] == R.FINISH_LENGTH for r in finished.values())
+    source.loops += sum(r["finish_reason"] == R.FINISH_LOOP for r in finished.values())
     holder = _holder(folder / LOCK_FILE)
     if holder is None:
         return None
@@ -262,13 +265,15 @@ def text(status: Status) -> str:
     lines = [
         f"rows {status.rows_done}/{status.rows} ({share:.1%}), {status.rows_per_second:.2f} rows/s, "
         f"{status.output_tokens_per_second:.1f} output tok/s (last {_duration(status.window_seconds)}); {head}",
-        f"{'source':<28}{'rows done':>12}{'rows':>10}{'shards':>10}{'failed':>8}{'skipped':>9}{'truncated':>11}",
+        f"{'source':<28}{'rows done':>12}{'rows':>10}{'shards':>10}{'failed':>8}{'skipped':>9}{'truncated':>11}"
+        f"{'loops':>7}",
     ]
     for s in status.sources:
         rows = f"{s.rows}" if s.rows_known else f"≤{s.rows}"
         shards = f"{s.shards_done}/{s.shards}"
         lines.append(
             f"{s.source:<28}{s.rows_done:>12}{rows:>10}{shards:>10}{s.failed:>8}{s.skipped:>9}{s.truncated:>11}"
+            f"{s.loops:>7}"
         )
     if status.build is None and not status.done:
         lines[0] += " (no Snakemake runs this build now: run it again to go on; `dflash-build plan` says what is left)"

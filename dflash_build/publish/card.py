@@ -169,6 +169,7 @@ def card_body(manifest: dict[str, Any]) -> str:
         report.markdown(manifest["report"]),
         report.languages_section(manifest),
         report.removals(manifest),
+        report.degenerate_section(manifest),
         report.multi_turn(manifest["report"]),
     ]
     return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{shown}\n"

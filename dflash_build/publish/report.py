@@ -13,7 +13,7 @@ import csv
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from dflash_build.engines import uses_gpu
 from dflash_build.plan import Plan
+from dflash_build.spec import DEGENERATE_REASONS
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 
@@ -91,7 +92,7 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
             turns = _add_turns(turns, stats[R.STAT_TURNS])
         for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED,
                     R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE, R.STAT_REUSED, R.STAT_CONTINUED,
-                    R.STAT_REUSED_ACROSS, R.STAT_GENERATED):  # fmt: skip
+                    R.STAT_REUSED_ACROSS, R.STAT_GENERATED, R.STAT_LOOPS_STOPPED, R.STAT_LOOP_TOKENS):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
         # a restored shard's sidecar keeps the numbers of the one run that generated it
         seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
@@ -107,6 +108,8 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         },
         # of the skipped rows, those a selection left out (the window, another source's copies): no failure
         **{k: total[k] for k in (R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE) if total[k]},
+        # rows the engine stopped on the loop rule, and the output tokens they had (config degenerate.loop)
+        **{k: total[k] for k in (R.STAT_LOOPS_STOPPED, R.STAT_LOOP_TOKENS) if total[k]},
         "truncation_rate": round(total[R.STAT_TRUNCATED] / rows, 6) if rows else 0.0,
         "window_rate": round(total[R.STAT_WINDOW] / rows, 6) if rows else 0.0,  # ended at trainer.max_length
         "error_rate": round(R.failed_rows(total) / rows, 6) if rows else 0.0,
@@ -312,6 +315,61 @@ def languages_section(manifest: dict[str, Any]) -> str:
             for category, by_language in floors.items()
             for lang, got in by_language.items()
         ]
+    return "\n".join(lines) + "\n"
+
+
+def degenerate_counts(plan: Plan, shards: Mapping[str, list[Path]]) -> dict[str, Any]:
+    """The degenerate answers tokenize found in the shards the mix read (config ``degenerate``), by reason:
+    per source, category, variant and language, each reason's policy, and how many of them were dropped."""
+    policy = plan.config.degenerate
+    by: dict[str, dict[str, Counter[str]]] = {k: {} for k in ("source", "category", "variant", "language")}
+    for name, paths in shards.items():
+        spec = plan.sources[name].spec
+        for path in paths:
+            stats_file = layout.sidecar(path)
+            found = json.loads(stats_file.read_text()).get(R.STAT_DEGENERATE, {}) if stats_file.exists() else {}
+            for reason, by_language in found.items():
+                n = sum(by_language.values())
+                for column, value in (("source", name), ("category", spec.category), ("variant", spec.variant)):
+                    if value is not None:
+                        by[column].setdefault(value, Counter())[reason] += n
+                for lang, count in by_language.items():
+                    by["language"].setdefault(lang, Counter())[reason] += count
+    totals: Counter[str] = Counter()
+    for counts in by["source"].values():
+        totals.update(counts)
+    return {
+        "policy": {reason: policy.policy(reason) for reason in DEGENERATE_REASONS},
+        "found": dict(totals),
+        "dropped": sum(n for reason, n in totals.items() if policy.policy(reason) == "drop"),
+        **{f"by_{k}": {name: dict(c) for name, c in sorted(v.items())} for k, v in by.items()},
+    }
+
+
+def degenerate_section(manifest: dict[str, Any]) -> str:
+    """The card's section on degenerate answers: per source, by reason, with each reason's policy."""
+    found = manifest.get("degenerate")
+    if not found:
+        return ""
+    policies = ", ".join(f"{r} {p}" for r, p in found["policy"].items())
+    lines = [
+        "## Degenerate answers",
+        "",
+        f"Answers that are no training data (config `degenerate`; policies: {policies}): "
+        f"{sum(found['found'].values())} found, {found['dropped']} dropped, never in the data.",
+        "",
+        "| source | " + " | ".join(DEGENERATE_REASONS) + " | stopped by the engine |",
+        "|---|" + "---|" * (len(DEGENERATE_REASONS) + 1),
+    ]
+    by_source = found["by_source"]
+    generation = {n: s["generation"] for n, s in manifest["report"]["by_source"].items()}
+    for name in manifest["sources"]:
+        counts = by_source.get(name, {})
+        stopped = generation.get(name, {}).get(R.STAT_LOOPS_STOPPED, 0)
+        lines.append(f"| {name} | " + " | ".join(str(counts.get(r, 0)) for r in DEGENERATE_REASONS) + f" | {stopped} |")
+    if found["by_language"]:
+        each = "; ".join(f"{lang} {dict(c)}" for lang, c in found["by_language"].items())
+        lines += ["", f"By language: {each}."]
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,9 @@ when it stopped on its own (for ``turns: all`` in one sequence, each turn in ord
 whose turns are samples of their own gives one sample per turn, ``turn`` naming it). loss_mask is 1
 exactly on the generated ids (stop tokens included).
 Truncated answers follow the `truncated` policy; rows the engine could not generate are dropped.
+A degenerate answer (a loop, a repetitive answer, reasoning left open, an empty answer:
+:mod:`~dflash_build.stages.common.degenerate`, per turn) follows its reason's policy (config `degenerate`):
+dropped, or kept; either way counted by reason and language (``degenerate`` in the sidecar).
 Every dropped row is counted by reason in the stats sidecar. Each sample carries its prompt's language
 (:mod:`dflash_build.language`), read from the shard's prompts.
 """
@@ -20,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import language
+from dflash_build.stages.common import chat, degenerate
 from dflash_build.stages.common.job import Job
 from dflash_build.store import atomic
 from dflash_build.store import records as R
@@ -34,13 +38,30 @@ DROP_OUTSIDE_WINDOW = R.STAT_OUTSIDE_WINDOW  # skipped: the trainer's window lef
 
 
 def _dropped(reason: str, truncated_policy: str, error: str | None = None) -> str | None:
-    """Why an answer that ended with ``reason`` is no sample, or None when it is one."""
+    """Why an answer that ended with ``reason`` is no sample, or None when it is one (a row the loop rule
+    stopped is judged as degenerate, by its policy)."""
     if reason in R.NO_ANSWER:
         return DROP_ENGINE_ERROR
     if reason == R.FINISH_SKIPPED:  # a selection (the window, another source's copy) names itself
         return R.selection_of(reason, error) or DROP_SKIPPED
     if reason == R.FINISH_LENGTH and truncated_policy == "drop":
         return DROP_TRUNCATED
+    return None
+
+
+def _turns(row: dict[str, Any]) -> list[tuple[list[int], list[int], str]]:
+    """(context ids, answer ids without the stop token, finish reason) of each turn of a completion row."""
+    if row.get("turns"):
+        return [(t["context_ids"], t["output_ids"], t["finish_reason"]) for t in row["turns"]]
+    return [(row["prompt_ids"], row["output_ids"], row["finish_reason"])]
+
+
+def degenerate_reason(detector: degenerate.Detector, turns: list[tuple[list[int], list[int], str]]) -> str | None:
+    """The first turn's reason to be no training data, or None (a whole row is as good as its worst turn)."""
+    for context, output, finish in turns:
+        found = detector.reason(context, output, finish)
+        if found is not None:
+            return found
     return None
 
 
@@ -93,22 +114,29 @@ def prompt_languages(prompt_shard: Path) -> dict[str, str]:
     return dict(zip(ids, language.of_messages_json(table.column("messages").to_pylist()), strict=True))
 
 
-def run(job: Job) -> dict[str, Any]:
-    """Tokenize the job's completion shard (each sample's language is its prompt's, from the prompt shard
-    beside the declared manifest); returns the stats sidecar."""
-    plan, source, shard = job.plan, job.source, job.shard
-    assert source is not None and shard is not None
-    sp = plan.sources[source]
-    completions = pq.read_table(job.input("completions")).to_pylist()
-    languages = prompt_languages(job.prompt_shard())
+def _samples(
+    job: Job, completions: list[dict[str, Any]], languages: dict[str, str], detector: degenerate.Detector
+) -> tuple[list[dict[str, Any]], Counter[str], dict[str, Counter[str]]]:
+    """The shard's samples, the rows dropped by reason, and the degenerate ones found by reason and language
+    (whatever their policy)."""
+    plan, source = job.plan, str(job.source)
+    sp, policy = plan.sources[source], plan.config.degenerate
     drops: Counter[str] = Counter()
+    found: dict[str, Counter[str]] = {}
     samples = []
     for row in completions:
+        turns = _turns(row)
         for sample in to_samples(row, plan.config.truncated):
             if isinstance(sample, str):
                 drops[sample] += 1
                 continue
             turn, input_ids, loss_mask = sample
+            why = degenerate_reason(detector, turns if turn is None else [turns[turn]])
+            if why is not None:
+                found.setdefault(why, Counter())[languages[row["prompt_id"]]] += 1
+                if policy.policy(why) == "drop":
+                    drops[why] += 1
+                    continue
             samples.append(
                 {
                     "input_ids": input_ids,
@@ -125,6 +153,20 @@ def run(job: Job) -> dict[str, Any]:
                     "n_loss_tokens": sum(loss_mask),
                 }
             )
+    return samples, drops, found
+
+
+def run(job: Job) -> dict[str, Any]:
+    """Tokenize the job's completion shard (each sample's language is its prompt's, from the prompt shard
+    beside the declared manifest); returns the stats sidecar."""
+    plan, source, shard = job.plan, job.source, job.shard
+    assert source is not None and shard is not None
+    sp = plan.sources[source]
+    completions = pq.read_table(job.input("completions")).to_pylist()
+    languages = prompt_languages(job.prompt_shard())
+    policy = plan.config.degenerate
+    detector = degenerate.Detector.for_tokenizer(policy, chat.load_tokenizer(plan.config.model, plan.tokenizer_cache()))
+    samples, drops, found = _samples(job, completions, languages, detector)
     stats = {
         "stage": "tokenize",
         "source": source,
@@ -140,6 +182,7 @@ def run(job: Job) -> dict[str, Any]:
         R.STAT_LOSS_TOKENS: sum(s["n_loss_tokens"] for s in samples),
         R.STAT_PER_TURN_SAMPLES: sum(s["turn"] is not None for s in samples),
         R.STAT_LANGUAGES: dict(Counter(s["language"] for s in samples).most_common()),
+        R.STAT_DEGENERATE: {why: dict(by_language.most_common()) for why, by_language in sorted(found.items())},
     }
     table = pa.Table.from_pylist(samples, schema=R.SAMPLE_SCHEMA)
     stats[R.STAT_DATA] = atomic.write_parquet(job.output("data"), table)

@@ -89,9 +89,10 @@ FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 FINISH_SKIPPED = "skipped"  # never sent: the prompt does not fit the context with max_new_tokens
 FINISH_WINDOW = "window"  # ended at the trainer's window (trainer.max_length): a complete training sample
+FINISH_LOOP = "loop"  # stopped by the engine when the loop rule fired (degenerate.loop.stop_early): never a sample
 RAN_OUT = (FINISH_LENGTH, FINISH_WINDOW)  # an answer cut by its budget
 NO_ANSWER = (FINISH_ERROR, FINISH_ABORT)  # the engine refused or dropped the request: nothing to keep or resume
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_WINDOW, FINISH_ABORT, FINISH_ERROR, FINISH_SKIPPED)
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_WINDOW, FINISH_LOOP, FINISH_ABORT, FINISH_ERROR, FINISH_SKIPPED)
 
 # Stats sidecar names.
 STAT_INPUT_ROWS = "input_rows"
@@ -154,6 +155,10 @@ STAT_GENERATED = "generated"  # rows the engine produced in the run that generat
 STAT_TURNS = "turns"  # turns: all: what became of the conversations (generate.turn_counts)
 STAT_PER_TURN_SAMPLES = "per_turn_samples"  # samples that are one turn of a conversation
 STAT_LANGUAGES = "languages"  # samples by their prompt's language
+# tokenize: degenerate samples by reason, then by language ({reason: {language: n}}), whatever the policy
+STAT_DEGENERATE = "degenerate"
+STAT_LOOPS_STOPPED = "loops_stopped"  # generate: rows the engine stopped on the loop rule (finish reason loop)
+STAT_LOOP_TOKENS = "loop_tokens"  # generate: the output tokens those rows had when stopped
 STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's
 
 

@@ -85,7 +85,9 @@ class IndexCorrupt(RuntimeError):
 
 def _indexed(rows: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """The rows worth indexing: rows that stopped or ran out."""
-    reusable = ("stop", "length", "window")  # a row that ended at a trainer's window continues like a truncated one
+    # a row that ended at a trainer's window continues like a truncated one; one the loop rule stopped is a
+    # prefix too: a build that does not stop on that rule continues it
+    reusable = ("stop", "length", "window", "loop")
     return [(i, r) for i, r in enumerate(rows) if r["finish_reason"] in reusable]
 
 

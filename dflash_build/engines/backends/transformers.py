@@ -55,4 +55,5 @@ BACKEND = Backend(
     serve=Serve(_argv, concurrency=lambda options: int(BACKEND.value(options, "batch_size"))),
     uses_gpu=_uses_gpu,
     threads=lambda options: int(options.get("threads") or 1),
+    stops_loops=True,
 )

@@ -51,7 +51,9 @@ log = logging.getLogger(__name__)
 
 # 2: accept.max_new_tokens is the budget (the build's no longer caps it); degenerate answers are left out
 # of τ; requests carry their sampling and prompt length; the summary its calibration and engine.
-ACCEPT_VERSION = 2
+# 3: degenerate answers by the build's rule and thresholds (config degenerate: a loop anywhere, a
+# repetitive answer), keyed.
+ACCEPT_VERSION = 3
 REQUESTS_FILE = layout.ACCEPTANCE_REQUESTS
 SUMMARY_FILE = layout.ACCEPTANCE_SUMMARY
 REPORT_JSON = "acceptance.json"
@@ -95,6 +97,7 @@ def accept_key(plan: Plan, drafter: DrafterSpec, split_key: str) -> str:
             "options": dict(drafter.options),
             "split": split_key,
             "max_new_tokens": cfg.accept.max_new_tokens,
+            "degenerate": cfg.degenerate.components(),
         }
     )
 
@@ -245,7 +248,8 @@ def measure(
         before = _totals(backend, served.urls)
         results = served.generate(requests, "eval requests")
         after = _totals(backend, served.urls)
-    out = [_request_row(row, requests[i], results.get(str(i))) for i, row in enumerate(rows)]
+    detector = degenerate.Detector(plan.config.degenerate)  # on token ids: loops, repetition, empty answers
+    out = [_request_row(row, requests[i], results.get(str(i)), detector) for i, row in enumerate(rows)]
     table = pa.Table.from_pylist(out, schema=REQUEST_SCHEMA)
     summary = summarize(table)
     summary["drafter"] = {"name": drafter.name, "method": drafter.method, "path": drafter.path, **drafter.options}
@@ -258,7 +262,9 @@ def measure(
     return keep(folder, table, summary)
 
 
-def _request_row(row: dict[str, Any], request: Request, result: Result | None) -> dict[str, Any]:
+def _request_row(
+    row: dict[str, Any], request: Request, result: Result | None, detector: degenerate.Detector
+) -> dict[str, Any]:
     counted = None if result is None else result.acceptance
     finish = "missing" if result is None else result.finish_reason
     output = [] if result is None else result.output_ids
@@ -268,7 +274,7 @@ def _request_row(row: dict[str, Any], request: Request, result: Result | None) -
         "prompt_tokens": len(request.prompt_ids),
         "finish_reason": finish,
         "output_tokens": len(output),
-        "degenerate": degenerate.reason(output, finish) if result is not None else None,
+        "degenerate": detector.reason(request.prompt_ids, output, finish) if result is not None else None,
         "steps": counted.steps if counted else 0,
         "drafted": counted.drafted if counted else 0,
         "accepted": counted.accepted if counted else 0,

@@ -1,53 +1,106 @@
-"""Answers that are not an answer, found on token ids: a loop to the budget, and an empty answer.
+"""Answers that are not training data, found on token ids: a loop, a repetitive answer, reasoning that never
+closes, and an empty answer (config ``degenerate``).
 
-A **loop** ran to its budget (finish reason ``length`` or ``window``) repeating a short span: its last
-``min_span`` tokens or more have a period of at most ``max_period`` tokens, repeated ``min_repeats``
-times or more. An answer that repeats for a reason (code with repeated lines, a list, a table) stops on
-its own, so the budget is what tells them apart. An **empty** answer stopped with no token before its
-stop token. A drafter predicts a loop easily, so `accept` leaves both out of τ and counts them apart.
+- **loop**: somewhere in the answer a span of period at most ``max_period`` tokens repeats, as one run, for
+  ``min_span`` tokens or more and ``min_repeats`` periods or more. The rule is one test on each prefix,
+  so the engine can stop a row the moment it fires (``stop_early``) and the same row checked after the
+  fact, stopped or not, gives the same verdict (:func:`loop_end`).
+- **repetitive**: an answer of ``min_tokens`` or more whose distinct ``ngram``-grams are fewer than
+  ``min_distinct`` of all its n-grams (a loop with variations: counters, shuffled items).
+- **unclosed_reasoning**: the turn ends inside a reasoning block: its last open marker (from the prompt's
+  render, as Qwen3's template opens ``<think>``, or the answer) has no close marker after it.
+- **empty**: an answer that stopped with nothing but whitespace, or with nothing after its reasoning.
+
+Each reason has a policy (``drop`` or ``keep``); tokenize applies it and counts every decision. accept
+leaves every degenerate answer out of τ (a drafter predicts a loop easily) and counts it apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-LOOP = "loop"
-EMPTY = "empty"
-REASONS = (LOOP, EMPTY)
-RAN_OUT = ("length", "window")  # the finish reasons of an answer its budget ended
+from dflash_build.loops import loop_end
+from dflash_build.spec import DEGENERATE_REASONS, Degenerate
+from dflash_build.store.records import FINISH_LOOP
+
+REASONS = DEGENERATE_REASONS
+LOOP, REPETITIVE, UNCLOSED, EMPTY = REASONS
+
+
+def distinct_ratio(ids: Sequence[int], n: int) -> float:
+    """Distinct n-grams over all n-grams of ``ids`` (1.0 for fewer than n tokens)."""
+    if len(ids) < n:
+        return 1.0
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams)
+
+
+def _last(ids: Sequence[int], marker: Sequence[int]) -> int:
+    """Where ``marker`` last occurs in ``ids`` (its start), or -1."""
+    m = len(marker)
+    if not m:
+        return -1
+    first = marker[0]
+    for i in range(len(ids) - m, -1, -1):
+        if ids[i] == first and list(ids[i : i + m]) == list(marker):
+            return i
+    return -1
 
 
 @dataclass(frozen=True)
-class Thresholds:
-    """When a repeated tail is a loop (measured on SmolLM2's own loops: periods of 7-41 tokens repeated
-    for 209-362 tokens to the budget)."""
+class Detector:
+    """The config's thresholds with the reasoning markers as this tokenizer writes them, and a test for
+    answers that hold nothing but whitespace (``blank``: decodes the ids)."""
 
-    max_period: int = 64
-    min_repeats: int = 3
-    min_span: int = 96
+    config: Degenerate
+    open_ids: tuple[int, ...] = ()
+    close_ids: tuple[int, ...] = ()
+    blank: Callable[[Sequence[int]], bool] = lambda ids: not ids
 
+    @classmethod
+    def for_tokenizer(cls, config: Degenerate, tokenizer: Any) -> Detector:
+        encode, decode = tokenizer.encode, tokenizer.decode
+        marks = [tuple(encode(m, add_special_tokens=False)) for m in config.reasoning_markers]
+        return cls(
+            config,
+            *(marks or [(), ()]),
+            blank=lambda ids: not ids or not decode(list(ids), skip_special_tokens=True).strip(),
+        )
 
-def tail_period(ids: Sequence[int], max_period: int) -> tuple[int, int]:
-    """(period, span): the period of at most ``max_period`` whose repetition covers the longest tail of
-    ``ids``, and that tail's length; (0, 0) for none."""
-    best = (0, 0)
-    n = len(ids)
-    for period in range(1, min(max_period, n // 2) + 1):
-        span = period
-        while span < n and ids[n - 1 - span] == ids[n - 1 - span + period]:
-            span += 1
-        if span >= 2 * period and span > best[1]:
-            best = (period, span)
-    return best
-
-
-def reason(output_ids: Sequence[int], finish_reason: str, thresholds: Thresholds = Thresholds()) -> str | None:
-    """Why an answer is degenerate (:data:`LOOP`, :data:`EMPTY`), or None for an answer."""
-    if finish_reason == "stop" and not output_ids:
-        return EMPTY
-    if finish_reason in RAN_OUT:
-        period, span = tail_period(output_ids, thresholds.max_period)
-        if period and span >= thresholds.min_span and span >= thresholds.min_repeats * period:
+    def reason(self, context: Sequence[int], output: Sequence[int], finish_reason: str) -> str | None:
+        """Why one turn's answer (``output``, after the ids the model saw, ``context``) is degenerate, or
+        None. The first reason that applies, in :data:`REASONS`' order."""
+        cfg = self.config
+        if finish_reason == FINISH_LOOP or loop_end(output, cfg.loop) is not None:
             return LOOP
-    return None
+        if len(output) >= cfg.repetitive_min_tokens and distinct_ratio(output, cfg.repetitive_ngram) < (
+            cfg.repetitive_min_distinct
+        ):
+            return REPETITIVE
+        after = self._after_reasoning(context, output)
+        if after is None:
+            return UNCLOSED
+        if finish_reason == "stop" and self.blank(after):
+            return EMPTY
+        return None
+
+    def _after_reasoning(self, context: Sequence[int], output: Sequence[int]) -> Sequence[int] | None:
+        """The answer after its reasoning block closes (all of it when none is open), None when one is
+        left open at the end."""
+        if not self.open_ids or not self.close_ids:
+            return output
+        whole = list(context) + list(output)  # the render may open the block (Qwen3's thinking mode)
+        opened, closed = _last(whole, self.open_ids), _last(whole, self.close_ids)
+        if opened > closed:
+            return None
+        if closed < 0:
+            return output
+        start = closed + len(self.close_ids) - (len(whole) - len(output))
+        return output[max(start, 0) :]
+
+
+def reason(output_ids: Sequence[int], finish_reason: str, config: Degenerate | None = None) -> str | None:
+    """Why an answer is degenerate on token ids alone (no markers, an empty answer is one of no ids)."""
+    return Detector(config or Degenerate()).reason((), output_ids, finish_reason)

@@ -42,7 +42,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import engines, hashing, killpoints
+from dflash_build import engines, hashing, killpoints, loops
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
@@ -285,7 +285,7 @@ def next_requests(
         # continue an earlier truncated answer with what is left of the budget
         params = dataclasses.replace(work.params, max_new_tokens=budget - len(conv.prefix))
         prompt_ids = prompt_ids + conv.prefix
-        requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, params, seed))
+        requests.append(Request(conv.prompt_id, conv.sample_idx, prompt_ids, params, seed, work.stop_loops))
         contexts[conv.key] = (ids, budget)
     return requests, contexts
 
@@ -305,6 +305,12 @@ def take_result(work: ShardWork, generated: Result, context: tuple[list[int], in
             output_ids=conv.prefix + list(generated.output_ids),
             engine_output_tokens=None if counted is None else counted + len(conv.prefix),
         )
+        # the engine saw the prefix as prompt: a loop that began in it is found on the whole answer
+        end = loops.loop_end(result.output_ids, work.stop_loops) if work.stop_loops is not None else None
+        if end is not None:
+            result = dataclasses.replace(
+                result, output_ids=result.output_ids[:end], finish_reason=R.FINISH_LOOP, stop_token_id=None
+            )
     turn = work.apply(conv, context_ids, result)
     if conv.prefix_from is not None:
         turn.reused_from, turn.continued, turn.across = conv.prefix_from, True, conv.prefix_across

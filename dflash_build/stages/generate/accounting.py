@@ -111,6 +111,7 @@ def shard_stats(
         R.STAT_RESUMED_TURNS: resumed_turns,
         R.STAT_PROMPT_TOKENS: sum(r["n_prompt_tokens"] for r in rows),
         R.STAT_OUTPUT_TOKENS: output_tokens,
+        R.STAT_LOOP_TOKENS: sum(r["n_output_tokens"] for r in rows if r["finish_reason"] == R.FINISH_LOOP),
         R.STAT_WALL_SECONDS: round(wall, 3),
         # what the engine produced in this run: reused, resumed and continued-from tokens cost nothing
         R.STAT_OUTPUT_TOK_PER_S: round(engine_tokens / wall, 3) if wall > 0 else None,
@@ -118,7 +119,8 @@ def shard_stats(
         "finished_at": round(time.time(), 3),
         "errors": error_summary(rows),
     }
-    accounted = sum(stats[k] for k in (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED))
+    outcome_keys = (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_LOOPS_STOPPED, R.STAT_ERROR, R.STAT_SKIPPED)
+    accounted = sum(stats[k] for k in outcome_keys)
     if accounted != stats[R.STAT_INPUT_ROWS]:
         raise RuntimeError(f"{source}/{shard}: {accounted} rows accounted for, {len(rows)} in the shard")
     return stats
@@ -133,6 +135,7 @@ def outcomes(rows: list[dict[str, Any]]) -> dict[str, int]:
         R.STAT_OK: finish[R.FINISH_STOP],
         R.STAT_TRUNCATED: finish[R.FINISH_LENGTH],
         R.STAT_WINDOW: finish[R.FINISH_WINDOW],
+        R.STAT_LOOPS_STOPPED: finish[R.FINISH_LOOP],
         R.STAT_ERROR: finish[R.FINISH_ERROR] + finish[R.FINISH_ABORT],
         R.STAT_SKIPPED: finish[R.FINISH_SKIPPED],
         R.STAT_OUTSIDE_WINDOW: selections[R.STAT_OUTSIDE_WINDOW],

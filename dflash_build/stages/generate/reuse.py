@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_build import keys
+from dflash_build import keys, loops
 from dflash_build.engines import Result
 from dflash_build.plan import planned_components
 from dflash_build.stages.generate.conversation import Conversation
@@ -90,10 +90,14 @@ def _answers(work: ShardWork, conv: Conversation, old: Earlier) -> str | None:
     used = output if use != "cut" else output[:budget]
     if not stops_alike(work, used, row["stop_token_id"] if use == "whole" else None):
         return None  # under today's stop ids the engine would have stopped elsewhere
+    if work.stop_loops is not None and (end := loops.loop_end(used, work.stop_loops)) is not None:
+        use, used = "loop", used[:end]  # this build's engine stops it there: that is the row it would write
     if use == "continue":
         conv.prefix, conv.prefix_from, conv.prefix_across = output, old.origin, across  # the engine adds the rest
         return use
-    if use == "whole":
+    if use == "loop":
+        result = Result(conv.prompt_id, conv.sample_idx, used, R.FINISH_LOOP)
+    elif use == "whole":
         result = Result(conv.prompt_id, conv.sample_idx, output, R.FINISH_STOP, row["stop_token_id"])
     else:  # a prefix of a longer sample is this budget's truncated sample (or window's)
         result = Result(conv.prompt_id, conv.sample_idx, used, work.ran_out(budget))

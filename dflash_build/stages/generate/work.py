@@ -11,8 +11,8 @@ from typing import Any
 
 from dflash_build import hashing
 from dflash_build.engines import Result, SamplingParams
-from dflash_build.plan import Plan
-from dflash_build.spec import SourceSpec
+from dflash_build.plan import Plan, loop_stop
+from dflash_build.spec import LoopRule, SourceSpec
 from dflash_build.stages.common import chat
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.conversation import Conversation, Renderer, Turn
@@ -101,6 +101,11 @@ class ShardWork:
     def stop_ids(self) -> list[int]:
         """The token ids the engine stops on: the target's end of turn and its generation config's."""
         return chat.stop_token_ids(self.tokenizer, self.plan.config.model.path)
+
+    @functools.cached_property
+    def stop_loops(self) -> LoopRule | None:
+        """The loop rule the engine stops rows on (plan.loop_stop), sent with every request."""
+        return loop_stop(self.plan.config)
 
     def budget(self, prompt_tokens: int) -> int:
         """New tokens an answer after ``prompt_tokens`` may have (the window's rule: TrainerSpec.budget)."""

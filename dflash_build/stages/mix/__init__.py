@@ -495,6 +495,7 @@ def _manifest(
         "model_fingerprint": plan.model_fingerprint,
         "template_fingerprint": plan.template_fingerprint,
         "finish_reasons": dict(sorted(written.finish.items())),
+        "degenerate": report.degenerate_counts(plan, shards),
         "length": length_stats(all_lengths),
         "report": report.tables(plan, written.tally),
     }

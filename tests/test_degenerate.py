@@ -1,0 +1,245 @@
+"""Degenerate answers (issue 72): the loop rule on each prefix, a repetitive answer, reasoning left open and
+an empty answer caught on token ids; answers that repeat for a reason spared; the engine's early stop
+writing exactly the prefix the rule names; tokenize dropping and counting by its policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_build import loops
+from dflash_build.engines.base import Request, SamplingParams
+from dflash_build.spec import Degenerate, LoopRule
+from dflash_build.stages import tokenize
+from dflash_build.stages.common import degenerate
+from tests.conftest import REPO
+
+RULE = LoopRule()
+DATA = REPO / "tests" / "data" / "degenerate" / "repeats_for_a_reason.jsonl"
+
+
+def _words(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+def test_the_loop_rule_fires_on_the_first_prefix_a_run_makes_long_enough() -> None:
+    prose, span = _words(50), [11, 12, 13, 14, 15, 16, 17]
+    looping = prose + span * 40
+    assert loops.loop_end(looping, RULE) == 50 + RULE.min_span, "fires where the run reaches min_span"
+    assert loops.loop_end(looping[: 50 + RULE.min_span - 1], RULE) is None, "not a token earlier"
+    assert loops.loop_end(prose, RULE) is None
+    long_period = _words(40, seed=1)  # period 40: three periods (120 tokens) are needed, not min_span
+    assert loops.loop_end(long_period * 3, RULE) == 120 and loops.loop_end(long_period * 3 + [], RULE) is not None
+    assert loops.loop_end(long_period * 2 + long_period[:39], RULE) is None
+    assert loops.loop_end(_words(200) + [5] * 95, RULE) is None and loops.loop_end([5] * 96, RULE) == 96
+
+
+def test_a_planted_loop_an_unclosed_think_and_an_empty_answer_are_each_caught(tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    detector = degenerate.Detector.for_tokenizer(Degenerate(), tok)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = enc("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n")
+    answer = enc("Sunlight scatters off the molecules of the air, and blue light scatters the most.")
+    assert detector.reason(prompt, answer, "stop") is None
+
+    loop = answer + enc(" I think so." * 60)
+    assert detector.reason(prompt, loop, "length") == degenerate.LOOP
+    assert detector.reason(prompt, loop[:120], "loop") == degenerate.LOOP, "a row the engine stopped"
+
+    thinking = prompt + enc("<think>\n")  # a template that opens the block in the render (Qwen3's)
+    open_answer = enc("The user asks about the sky. Rayleigh scattering goes as the inverse fourth power")
+    assert detector.reason(thinking, open_answer, "length") == degenerate.UNCLOSED
+    assert detector.reason(prompt, enc("<think>\nLet me see") + open_answer, "stop") == degenerate.UNCLOSED
+    closed = open_answer + enc(".\n</think>\n\n") + answer
+    assert detector.reason(thinking, closed, "stop") is None
+
+    assert detector.reason(prompt, [], "stop") == degenerate.EMPTY
+    assert detector.reason(prompt, enc("  \n\n"), "stop") == degenerate.EMPTY
+    assert detector.reason(thinking, open_answer + enc("\n</think>\n\n"), "stop") == degenerate.EMPTY
+    assert detector.reason(prompt, [], "length") is None, "a budget of nothing is no answer the model gave"
+
+    repetitive = [t for i in range(80) for t in enc(f" item {i % 7},")]  # varied, never one run long enough
+    assert detector.reason(prompt, repetitive, "length") in (degenerate.REPETITIVE, degenerate.LOOP)
+    assert degenerate.distinct_ratio(repetitive, 4) < Degenerate().repetitive_min_distinct
+
+
+def _false_positives(tok: Any) -> dict[str, list[list[int]]]:
+    sets: dict[str, list[list[int]]] = {}
+    for line in DATA.read_text().splitlines():
+        row = json.loads(line)
+        sets.setdefault(row["shape"], []).append(tok.encode(row["text"], add_special_tokens=False))
+    return sets
+
+
+def test_answers_that_repeat_for_a_reason_are_not_caught(tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    detector = degenerate.Detector.for_tokenizer(Degenerate(), tok)
+    sets = _false_positives(tok)
+    assert len(sets) == 8 and all(len(a) > 100 for answers in sets.values() for a in answers)
+    for shape, answers in sets.items():
+        for ids in answers:
+            # stopped on its own, or cut by a budget: neither is a loop, however it repeats
+            assert detector.reason([], ids, "stop") is None, shape
+            assert detector.reason([], ids, "length") is None, shape
+    # the planted fault: the same table with one row pasted 12 times is a loop
+    table = sets["markdown table"][0]
+    row = tok.encode("| Qwen3-8B | 8B | 128K | Apache-2.0 |\n", add_special_tokens=False)
+    assert detector.reason([], table + row * 12, "stop") == degenerate.LOOP
+
+
+def test_the_transformers_engine_stops_a_loop_at_the_prefix_the_rule_names(tiny_model: Path) -> None:
+    """The tiny random model loops greedily (it repeats a short span): run whole and with the rule, the
+    stopped row is the whole row's prefix where the rule first fires, and costs fewer tokens."""
+    from dflash_build.engines.transformers_backend import TransformersEngine
+
+    engine = TransformersEngine(str(tiny_model), {"device": "cpu", "dtype": "float32", "batch_size": 4}, [2])
+    rule = LoopRule(max_period=16, min_repeats=3, min_span=24)
+    params = SamplingParams(0.0, 1.0, 0, 0.0, 160)
+    prompts = [[1, *_words(6, seed=i)] for i in range(4)]
+    whole = {r.prompt_id: r for r in engine.generate([Request(str(i), 0, p, params, 7) for i, p in enumerate(prompts)])}
+    stopped = {
+        r.prompt_id: r for r in engine.generate([Request(str(i), 0, p, params, 7, rule) for i, p in enumerate(prompts)])
+    }
+    looped = [k for k, r in whole.items() if loops.loop_end(r.output_ids, rule) is not None]
+    assert looped, "the tiny model loops greedily: the test needs one"
+    for key in looped:
+        end = loops.loop_end(whole[key].output_ids, rule)
+        assert stopped[key].finish_reason == "loop" and stopped[key].output_ids == whole[key].output_ids[:end]
+    for key in set(whole) - set(looped):
+        assert dataclasses.astuple(stopped[key]) == dataclasses.astuple(whole[key]), "no loop: the same row"
+    assert sum(len(r.output_ids) for r in stopped.values()) < sum(len(r.output_ids) for r in whole.values())
+
+
+def _row(pid: str, output: list[int], finish: str, stop: int | None = None) -> dict[str, Any]:
+    return {"prompt_id": pid, "sample_idx": 0, "prompt_ids": [1, 5, 6], "output_ids": output,
+            "stop_token_id": stop, "finish_reason": finish}  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_tokenize_follows_each_reasons_policy_and_counts_every_one(policy: str) -> None:
+    cfg = Degenerate(loop_policy=policy, empty_policy=policy)
+    detector = degenerate.Detector(cfg)
+    rows = [
+        _row("ok", _words(30), "stop", 2),
+        _row("loop", _words(10) + [7, 8, 9] * 40, "length"),
+        _row("stopped", _words(10) + [7, 8, 9] * 33, "loop"),
+        _row("empty", [], "stop", 2),
+    ]
+    kept = []
+    for row in rows:
+        (sample,) = tokenize.to_samples(row, "keep")
+        assert not isinstance(sample, str)
+        why = tokenize.degenerate_reason(detector, tokenize._turns(row))
+        if why is None or cfg.policy(why) == "keep":
+            kept.append(row["prompt_id"])
+    assert kept == (["ok"] if policy == "drop" else ["ok", "loop", "stopped", "empty"])
+
+
+# Prompts of the demo on which SmolLM2-135M-Instruct loops greedily (measured: bench/degenerate.py's run,
+# each stopped by the default rule at 112-121 tokens), and two it answers.
+LOOPING = [
+    "Write a bash command that counts the lines of every .py file in a folder.",
+    "Write a minimal Dockerfile for a Python web app.",
+    "Write a haiku about autumn leaves.",
+]
+ANSWERED = ["What is the capital of France? Answer in one word.", "Is 17 a prime number? Answer yes or no."]
+
+
+def _generated_rows(store: Path, gen_key: str = "*") -> dict[str, dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    paths = sorted((store / "completions").glob(f"*/{gen_key}/*.parquet"))
+    return {r["prompt_id"]: r for p in paths for r in pq.read_table(p).to_pylist()}
+
+
+def _sidecars(store: Path, stage: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((store / stage).rglob("*.stats.json"))]
+
+
+@pytest.mark.workflow
+@pytest.mark.slow
+def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained_on(
+    tmp_path: Path, gguf_path: Path
+) -> None:
+    """Issue 72 on a real model in the demo's engine: SmolLM2 through the transformers backend's shared server,
+    greedy, 192 new tokens. The rows that loop are stopped before the budget (finish reason loop), dropped
+    by tokenize, counted in the sidecars, the manifest and the card, and in neither the dataset nor the
+    conversations export. Then with stop_early off the same rows run to the budget (continued from their
+    stopped prefix: nothing is generated twice), cost more tokens, and are dropped after the fact: the
+    dataset is the same."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    from tests.conftest import Workflow, own_ports, write_jsonl
+
+    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
+    config["model"]["path"] = str(gguf_path)
+    config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
+    config["sampling"].update(max_new_tokens=192, temperature=0.0)
+    config["engine"].update(lock_dir=str(tmp_path / "locks"), base_port=own_ports())
+    config["mix"] = {"categories": {"code-other": 1.0}}
+    config["checks"] = {"allow_shortfall": True}
+    config.pop("pack"), config.pop("export")
+    config["export"] = {"conversations": {}}
+    rows = [{"messages": [{"role": "user", "content": text}]} for text in LOOPING + ANSWERED]
+    write_jsonl(tmp_path / "prompts.jsonl", rows)
+    config["sources"] = {
+        "prompts": {"category": "code-other", "files": [str(tmp_path / "prompts.jsonl")], "format": "messages"}
+    }
+    wf = Workflow(tmp_path)
+    wf.write_config(config)
+    wf.build()
+
+    store = tmp_path / "store" / "demo"
+    (generated,) = _sidecars(store, "completions")
+    stopped = _generated_rows(store, generated["gen_key"])
+    loops_found = {pid for pid, r in stopped.items() if r["finish_reason"] == "loop"}
+    n = len(loops_found)
+    assert n >= 2, {pid: (r["finish_reason"], r["n_output_tokens"]) for pid, r in stopped.items()}
+    assert all(stopped[pid]["n_output_tokens"] < 192 for pid in loops_found), "stopped before the budget"
+    assert generated["loops_stopped"] == len(loops_found)
+    assert generated["loop_tokens"] == sum(stopped[pid]["n_output_tokens"] for pid in loops_found)
+    (tokenized,) = _sidecars(store, "tokens")
+    assert tokenized["dropped"].get("loop") == len(loops_found) and tokenized["degenerate"] == {"loop": {"en": n}}
+
+    dataset = tmp_path / "dist" / "demo"
+    samples = [r for f in sorted((dataset / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert {r["prompt_id"] for r in samples} == set(stopped) - loops_found, "every other row is trained on"
+    answers = [[t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m] for r in samples]
+    assert all(loops.loop_end(a, RULE) is None for a in answers), "no sample loops"
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    counted = manifest["degenerate"]
+    assert counted["found"] == {"loop": len(loops_found)} and counted["dropped"] == len(loops_found)
+    assert counted["by_source"] == {"prompts": {"loop": n}} and counted["by_category"] == {"code-other": {"loop": n}}
+    card = (dataset / "README.md").read_text()
+    assert "## Degenerate answers" in card and f"| prompts | {n} | 0 | 0 | 0 | {n} |" in card, card
+    exported = "".join(p.read_text() for p in (tmp_path / "dist" / "demo-conversations" / "data").glob("*.jsonl"))
+    assert all(pid not in exported for pid in loops_found) and all(
+        pid in exported for pid in set(stopped) - loops_found
+    )
+
+    # stop_early off: the stopped rows are continued from their prefix to the budget, the others reused whole
+    config["degenerate"] = {"loop": {"stop_early": False}}
+    wf.write_config(config)
+    wf.build()
+    (after,) = [s for s in _sidecars(store, "completions") if s["gen_key"] != generated["gen_key"]]
+    whole = _generated_rows(store, after["gen_key"])
+    for pid in loops_found:
+        assert whole[pid]["finish_reason"] == "length" and whole[pid]["n_output_tokens"] == 192
+        assert whole[pid]["output_ids"][: stopped[pid]["n_output_tokens"]] == stopped[pid]["output_ids"]
+    for pid in set(stopped) - loops_found:
+        assert whole[pid]["output_ids"] == stopped[pid]["output_ids"]
+    assert after["continued"] == n and after["reused"] == len(ANSWERED), after
+    assert after["output_tokens"] > generated["output_tokens"], "the stop saved tokens"
+    again = [r for f in sorted((dataset / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert sorted(r["input_ids"] for r in again) == sorted(r["input_ids"] for r in samples), "the same dataset"
