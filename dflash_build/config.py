@@ -19,6 +19,7 @@ from typing import Any
 
 from dflash_build import configfile, inputs, language
 from dflash_build.spec import (
+    DEGENERATE_REASONS,
     SAMPLING_FIELDS,
     AcceptSpec,
     Calibration,
@@ -310,8 +311,16 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
     )
 
 
-def _degenerate(raw: Mapping[str, Any]) -> Degenerate:
+def _degenerate(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> Degenerate:
     loop = dict(raw["loop"])
+    greedy = sorted(name for name, s in sources.items() if s.sampling.temperature == 0)
+    again = [r for r in DEGENERATE_REASONS if (loop if r == "loop" else raw[r])["policy"] == "regenerate"]
+    if again and greedy:
+        raise ConfigError(
+            f"degenerate.{again[0]}.policy",
+            f"regenerate asks again with the next seed, which greedy sampling ignores (source '{greedy[0]}' samples "
+            "at temperature 0): the same answer would come back; use drop",
+        )
     return Degenerate(
         loop=LoopRule(loop["max_period"], loop["min_repeats"], loop["min_span"]),
         loop_policy=loop["policy"],
@@ -323,6 +332,7 @@ def _degenerate(raw: Mapping[str, Any]) -> Degenerate:
         unclosed_reasoning_policy=raw["unclosed_reasoning"]["policy"],
         empty_policy=raw["empty"]["policy"],
         reasoning_markers=tuple(raw["reasoning_markers"]),
+        retries=raw["retries"],
     )
 
 
@@ -481,7 +491,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_generate=mix["generate"],
         sources=sources,
         checks=checks,
-        degenerate=_degenerate(raw["degenerate"]),
+        degenerate=_degenerate(raw["degenerate"], sources),
         pack=PackSpec(**raw["pack"]) if raw.get("pack") else None,
         exports=_exports(raw),
         trainer=trainer,

@@ -7,9 +7,13 @@ finds there, so adding one touches no list elsewhere.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 def descriptors(package: str, attr: str) -> dict[str, Any]:
@@ -25,3 +29,30 @@ def descriptors(package: str, attr: str) -> dict[str, Any]:
                 raise RuntimeError(f"{package}.{info.name}: a second descriptor named {descriptor.name!r}")
             found[descriptor.name] = descriptor
     return found
+
+
+class Registry(Generic[T]):
+    """One extension point's descriptors, found on first use, not at import (a descriptor module imports
+    its registry's module, and may be imported first): ``found`` by name, ``get`` one, and ``view`` the
+    module-level ``__getattr__`` that answers the registry's constant (``BACKENDS``, ``FORMATS``)."""
+
+    def __init__(self, package: str, *attrs: str) -> None:
+        self.package, self.attrs = package, attrs
+
+    @functools.cached_property
+    def found(self) -> dict[str, T]:
+        out: dict[str, T] = {}
+        for attr in self.attrs:
+            out |= descriptors(self.package, attr)
+        return out
+
+    def get(self, name: str) -> T:
+        return self.found[name]
+
+    def view(self, constant: str) -> Callable[[str], Any]:
+        def module_getattr(name: str) -> Any:
+            if name == constant:
+                return self.found
+            raise AttributeError(name)
+
+        return module_getattr

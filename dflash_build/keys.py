@@ -34,6 +34,9 @@ TOOL_CALLS = "tool_calls"
 # The gen component of a build whose engine stops a looping row (config degenerate.loop.stop_early): the
 # rule, which decides where such a row ends. Not in the reuse key: a row is checked against it as reused.
 LOOP_STOP = "loop_stop"
+# The gen component of a build that asks a degenerate row again (a degenerate policy regenerate): the
+# reasons, the bound and the detector's settings, which decide which seed a row's answer comes from.
+REGENERATE = "regenerate"
 
 # What gen_key holds that is not how a row is generated: the prompt set, which of it other sources keep,
 # and the budgets (a row generated under another max_new_tokens or window is cut or continued;
@@ -50,7 +53,10 @@ REQUEST_COMPONENTS = ("model", "engine", "sampling")
 # answer slot, under the source's sampling, whatever the engine's numerics (accept_key has those), the
 # window, the parser, the turn_samples policy or the copies another source keeps.
 EVAL = "eval_key"
-NOT_IN_EVAL_KEY = ("engine", "trainer_window", "context_length", TOOL_CALLS, "turn_samples", CROSS_SOURCE, LOOP_STOP)
+NOT_IN_EVAL_KEY = (
+    *("engine", "trainer_window", "context_length", TOOL_CALLS, "turn_samples", CROSS_SOURCE),
+    *(LOOP_STOP, REGENERATE),
+)
 
 
 def sampling_without_budgets(components: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,7 +112,10 @@ _EXPORT = "only that export's folder: the params trigger reruns it, export_key n
 _SAMPLING = "changes the distribution of answers"
 _ACCEPT = "only the acceptance report: each drafter's result is keyed by its own accept_key (stages.accept)"
 
-_DEGENERATE = "which answers are no training data, and whether each is dropped (tokenize's verdict)"
+_DEGENERATE = (
+    "which answers are no training data, and whether each is dropped (tokenize's verdict); with a policy "
+    "regenerate, generate's too (keys.REGENERATE)"
+)
 _DEGENERATE_FIELDS = (
     *("repetitive.policy", "repetitive.ngram", "repetitive.min_distinct", "repetitive.min_tokens"),
     *("unclosed_reasoning.policy", "empty.policy", "reasoning_markers"),
@@ -168,6 +177,9 @@ CONFIG_FIELDS: dict[str, Decision] = {
     **{f"degenerate.{name}": _d(TOK, _DEGENERATE) for name in _DEGENERATE_FIELDS},
     **{f"degenerate.loop.{name}": _d(GEN, _LOOP_STOP) for name in ("policy", "max_period", "min_repeats", "min_span")},
     "degenerate.loop.stop_early": _d(GEN, _LOOP_STOP),
+    "degenerate.retries": _d(
+        GEN, "with a policy regenerate, which attempt's seed a row's answer comes from (keys.REGENERATE)"
+    ),
     "mix.categories": _d(None, _MIX),
     "mix.budget_tokens": _d(None, _MIX),
     "mix.seed": _d(None, _MIX),

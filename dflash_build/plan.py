@@ -21,7 +21,8 @@ from typing import Any
 
 from dflash_build import hashing, keys, lsh, readers
 from dflash_build.engines import registry
-from dflash_build.spec import LOCAL_SUFFIXES, TOOL_TURNS, Config, ConfigError, HubSpec, LoopRule, SourceSpec
+from dflash_build.engines.registry import loop_stop
+from dflash_build.spec import LOCAL_SUFFIXES, TOOL_TURNS, Config, ConfigError, HubSpec, SourceSpec
 from dflash_build.store import atomic, fingerprints, layout
 from dflash_build.versions import (
     EVAL_VERSION,
@@ -437,6 +438,7 @@ def _gen_components(
     multi_turn = spec.turns == "all"
     parser = config.model.tool_call_parser
     tool_calls = {"parser": parser, "match": spec.tool_match} if multi_turn and parser else None
+    stop = loop_stop(config.engine, config.degenerate)
     return {
         "scheme": GEN_VERSION,
         "prompt_key": hashing.content_key(prompt_components),
@@ -461,17 +463,12 @@ def _gen_components(
                 # which of its prompts another source keeps, skipped before generation (keys.CROSS_SOURCE)
                 keys.CROSS_SOURCE: ([[name, key] for name, key in above.items()], []),
                 # a row the engine stopped on the loop rule is shorter than the one it would have written
-                keys.LOOP_STOP: (rule.as_dict() if (rule := loop_stop(config)) is not None else None, None),
+                keys.LOOP_STOP: (stop.as_dict() if stop is not None else None, None),
+                # which attempt's seed a degenerate row's answer comes from
+                keys.REGENERATE: (config.degenerate.regenerating(), None),
             }
         ),
     }
-
-
-def loop_stop(config: Config) -> LoopRule | None:
-    """The loop rule the engine stops rows on (``degenerate.loop``) where its backend can (``stops_loops``);
-    None where answers run whole (tokenize drops a loop after the fact, on the same rule)."""
-    rule = config.degenerate.stopping
-    return rule if rule is not None and registry.get(config.engine.backend).stops_loops else None
 
 
 def ranked_above(config: Config, source: str) -> list[str]:

@@ -208,7 +208,7 @@ class LoopRule:
         return {"max_period": self.max_period, "min_repeats": self.min_repeats, "min_span": self.min_span}
 
 
-DEGENERATE_POLICIES = ("drop", "keep")
+DEGENERATE_POLICIES = ("drop", "keep", "regenerate")
 # The reasons an answer is no training data, in the order they are tested (stages.common.degenerate)
 DEGENERATE_REASONS = ("loop", "repetitive", "unclosed_reasoning", "empty")
 
@@ -228,14 +228,24 @@ class Degenerate:
     unclosed_reasoning_policy: str = "drop"
     empty_policy: str = "drop"
     reasoning_markers: tuple[str, ...] = ("<think>", "</think>")
+    retries: int = 2  # policy regenerate: attempts after the first, each with the next seed
 
     def policy(self, reason: str) -> str:
         return str(getattr(self, f"{reason}_policy"))
 
     @property
     def stopping(self) -> LoopRule | None:
-        """The loop rule the engine stops rows on: only where a loop is dropped (a kept one runs to its end)."""
-        return self.loop if self.stop_early and self.loop_policy == "drop" else None
+        """The loop rule the engine stops rows on: where a loop is dropped or generated again (a kept one
+        runs to its end)."""
+        return self.loop if self.stop_early and self.loop_policy != "keep" else None
+
+    def regenerating(self) -> dict[str, Any] | None:
+        """What decides which rows generate sees as degenerate and asks again (its gen component): the
+        reasons whose policy is regenerate, the detector's settings, the bound; None when none is."""
+        reasons = [r for r in DEGENERATE_REASONS if self.policy(r) == "regenerate"]
+        if not reasons:
+            return None
+        return {"reasons": reasons, "retries": self.retries, "detector": self.components()}
 
     def components(self) -> dict[str, Any]:
         """What decides tokenize's verdicts (its key component)."""

@@ -222,7 +222,7 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     assert counted["found"] == {"loop": len(loops_found)} and counted["dropped"] == len(loops_found)
     assert counted["by_source"] == {"prompts": {"loop": n}} and counted["by_category"] == {"code-other": {"loop": n}}
     card = (dataset / "README.md").read_text()
-    assert "## Degenerate answers" in card and f"| prompts | {n} | 0 | 0 | 0 | {n} |" in card, card
+    assert "## Degenerate answers" in card and f"| prompts | {n} | 0 | 0 | 0 | {n} | 0 |" in card, card
     exported = "".join(p.read_text() for p in (tmp_path / "dist" / "demo-conversations" / "data").glob("*.jsonl"))
     assert all(pid not in exported for pid in loops_found) and all(
         pid in exported for pid in set(stopped) - loops_found
@@ -243,3 +243,116 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     assert after["output_tokens"] > generated["output_tokens"], "the stop saved tokens"
     again = [r for f in sorted((dataset / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert sorted(r["input_ids"] for r in again) == sorted(r["input_ids"] for r in samples), "the same dataset"
+
+
+class _LoopsOnItsFirstSeeds:
+    """Stand-in (the engine is not under test, generate's regenerate policy is): a loop to the budget for
+    a row's first ``loops`` attempts' seeds, then an answer that stops."""
+
+    def __init__(self, base_seed: int, loops: int) -> None:
+        self.base_seed, self.loops = base_seed, loops
+        self.requests: list[Request] = []
+
+    def generate(self, requests: Any) -> Any:
+        from dflash_build.engines.base import Result
+        from dflash_build.stages.generate import row_seed
+
+        for r in requests:
+            self.requests.append(r)
+            looping = {row_seed(self.base_seed, r.prompt_id, r.sample_idx, 0, k) for k in range(self.loops)}
+            if r.seed in looping:
+                yield Result(r.prompt_id, r.sample_idx, ([7, 8, 9] * 100)[: r.params.max_new_tokens], "length")
+            else:
+                yield Result(r.prompt_id, r.sample_idx, [1000, 2000, 3000, 4000], "stop", stop_token_id=2)
+
+    def close(self) -> None:
+        pass
+
+
+def _regenerating(tmp_path: Path, tiny_model: Path, budget: int, **degenerate: Any) -> Any:
+    import yaml
+
+    from dflash_build import config as cfg
+    from dflash_build import plan as plan_mod
+    from tests.conftest import write_jsonl
+
+    write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": f"task {i}"}]} for i in range(4)])
+    raw = {
+        "store": str(tmp_path / "store"),
+        "dataset": {"name": "d", "out": str(tmp_path / "dist")},
+        "model": {"path": str(tiny_model)},
+        "sampling": {"temperature": 0.6, "max_new_tokens": budget, "seed": 5},
+        "sources": {"s": {"category": "c", "format": "messages", "files": [str(tmp_path / "in.jsonl")]}},
+        "mix": {"categories": {"c": 1}},
+        "degenerate": {"loop": {"policy": "regenerate"}, **degenerate},
+        "truncated": "keep",  # a loop to the budget is then dropped for what it is, not for its length
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    return plan_mod.build(cfg.load(tmp_path / "c.yaml"))
+
+
+@pytest.mark.parametrize(("loops", "retries"), [(1, 2), (3, 2)])
+def test_a_degenerate_row_is_asked_again_with_the_next_seed_up_to_the_bound(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, loops: int, retries: int
+) -> None:
+    """Policy regenerate: a loop is asked again with its next attempt's seed (row_seed(..., attempt)); the
+    row keeps the first answer that is not degenerate, or, after `retries` more attempts, its last one,
+    which tokenize drops. The sidecar counts both; a rebuild under another budget reuses the answers as
+    they are (the same generation settings judged the attempts before them): no request is sent."""
+    import pyarrow.parquet as pq
+
+    from dflash_build import engines
+    from dflash_build.stages import generate, prepare
+    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.generate import row_seed
+
+    plan = _regenerating(tmp_path, tiny_model, 200, retries=retries)
+    engine = _LoopsOnItsFirstSeeds(5, loops)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: engine)
+    prepare.run(planned(plan, "prepare", "s"))
+    stats = generate.run(planned(plan, "generate", "s", "00000"))
+    rows = pq.read_table(planned(plan, "generate", "s", "00000").output("data")).to_pylist()
+    final = min(loops, retries)  # the attempt each row ends on
+    assert len(engine.requests) == 4 * (final + 1), "one request per attempt"
+    for row in rows:
+        assert row["seed"] == row_seed(5, row["prompt_id"], 0, 0, final)
+        # the stand-in answers whole (it stops no loop): the last attempt's loop ran to its budget
+        assert row["finish_reason"] == ("stop" if loops <= retries else "length")
+    assert stats["regenerated"] == 4 * final and stats["regenerated_rows"] == 4
+    tokenized = tokenize.run(planned(plan, "tokenize", "s", "00000"))
+    assert tokenized["rows_out"] == (4 if loops <= retries else 0)
+    assert tokenized["dropped"] == ({} if loops <= retries else {"loop": 4})
+
+    again = _regenerating(tmp_path, tiny_model, 300, retries=retries)
+    assert again.sources["s"].gen_key != plan.sources["s"].gen_key
+    engine.requests.clear()
+    stats = generate.run(planned(again, "generate", "s", "00000"))
+    if loops <= retries:
+        assert engine.requests == [] and stats["reused"] == 4, "a later attempt's answer is reused as it is"
+        reused = pq.read_table(planned(again, "generate", "s", "00000").output("data")).to_pylist()
+        assert [r["seed"] for r in reused] == [r["seed"] for r in rows]
+
+
+def test_regenerate_under_greedy_sampling_is_refused_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
+    from dflash_build.spec import ConfigError
+
+    with pytest.raises(ConfigError, match=r"degenerate.loop.policy.*greedy sampling ignores.*temperature 0"):
+        _regenerating_greedy(tmp_path, tiny_model)
+
+
+def _regenerating_greedy(tmp_path: Path, tiny_model: Path) -> Any:
+    import yaml
+
+    from dflash_build import config as cfg
+    from tests.conftest import write_jsonl
+
+    write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "task"}]}])
+    raw = {
+        "model": {"path": str(tiny_model)},
+        "sampling": {"temperature": 0.0},
+        "sources": {"s": {"category": "c", "format": "messages", "files": [str(tmp_path / "in.jsonl")]}},
+        "mix": {"categories": {"c": 1}},
+        "degenerate": {"loop": {"policy": "regenerate"}},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    return cfg.load(tmp_path / "c.yaml")

@@ -32,6 +32,8 @@ def _built(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) ->
         "sampling": {"samples_per_prompt": 1, "max_new_tokens": 3},
         "sources": {"s": {"category": "c", "format": "messages", "files": [str(tmp_path / "in.jsonl")]}},
         "mix": {"categories": {"c": 1}},
+        # the stand-in answers each prompt's last token, the template's newline: an empty answer, kept here
+        "degenerate": {"empty": {"policy": "keep"}},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     plan = plan_mod.build(cfg.load(tmp_path / "c.yaml"))

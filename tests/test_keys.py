@@ -279,6 +279,9 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "degenerate.unclosed_reasoning.policy": (_set("degenerate.unclosed_reasoning.policy", "keep"), keys.TOK),
     "degenerate.empty.policy": (_set("degenerate.empty.policy", "keep"), keys.TOK),
     "degenerate.reasoning_markers": (_set("degenerate.reasoning_markers", ["<r>", "</r>"]), keys.TOK),
+    # the bound of a regenerate policy, which these configs do not use: nothing re-keys (with one, gen_key:
+    # test_degenerate's regenerate test builds under two)
+    "degenerate.retries": (_set("degenerate.retries", 3), None),
     "mix.seed": (_set("mix.seed", 5), None),
     "dedup.near.threshold": (_near("threshold", 0.6), keys.PROMPT),
     "dedup.near.ngram": (_near("ngram", 3), keys.PROMPT),

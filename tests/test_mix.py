@@ -251,9 +251,18 @@ def test_checks_fail_naming_the_cause_and_the_key(
     assert "checks.allow_shortfall" in str(err.value) or "empty" in str(err.value)
 
 
-def test_an_allowed_shortfall_passes(tmp_path: Path) -> None:
+def test_an_allowed_shortfall_passes_and_is_stated(tmp_path: Path) -> None:
+    """An allowed shortfall fails no check, and the manifest's statements (what the card lists under
+    "Shortfalls") still name it with its numbers; a source with no samples fails whatever is allowed."""
     plan = _plan(tmp_path, checks={"allow_shortfall": ["b"]})
-    _check(plan, {"a": 70, "b": 30}, {"a1": 30, "a2": 40, "b1": 30})
+    chosen = {"a": 70, "b": 30}
+    _check(plan, chosen, {"a1": 30, "a2": 40, "b1": 30})
+    shares = dict(plan.config.mix_categories)
+    stated = mix.checks.shortfalls(shares, {c: shares[c] * 100 for c in shares}, Counter(chosen), Counter(chosen), None)
+    assert stated == [
+        "category 'b' reaches 30.0% instead of 50.0%: every one of its samples is used; others overshoot their "
+        "targets by part of a sample"
+    ], stated
     with pytest.raises(mix.checks.MixError, match="source 'a2'"):
         _check(plan, {"a": 70, "b": 30}, {"a1": 70, "b1": 30})
 

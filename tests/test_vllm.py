@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dflash_build.engines import host as engine_host
 from dflash_build.engines import openai_backend
@@ -252,3 +253,54 @@ def test_a_misspelled_vllm_option_stops_the_build_in_one_line_naming_the_closest
     [line] = [x for x in done.stderr.splitlines() if "engine.options.max_num_seq" in x]
     assert "vLLM 0.32.0 has no such engine argument; did you mean 'max_num_seqs'" in line
     assert not list(tmp_path.glob("work/store/**/*.parquet")), "no job ran"
+
+
+def _aborted(url: str) -> float:
+    """Requests the server counts as aborted by their client (vLLM's Prometheus counter)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    found = re.findall(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.e+]+)$', text, re.M)
+    return sum(float(n) for n in found)
+
+
+def _new_rows(store: Path, built: set[str]) -> tuple[str, dict[tuple[str, int], dict[str, Any]]]:
+    """The questions' rows of the one generation key not in ``built``, and that key."""
+    [key] = {s["gen_key"] for s in _sidecars(store, "questions")} - built
+    paths = sorted((store / "completions" / "questions" / key).glob("0*.parquet"))
+    return key, {(r["prompt_id"], r["sample_idx"]): r for p in paths for r in pq.read_table(p).to_pylist()}
+
+
+def test_a_looping_row_is_stopped_on_the_server_where_the_rule_fires(
+    built: Workflow, tmp_path: Path, vllm_model: Path
+) -> None:
+    """Issue 72 on vLLM: the random target loops greedily. With the loop rule (a shorter span than the
+    default's) the job streams each answer with its token ids and closes the stream where the rule fires:
+    the row ends there (finish reason loop), the server counts the request aborted by its client, and the
+    same row without the stop (stop_early off, continued from the stopped prefix) begins with it."""
+    wf = built.copy_to(tmp_path / "work")
+    store = wf.workdir / "store"
+    config = _questions_only(yaml.safe_load((wf.workdir / "config.yaml").read_text()))
+    config["sampling"] = {**config["sampling"], "temperature": 0.0, "max_new_tokens": 96}
+    config["degenerate"] = {"loop": {"min_span": 32, "max_period": 16}}
+    wf.write_config(config)
+    [state] = engine_host.running(config["engine"]["lock_dir"])
+    before = _aborted(state["url"])
+    keys = {s["gen_key"] for s in _sidecars(store, "questions")}
+    wf.build()
+    key, rows = _new_rows(store, keys)
+    stopped = {k: r for k, r in rows.items() if r["finish_reason"] == "loop"}
+    assert stopped, {k: (r["finish_reason"], r["n_output_tokens"]) for k, r in rows.items()}
+    assert all(r["n_output_tokens"] < 96 for r in stopped.values()), "stopped before the budget"
+    assert _aborted(state["url"]) - before >= len(stopped), "the server stopped generating them"
+    [sidecar] = [s for s in _sidecars(store, "questions") if s["gen_key"] == key]
+    assert sidecar["loops_stopped"] == len(stopped) and sidecar["loop_tokens"] < 96 * len(stopped)
+
+    config["degenerate"]["loop"]["stop_early"] = False
+    wf.write_config(config)
+    wf.build()
+    _, whole = _new_rows(store, keys | {key})
+    for k, row in stopped.items():
+        assert whole[k]["output_ids"][: row["n_output_tokens"]] == row["output_ids"], "the stopped row's prefix"
+        assert whole[k]["finish_reason"] == "length" and whole[k]["n_output_tokens"] == 96

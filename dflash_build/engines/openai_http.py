@@ -14,12 +14,15 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dflash_build import loops
 from dflash_build.engines.base import Acceptance, Request, Result
 from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines.sglang_wire import parse_output, sampling_params
 
 if TYPE_CHECKING:
     import httpx
+
+    from dflash_build.spec import LoopRule
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -203,8 +206,10 @@ class ServerClient:
                 self._model_ids[url] = []
         return next((ids[0] for ids in (self._model_ids[url], *self._model_ids.values()) if ids), "default")
 
-    async def _attempt(self, url: str, path: str, body: dict[str, Any] | None) -> Any:
-        """One request: the JSON it answers, or the failure it is."""
+    async def _attempt(self, url: str, path: str, body: dict[str, Any] | None, watch: LoopRule | None = None) -> Any:
+        """One request: the JSON it answers, or the failure it is (``watch``: streamed, :meth:`_streamed`)."""
+        if watch is not None and body is not None:
+            return await self._streamed(url + path, body, watch)
         if body is None:
             response = await self._client.get(url + path)
         else:
@@ -221,6 +226,39 @@ class ServerClient:
         except ValueError:
             raise Malformed(f"HTTP {response.status_code} with a body that is not JSON: {text[:_SHOWN]!r}") from None
 
+    async def _streamed(self, url: str, body: dict[str, Any], watch: LoopRule) -> Any:
+        """A completion streamed with its token ids, checked against the loop rule every
+        ``loops.CHECK_EVERY`` tokens; when it fires the connection is closed (the server aborts the
+        request) and the answer is cut where the rule first fired, finish reason ``loop``. Answers as the
+        server's whole JSON would, so the caller parses both alike."""
+        ids: list[int] = []
+        text: list[str] = []
+        finish, usage, checked = None, None, 0
+        async with self._client.stream("POST", url, json={**body, "stream": True}) as response:
+            if response.status_code >= 400:
+                answer = (await response.aread()).decode(errors="replace")
+                if response.status_code not in _RETRY_STATUS:
+                    raise RequestRefused(response.status_code, answer)
+                raise _Retry(f"HTTP {response.status_code}: {answer[:_SHOWN]}", response.status_code)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = _json_chunk(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    if not isinstance(choice.get("token_ids"), list):
+                        raise Malformed(f"a streamed chunk without token_ids: {line[:_SHOWN]}")
+                    ids += choice["token_ids"]
+                    text.append(choice.get("text") or "")
+                    finish = choice.get("finish_reason") or finish
+                if len(ids) - checked >= loops.CHECK_EVERY:
+                    checked = len(ids)
+                    if (end := loops.loop_end(ids, watch)) is not None:
+                        return {"choices": [{"token_ids": ids[:end], "finish_reason": "loop"}]}
+        if finish in ("length", "stop") and (end := loops.loop_end(ids, watch)) is not None:
+            return {"choices": [{"token_ids": ids[:end], "finish_reason": "loop"}]}  # fired in the last tokens
+        return {"choices": [{"token_ids": ids, "text": "".join(text), "finish_reason": finish}], "usage": usage}
+
     async def _call(
         self,
         url: str,
@@ -229,6 +267,7 @@ class ServerClient:
         retries: int | None = None,
         parse: Callable[[Any], T] | None = None,
         deadline: float | None = None,
+        watch: LoopRule | None = None,
     ) -> Any:
         """GET (no body) or POST, parsed by ``parse``; faults retried with backoff within a total deadline each."""
         import httpx
@@ -239,7 +278,7 @@ class ServerClient:
         last, status = "", 0
         for attempt in range(attempts):
             try:
-                answer = await asyncio.wait_for(self._attempt(url, path, body), deadline)
+                answer = await asyncio.wait_for(self._attempt(url, path, body, watch), deadline)
                 return answer if parse is None else _parsed(parse, answer)
             except _Retry as e:
                 last, status = str(e), e.status
@@ -330,8 +369,9 @@ class ServerClient:
         def parse(out: Any) -> Result:
             return self._parse_completion(request, out)
 
+        watch = request.stop_loops  # set only for a backend that stops loops (Backend.stops_loops)
         try:
-            return await self._call(url, "/v1/completions", body, retries, parse)  # type: ignore[no-any-return]
+            return await self._call(url, "/v1/completions", body, retries, parse, watch=watch)  # type: ignore[no-any-return]
         except HTTPFailure as e:
             if body["top_k"] != TOP_K_OFF[0] or "top_k" not in str(e):
                 raise
@@ -339,7 +379,7 @@ class ServerClient:
                 log.warning("%s refuses top_k %d (%s): sending %d for no top-k", url, off, e, TOP_K_OFF[1])
             self.top_k_off[url] = TOP_K_OFF[1]
             body["top_k"] = TOP_K_OFF[1]
-            return await self._call(url, "/v1/completions", body, retries, parse)  # type: ignore[no-any-return]
+            return await self._call(url, "/v1/completions", body, retries, parse, watch=watch)  # type: ignore[no-any-return]
 
     def _parse_completion(self, request: Request, out: Any) -> Result:
         """A /v1/completions answer as a Result; anything else is Malformed (retried, never stored)."""
@@ -368,6 +408,8 @@ class ServerClient:
             result = Result(request.prompt_id, request.sample_idx, ids, "stop", stop, None, retokenized, server_count)
         elif reason == "length":
             result = Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
+        elif reason == "loop":  # ours: the stream was closed where the loop rule fired (_streamed)
+            result = Result(request.prompt_id, request.sample_idx, ids, "loop")
         else:
             result = Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
         counted = completion_acceptance(out)
@@ -393,6 +435,16 @@ class _Retry(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _json_chunk(data: str) -> dict[str, Any]:
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise Malformed(f"a streamed chunk that is not JSON: {data[:_SHOWN]!r}") from None
+    if not isinstance(chunk, dict):
+        raise Malformed(f"a streamed chunk that is not an object: {data[:_SHOWN]!r}")
+    return chunk
 
 
 def _parsed(parse: Callable[[Any], T], answer: Any) -> T:

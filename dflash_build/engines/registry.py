@@ -11,7 +11,6 @@ imported only inside its functions, so parsing the workflow never needs an optio
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from dflash_build.spec import ConfigError
 
 if TYPE_CHECKING:
     from dflash_build.engines.gpus import GpuLease
-    from dflash_build.spec import AcceptSpec, DrafterSpec, EngineSpec, ModelSpec
+    from dflash_build.spec import AcceptSpec, Degenerate, DrafterSpec, EngineSpec, LoopRule, ModelSpec
 
 # The reasons most options share.
 NUMERICS = "changes the numbers the model computes, so the answers"
@@ -155,24 +154,23 @@ class Backend:
                 )
 
 
-@functools.cache
-def _backends() -> dict[str, Backend]:
-    # found on first use, not at import: a descriptor module imports this one, and may be imported first
-    return discovery.descriptors("dflash_build.engines.backends", "BACKEND")
-
-
-def __getattr__(name: str) -> Any:
-    if name == "BACKENDS":  # every backend, by name
-        return _backends()
-    raise AttributeError(name)
+_REGISTRY = discovery.Registry[Backend]("dflash_build.engines.backends", "BACKEND")
+__getattr__ = _REGISTRY.view("BACKENDS")  # every backend, by name
 
 
 def get(name: str) -> Backend:
-    backends = _backends()
+    backends = _REGISTRY.found
     try:
         return backends[name]
     except KeyError:
         raise ConfigError("engine.backend", f"unknown backend '{name}'{closest(name, backends)}") from None
+
+
+def loop_stop(engine: EngineSpec, degenerate: Degenerate) -> LoopRule | None:
+    """The loop rule the engine stops rows on (``degenerate.loop``) where its backend can (``stops_loops``);
+    None where answers run whole (tokenize drops a loop after the fact, on the same rule)."""
+    rule = degenerate.stopping
+    return rule if rule is not None and get(engine.backend).stops_loops else None
 
 
 def check_options(backend: str, options: Mapping[str, Any]) -> None:
@@ -202,7 +200,7 @@ def check_drafters(engine: EngineSpec, accept: AcceptSpec | None) -> None:
         return
     backend = get(engine.backend)
     if backend.speculative is None:
-        able = sorted(name for name, b in _backends().items() if b.speculative is not None)
+        able = sorted(name for name, b in _REGISTRY.found.items() if b.speculative is not None)
         raise ConfigError("accept", f"engine.backend {backend.name!r} cannot serve a drafter; use {' or '.join(able)}")
     backend.check({**engine.options, **accept.engine_options})
     for name, drafter in accept.drafters.items():

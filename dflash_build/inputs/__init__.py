@@ -10,7 +10,6 @@ reason. A new format is its module here and its name in the schema's ``format`` 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,19 +47,9 @@ class InputFormat:
     columnar: TurnList | UserText | None = None  # the rows the fast path converts; None: the row path only
 
 
-@functools.cache
-def _formats() -> dict[str, InputFormat]:
-    return discovery.descriptors("dflash_build.inputs", "FORMAT")
-
-
-def __getattr__(name: str) -> Any:
-    if name == "FORMATS":  # every input format, by name
-        return _formats()
-    raise AttributeError(name)
-
-
-def get(name: str) -> InputFormat:
-    return _formats()[name]
+_REGISTRY = discovery.Registry[InputFormat]("dflash_build.inputs", "FORMAT")
+__getattr__ = _REGISTRY.view("FORMATS")  # every input format, by name
+get = _REGISTRY.get
 
 
 def columns(spec: SourceSpec) -> dict[str, str]:

@@ -199,7 +199,7 @@ def degenerate_drops(plan: Plan) -> dict[str, tuple[int, dict[str, int]]]:
                 stats = json.loads(stats_file.read_text())
                 rows += stats.get(R.STAT_INPUT_ROWS, 0)
                 for reason, by_language in (stats.get(R.STAT_DEGENERATE) or {}).items():
-                    if policy.policy(reason) == "drop":
+                    if policy.policy(reason) != "keep":
                         dropped[reason] += sum(by_language.values())
         out[name] = (rows, dict(dropped))
     return out

@@ -92,7 +92,8 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
             turns = _add_turns(turns, stats[R.STAT_TURNS])
         for key in (R.STAT_INPUT_ROWS, R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_ERROR, R.STAT_SKIPPED,
                     R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE, R.STAT_REUSED, R.STAT_CONTINUED,
-                    R.STAT_REUSED_ACROSS, R.STAT_GENERATED, R.STAT_LOOPS_STOPPED, R.STAT_LOOP_TOKENS):  # fmt: skip
+                    R.STAT_REUSED_ACROSS, R.STAT_GENERATED, R.STAT_LOOPS_STOPPED, R.STAT_LOOP_TOKENS,
+                    R.STAT_REGENERATED, R.STAT_REGENERATED_ROWS):  # fmt: skip
             total[key] += int(stats.get(key) or 0)
         # a restored shard's sidecar keeps the numbers of the one run that generated it
         seconds = float(stats.get(R.STAT_WALL_SECONDS) or 0)
@@ -110,6 +111,8 @@ def generation_stats(plan: Plan, source: str) -> dict[str, Any]:
         **{k: total[k] for k in (R.STAT_OUTSIDE_WINDOW, R.STAT_CROSS_SOURCE) if total[k]},
         # rows the engine stopped on the loop rule, and the output tokens they had (config degenerate.loop)
         **{k: total[k] for k in (R.STAT_LOOPS_STOPPED, R.STAT_LOOP_TOKENS) if total[k]},
+        # degenerate policy regenerate: answers asked again, and rows whose answer is a later attempt's
+        **{k: total[k] for k in (R.STAT_REGENERATED, R.STAT_REGENERATED_ROWS) if total[k]},
         "truncation_rate": round(total[R.STAT_TRUNCATED] / rows, 6) if rows else 0.0,
         "window_rate": round(total[R.STAT_WINDOW] / rows, 6) if rows else 0.0,  # ended at trainer.max_length
         "error_rate": round(R.failed_rows(total) / rows, 6) if rows else 0.0,
@@ -341,7 +344,7 @@ def degenerate_counts(plan: Plan, shards: Mapping[str, list[Path]]) -> dict[str,
     return {
         "policy": {reason: policy.policy(reason) for reason in DEGENERATE_REASONS},
         "found": dict(totals),
-        "dropped": sum(n for reason, n in totals.items() if policy.policy(reason) == "drop"),
+        "dropped": sum(n for reason, n in totals.items() if policy.policy(reason) != "keep"),
         **{f"by_{k}": {name: dict(c) for name, c in sorted(v.items())} for k, v in by.items()},
     }
 
@@ -358,15 +361,17 @@ def degenerate_section(manifest: dict[str, Any]) -> str:
         f"Answers that are no training data (config `degenerate`; policies: {policies}): "
         f"{sum(found['found'].values())} found, {found['dropped']} dropped, never in the data.",
         "",
-        "| source | " + " | ".join(DEGENERATE_REASONS) + " | stopped by the engine |",
-        "|---|" + "---|" * (len(DEGENERATE_REASONS) + 1),
+        "| source | " + " | ".join(DEGENERATE_REASONS) + " | stopped by the engine | asked again |",
+        "|---|" + "---|" * (len(DEGENERATE_REASONS) + 2),
     ]
     by_source = found["by_source"]
     generation = {n: s["generation"] for n, s in manifest["report"]["by_source"].items()}
     for name in manifest["sources"]:
         counts = by_source.get(name, {})
         stopped = generation.get(name, {}).get(R.STAT_LOOPS_STOPPED, 0)
-        lines.append(f"| {name} | " + " | ".join(str(counts.get(r, 0)) for r in DEGENERATE_REASONS) + f" | {stopped} |")
+        again = generation.get(name, {}).get(R.STAT_REGENERATED, 0)
+        cells = " | ".join(str(counts.get(r, 0)) for r in DEGENERATE_REASONS)
+        lines.append(f"| {name} | {cells} | {stopped} | {again} |")
     if found["by_language"]:
         each = "; ".join(f"{lang} {dict(c)}" for lang, c in found["by_language"].items())
         lines += ["", f"By language: {each}."]

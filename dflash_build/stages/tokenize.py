@@ -134,7 +134,7 @@ def _samples(
             why = degenerate_reason(detector, turns if turn is None else [turns[turn]])
             if why is not None:
                 found.setdefault(why, Counter())[languages[row["prompt_id"]]] += 1
-                if policy.policy(why) == "drop":
+                if policy.policy(why) != "keep":  # regenerate: still degenerate after its retries
                     drops[why] += 1
                     continue
             samples.append(

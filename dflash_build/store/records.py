@@ -159,6 +159,8 @@ STAT_LANGUAGES = "languages"  # samples by their prompt's language
 STAT_DEGENERATE = "degenerate"
 STAT_LOOPS_STOPPED = "loops_stopped"  # generate: rows the engine stopped on the loop rule (finish reason loop)
 STAT_LOOP_TOKENS = "loop_tokens"  # generate: the output tokens those rows had when stopped
+STAT_REGENERATED = "regenerated"  # generate: degenerate answers asked again in this run (policy regenerate)
+STAT_REGENERATED_ROWS = "regenerated_rows"  # generate: rows whose answer is a later attempt's
 STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's
 
 

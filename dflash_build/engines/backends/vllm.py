@@ -373,4 +373,7 @@ BACKEND = Backend(
         draft_tokens=lambda drafter: drafter.options.get("num_speculative_tokens"),
         known_broken=_known_broken,
     ),
+    # the completion is streamed with its token ids and the connection closed when the loop rule fires:
+    # vLLM aborts a request whose client goes (openai_http.ServerClient._streamed)
+    stops_loops=True,
 )

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,17 +35,6 @@ class ExportFormat:
     reads_store: bool = False
 
 
-@functools.cache
-def _formats() -> dict[str, ExportFormat]:
-    found: dict[str, ExportFormat] = discovery.descriptors("dflash_build.stages.export", "FORMATS")
-    return found | discovery.descriptors("dflash_build.stages.export", "FORMAT")
-
-
-def __getattr__(name: str) -> Any:
-    if name == "FORMATS":  # every export format, by name
-        return _formats()
-    raise AttributeError(name)
-
-
-def get(name: str) -> ExportFormat:
-    return _formats()[name]
+_REGISTRY = discovery.Registry[ExportFormat]("dflash_build.stages.export", "FORMATS", "FORMAT")
+__getattr__ = _REGISTRY.view("FORMATS")  # every export format, by name
+get = _REGISTRY.get

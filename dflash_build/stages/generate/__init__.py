@@ -225,6 +225,7 @@ def replay(work: ShardWork, journal: Journal) -> int:
         if row["finish_reason"] in R.NO_ANSWER:
             failed += 1
             continue
+        conv.attempt = row.get("attempt", 0)  # the journaled answer is that attempt's
         turn = work.apply(conv, work.renderer.next_context(conv), result_of(row))
         turn.reused_from, turn.continued = row.get("reused_from"), row.get("continued", False)
         turn.across = row.get("across", False)
@@ -281,7 +282,7 @@ def next_requests(
                 conv.finish(R.FINISH_SKIPPED, reason)
             progress.update(Result(conv.prompt_id, conv.sample_idx, [], conv.finish_reason), True)
             continue
-        seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns))
+        seed = row_seed(sampling.seed, conv.prompt_id, conv.sample_idx, len(conv.turns), conv.attempt)
         # continue an earlier truncated answer with what is left of the budget
         params = dataclasses.replace(work.params, max_new_tokens=budget - len(conv.prefix))
         prompt_ids = prompt_ids + conv.prefix
@@ -396,6 +397,9 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     counts.engine_tokens += len(generated.output_ids)
                     turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
                     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
+                    if work.retry(conv):  # degenerate: asked again next round with the next seed, unjournaled
+                        counts.regenerated += 1
+                        continue
                     journal.append(journal_row(conv, turn))
                     counts.journaled += 1
                     progress.update(
@@ -450,6 +454,9 @@ def publish(
     stats[R.STAT_REUSED_ACROSS] = across  # of those, from another generation's settings (same requests)
     stats[R.STAT_REUSED_FROM] = reused_from
     stats[R.STAT_GENERATED] = engine_run.journaled
+    # degenerate policy regenerate: rows whose answer is a later attempt's, and the answers asked again
+    stats[R.STAT_REGENERATED_ROWS] = sum(conv.attempt > 0 for conv in convs)
+    stats[R.STAT_REGENERATED] = engine_run.regenerated
     if engine_run.engine_identity is not None:
         stats["engine"]["served"] = engine_run.engine_identity
     if work.spec.turns == "all":

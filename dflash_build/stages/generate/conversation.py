@@ -46,6 +46,7 @@ class Conversation:
     error: str | None = None
     template_kwargs: dict[str, Any] | None = None  # this row's own (chat_template_kwargs_from)
     per_turn: bool = False  # each turn is a sample; its context_ids are its whole prompt
+    attempt: int = 0  # degenerate policy regenerate: which attempt's seed its answer comes from
 
     @property
     def key(self) -> tuple[str, int]:

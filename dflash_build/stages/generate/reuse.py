@@ -62,16 +62,12 @@ def reuse(work: ShardWork, journal: Journal | None, index: RowIndex | None = Non
                 use = _answers(work, conv, old)
                 if use is None:
                     continue
-                if use != "continue":
+                if use not in ("continue", "regenerate"):
                     count += 1
                     if journal is not None:
                         journal.append(journal_row(conv, conv.turns[-1]))
                 break
-    if journal is not None:
-        journal.sync()
-        if count:
-            log.info("%s: %d rows reused from earlier completions", work.label, count)
-    return count
+    return _synced(work, journal, count, "rows")
 
 
 def _answers(work: ShardWork, conv: Conversation, old: Earlier) -> str | None:
@@ -79,7 +75,8 @@ def _answers(work: ShardWork, conv: Conversation, old: Earlier) -> str | None:
     budget, or as a prefix the engine continues; None (nothing applied) when it does not."""
     row = old.row
     ids = work.renderer.next_context(conv)
-    if ids != row["prompt_ids"] or row["seed"] != row_seed(work.spec.sampling.seed, conv.prompt_id, conv.sample_idx):
+    attempt = _attempt(work, conv, old)
+    if ids != row["prompt_ids"] or attempt is None:
         return None  # rendered or seeded otherwise: another request
     budget = work.budget(len(ids))
     if not fits_context(len(ids), budget, work.context) or work.plan.config.trainer.leaves_too_little(budget):
@@ -92,6 +89,7 @@ def _answers(work: ShardWork, conv: Conversation, old: Earlier) -> str | None:
         return None  # under today's stop ids the engine would have stopped elsewhere
     if work.stop_loops is not None and (end := loops.loop_end(used, work.stop_loops)) is not None:
         use, used = "loop", used[:end]  # this build's engine stops it there: that is the row it would write
+    conv.attempt = attempt
     if use == "continue":
         conv.prefix, conv.prefix_from, conv.prefix_across = output, old.origin, across  # the engine adds the rest
         return use
@@ -103,7 +101,25 @@ def _answers(work: ShardWork, conv: Conversation, old: Earlier) -> str | None:
         result = Result(conv.prompt_id, conv.sample_idx, used, work.ran_out(budget))
     turn = apply_result(conv, ids, result)
     turn.reused_from, turn.across = old.origin, across
+    if work.retry(conv):
+        return "regenerate"  # degenerate under this build's policy: its next attempt is generated
     return use
+
+
+def _attempt(work: ShardWork, conv: Conversation, old: Earlier) -> int | None:
+    """Which attempt of this row's request ``old`` answers: 0 for its first seed; a later attempt's
+    (degenerate policy regenerate) only from a generation under the same settings, which judged the
+    attempts before it as this build does; None for another seed."""
+    seed = work.spec.sampling.seed
+    if old.row["seed"] == row_seed(seed, conv.prompt_id, conv.sample_idx):
+        return 0
+    if old.cand.generation_key != work.plan.sources[work.source].generation_key:
+        return None
+    retries = work.plan.config.degenerate.retries
+    later = (
+        k for k in range(1, retries + 1) if old.row["seed"] == row_seed(seed, conv.prompt_id, conv.sample_idx, 0, k)
+    )
+    return next(later, None)
 
 
 def stops_alike(work: ShardWork, output: list[int], stop: int | None) -> bool:
@@ -143,10 +159,15 @@ def reuse_conversations(work: ShardWork, journal: Journal | None, index: RowInde
                 if _replay_turns(work, conv, old, journal):
                     count += 1
                     break
+    return _synced(work, journal, count, "conversations")
+
+
+def _synced(work: ShardWork, journal: Journal | None, count: int, what: str) -> int:
+    """Sync what a reuse pass journaled (None: it only counted) and say how much it took."""
     if journal is not None:
         journal.sync()
         if count:
-            log.info("%s: %d conversations reused from earlier completions", work.label, count)
+            log.info("%s: %d %s reused from earlier completions", work.label, count, what)
     return count
 
 

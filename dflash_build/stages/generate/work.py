@@ -11,9 +11,10 @@ from typing import Any
 
 from dflash_build import hashing
 from dflash_build.engines import Result, SamplingParams
-from dflash_build.plan import Plan, loop_stop
+from dflash_build.engines.registry import loop_stop
+from dflash_build.plan import Plan
 from dflash_build.spec import LoopRule, SourceSpec
-from dflash_build.stages.common import chat
+from dflash_build.stages.common import chat, degenerate
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.conversation import Conversation, Renderer, Turn
 from dflash_build.store import records as R
@@ -24,11 +25,14 @@ from dflash_build.store import records as R
 SEED_BITS = 31
 
 
-def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0) -> int:
-    """The seed of one (prompt, sample, turn): independent of batch, shard and order; in [0, 2**31)."""
+def row_seed(base_seed: int, prompt_id: str, sample_idx: int, turn: int = 0, attempt: int = 0) -> int:
+    """The seed of one (prompt, sample, turn), and of a degenerate row's next ``attempt``: independent of
+    batch, shard and order; in [0, 2**31)."""
     parts: dict[str, Any] = {"seed": base_seed, "prompt_id": prompt_id, "sample_idx": sample_idx}
     if turn:
         parts["turn"] = turn
+    if attempt:
+        parts["attempt"] = attempt
     return int(hashing.digest(parts)[:16], 16) >> (64 - SEED_BITS)
 
 
@@ -52,6 +56,7 @@ def journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
         "reused_from": turn.reused_from,
         "continued": turn.continued,
         "across": turn.across,
+        "attempt": conv.attempt,
         "at": round(time.time(), 1),  # when it finished: `dflash-build status` reads rates from it
     }
 
@@ -103,9 +108,30 @@ class ShardWork:
         return chat.stop_token_ids(self.tokenizer, self.plan.config.model.path)
 
     @functools.cached_property
+    def detector(self) -> degenerate.Detector:
+        return degenerate.Detector.for_tokenizer(self.plan.config.degenerate, self.tokenizer)
+
+    def retry(self, conv: Conversation) -> bool:
+        """Under a degenerate policy regenerate, ask a finished one-turn row again with the next attempt's
+        seed when its answer is degenerate for a reason of that policy and attempts are left: the row is
+        pending again (True). Conversations of several turns are judged by tokenize alone."""
+        policy = self.plan.config.degenerate
+        if len(conv.slots) != 1 or len(conv.turns) != 1 or conv.attempt >= policy.retries:
+            return False
+        turn = conv.turns[0]
+        why = self.detector.reason(turn.context_ids, turn.output_ids, turn.finish_reason)
+        if why is None or policy.policy(why) != "regenerate":
+            return False
+        conv.attempt += 1
+        conv.turns.clear()
+        conv.prefix, conv.prefix_from, conv.prefix_across = [], None, False
+        conv.finish_reason = conv.error = None
+        return True
+
+    @functools.cached_property
     def stop_loops(self) -> LoopRule | None:
         """The loop rule the engine stops rows on (plan.loop_stop), sent with every request."""
-        return loop_stop(self.plan.config)
+        return loop_stop(self.plan.config.engine, self.plan.config.degenerate)
 
     def budget(self, prompt_tokens: int) -> int:
         """New tokens an answer after ``prompt_tokens`` may have (the window's rule: TrainerSpec.budget)."""
@@ -131,6 +157,7 @@ class EngineRun:
     journaled: int = 0
     engine_tokens: int = 0
     in_flight: int = 0  # requests sent in this round and not answered yet (the heartbeat reads it)
+    regenerated: int = 0  # degenerate answers asked again (a degenerate policy regenerate)
     engine_identity: Any = None  # what the engine says it serves (openai backend: per server), for the sidecar
 
 
@@ -179,7 +206,7 @@ def completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> di
     return {
         "prompt_id": conv.prompt_id,
         "sample_idx": conv.sample_idx,
-        "seed": row_seed(base_seed, conv.prompt_id, conv.sample_idx),
+        "seed": row_seed(base_seed, conv.prompt_id, conv.sample_idx, attempt=conv.attempt),
         "prompt_ids": first.context_ids if first else [],
         "output_ids": last.output_ids if last else [],
         "stop_token_id": last.stop_token_id if last and conv.finish_reason == R.FINISH_STOP else None,
