@@ -209,6 +209,9 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     assert all(stopped[pid]["n_output_tokens"] < 192 for pid in loops_found), "stopped before the budget"
     assert generated["loops_stopped"] == len(loops_found)
     assert generated["loop_tokens"] == sum(stopped[pid]["n_output_tokens"] for pid in loops_found)
+    status = wf.cli("status").stdout.splitlines()
+    row = next(x for x in status if x.startswith("prompts "))
+    assert status[1].split()[-1] == "loops" and row.split()[-1] == str(n), "status counts the rows stopped"
     (tokenized,) = _sidecars(store, "tokens")
     assert tokenized["dropped"].get("loop") == len(loops_found) and tokenized["degenerate"] == {"loop": {"en": n}}
 

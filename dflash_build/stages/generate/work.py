@@ -108,6 +108,10 @@ class ShardWork:
         return chat.stop_token_ids(self.tokenizer, self.plan.config.model.path)
 
     @functools.cached_property
+    def regenerating(self) -> bool:
+        return self.plan.config.degenerate.regenerating() is not None
+
+    @functools.cached_property
     def detector(self) -> degenerate.Detector:
         return degenerate.Detector.for_tokenizer(self.plan.config.degenerate, self.tokenizer)
 
@@ -116,7 +120,7 @@ class ShardWork:
         seed when its answer is degenerate for a reason of that policy and attempts are left: the row is
         pending again (True). Conversations of several turns are judged by tokenize alone."""
         policy = self.plan.config.degenerate
-        if len(conv.slots) != 1 or len(conv.turns) != 1 or conv.attempt >= policy.retries:
+        if not self.regenerating or len(conv.slots) != 1 or len(conv.turns) != 1 or conv.attempt >= policy.retries:
             return False
         turn = conv.turns[0]
         why = self.detector.reason(turn.context_ids, turn.output_ids, turn.finish_reason)
