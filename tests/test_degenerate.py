@@ -146,13 +146,13 @@ def test_tokenize_follows_each_reasons_policy_and_counts_every_one(policy: str) 
 
 
 # Prompts of the demo on which SmolLM2-135M-Instruct loops greedily (measured: bench/degenerate.py's run,
-# each stopped by the default rule at 112-121 tokens), and two it answers.
+# each stopped by the default rule at 112-121 tokens), and one it answers.
 LOOPING = [
     "Write a bash command that counts the lines of every .py file in a folder.",
     "Write a minimal Dockerfile for a Python web app.",
     "Write a haiku about autumn leaves.",
 ]
-ANSWERED = ["What is the capital of France? Answer in one word.", "Is 17 a prime number? Answer yes or no."]
+ANSWERED = ["What is the capital of France? Answer in one word."]
 
 
 def _generated_rows(store: Path, gen_key: str = "*") -> dict[str, dict[str, Any]]:
@@ -172,7 +172,7 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     tmp_path: Path, gguf_path: Path
 ) -> None:
     """Issue 72 on a real model in the demo's engine: SmolLM2 through the transformers backend's shared server,
-    greedy, 192 new tokens. The rows that loop are stopped before the budget (finish reason loop), dropped
+    greedy, 128 new tokens. The rows that loop are stopped before the budget (finish reason loop), dropped
     by tokenize, counted in the sidecars, the manifest and the card, and in neither the dataset nor the
     conversations export. Then with stop_early off the same rows run to the budget (continued from their
     stopped prefix: nothing is generated twice), cost more tokens, and are dropped after the fact: the
@@ -185,7 +185,7 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     config["model"]["path"] = str(gguf_path)
     config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
-    config["sampling"].update(max_new_tokens=192, temperature=0.0)
+    config["sampling"].update(max_new_tokens=128, temperature=0.0)
     config["engine"].update(lock_dir=str(tmp_path / "locks"), base_port=own_ports())
     config["mix"] = {"categories": {"code-other": 1.0}}
     config["checks"] = {"allow_shortfall": True}
@@ -206,7 +206,7 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     loops_found = {pid for pid, r in stopped.items() if r["finish_reason"] == "loop"}
     n = len(loops_found)
     assert n >= 2, {pid: (r["finish_reason"], r["n_output_tokens"]) for pid, r in stopped.items()}
-    assert all(stopped[pid]["n_output_tokens"] < 192 for pid in loops_found), "stopped before the budget"
+    assert all(stopped[pid]["n_output_tokens"] < 128 for pid in loops_found), "stopped before the budget"
     assert generated["loops_stopped"] == len(loops_found)
     assert generated["loop_tokens"] == sum(stopped[pid]["n_output_tokens"] for pid in loops_found)
     status = wf.cli("status").stdout.splitlines()
@@ -238,7 +238,7 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     (after,) = [s for s in _sidecars(store, "completions") if s["gen_key"] != generated["gen_key"]]
     whole = _generated_rows(store, after["gen_key"])
     for pid in loops_found:
-        assert whole[pid]["finish_reason"] == "length" and whole[pid]["n_output_tokens"] == 192
+        assert whole[pid]["finish_reason"] == "length" and whole[pid]["n_output_tokens"] == 128
         assert whole[pid]["output_ids"][: stopped[pid]["n_output_tokens"]] == stopped[pid]["output_ids"]
     for pid in set(stopped) - loops_found:
         assert whole[pid]["output_ids"] == stopped[pid]["output_ids"]

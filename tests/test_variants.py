@@ -24,6 +24,9 @@ from tests.conftest import REPO, Workflow, base_config, once_per_session, write_
 pytestmark = pytest.mark.workflow
 
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "templates" / "qwen3-thinking.jinja"
+# The tiny random model never closes the thinking block Qwen3's template opens (think variant): its answers
+# are kept here, as the variants' accounting is under test, not the detector
+RANDOM_THINKING = {"unclosed_reasoning": {"policy": "keep"}}
 VARIANTS = {
     "think": {"share": 1, "sampling": {"temperature": 0.6}, "chat_template_kwargs": {"enable_thinking": True}},
     "fast": {"share": 1, "sampling": {"temperature": 0.9}, "chat_template_kwargs": {"enable_thinking": False}},
@@ -50,6 +53,7 @@ def _config(root: Path, tiny_model: Path) -> dict[str, Any]:
     }
     config = base_config(tiny_model, sources, variants=copy.deepcopy(VARIANTS), shard_size=16)
     config["model"]["chat_template"] = str(QWEN3_TEMPLATE)
+    config["degenerate"] = RANDOM_THINKING
     config["dedup"] = {"prefer": ["a"]}
     config["checks"] = {"share_tolerance": 0.1}
     config["export"] = {"conversations": {}, "speculators": {}}
@@ -210,6 +214,7 @@ def test_a_draw_that_leaves_a_small_sources_variant_empty_is_a_selection_not_a_f
     }
     config = base_config(tiny_model, sources, variants=copy.deepcopy(VARIANTS), shard_size=16)
     config["model"]["chat_template"] = str(QWEN3_TEMPLATE)
+    config["degenerate"] = RANDOM_THINKING
     config["checks"] = {"share_tolerance": 0.5}
     wf = Workflow.at(tmp_path / "w", config)
     planned = wf.cli("plan", check=False)

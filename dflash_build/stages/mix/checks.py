@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build.plan import Plan
+from dflash_build.spec import DEGENERATE_REASONS
 from dflash_build.stages.common import crosssource
 from dflash_build.stages.common.job import StageFailure
 from dflash_build.stages.prepare.drops import DROP_OTHER_VARIANT
@@ -99,12 +100,19 @@ def check(
         elif available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
             drops, why = _token_drops(shards.get(name, []))
             window = plan.config.trainer.max_length
-            advice = (
-                f"its prompts leave too little of trainer.max_length {window}: raise it or drop the source"
-                if drops.get(R.STAT_OUTSIDE_WINDOW)
-                else f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
-                "answers that hit max_new_tokens"
-            )
+            degenerate = [r for r in DEGENERATE_REASONS if drops.get(r)]
+            if drops.get(R.STAT_OUTSIDE_WINDOW):
+                advice = f"its prompts leave too little of trainer.max_length {window}: raise it or drop the source"
+            elif degenerate:
+                advice = (
+                    f"its answers are degenerate ({', '.join(degenerate)}): see docs/configuration.md#degenerate-"
+                    f"answers; degenerate.{degenerate[0]}.policy: keep keeps them, regenerate asks again"
+                )
+            else:
+                advice = (
+                    f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
+                    "answers that hit max_new_tokens"
+                )
             problems.append(
                 f"source '{name}' reaches the mix with no samples ({why}); {advice}; or allow it with "
                 f"checks.allow_shortfall: [{sp.spec.category}]"

@@ -108,9 +108,9 @@ def missed(plan: Plan, drawn: Counter[str], taken: Counter[str]) -> list[str]:
             f"variant '{variant}' holds {got.get(variant, 0.0):.1%} of the dataset's prompts, {share:.1%} were drawn "
             f"to it (tolerance {tolerance:.1%}): its sources lost "
             + ", ".join(f"{n} {k} of {drawn[n]}" for n, k in sorted(lost.items()))
-            + " prompts to generation (truncation, failures, the trainer's window) or the mix; see their generate "
-            "and tokenize sidecars (a larger max_new_tokens or `truncated: keep` keeps answers that run out), "
-            f"or set variants.{variant}.tolerance"
+            + " prompts to generation (truncation, degenerate answers, failures, the trainer's window) or the mix; "
+            "see their generate and tokenize sidecars (a larger max_new_tokens or `truncated: keep` keeps answers "
+            f"that run out), or set variants.{variant}.tolerance"
         )
     return problems
 
