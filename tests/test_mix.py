@@ -307,3 +307,29 @@ def test_a_variant_that_loses_its_drawn_share_fails_naming_its_sources_and_toler
     assert entry["configured_share"] == 0.25 and entry["drawn_share"] == round(28 / 120, 6)
     assert entry["prompts"] == 17 and entry["rows"] == 2 and entry["mean_answer_tokens"] == 6.0
     assert entry["ran_out_rows"] == 1 and entry["tokens_by_category"] == {"a": 30}
+
+
+def test_a_source_whose_answers_were_all_degenerate_is_named_with_the_policy(tmp_path: Path) -> None:
+    """Its token shards' sidecars count the loops tokenize dropped: the message names the policy to change,
+    not `truncated: keep`."""
+    from dflash_build.store import layout
+
+    plan = _plan(tmp_path)
+    shard = tmp_path / "tokens" / "00000.parquet"
+    shard.parent.mkdir()
+    layout.sidecar(shard).write_text(json.dumps({"input_rows": 6, "dropped": {"loop": 4, "empty": 2}}))
+    shares = dict(plan.config.mix_categories)
+    with pytest.raises(mix.checks.MixError) as err:
+        mix.checks.check(
+            plan,
+            {"a1": [], "a2": [shard], "b1": []},
+            shares,
+            {"a": 50, "b": 50},
+            Counter(a=50, b=50),
+            Counter(a=50, b=50),
+            Counter(a1=50, b1=50),
+        )
+    message = str(err.value)
+    assert "(6 completions, tokenize dropped loop: 4, empty: 2)" in message, message
+    assert "its answers are degenerate (loop, empty)" in message and "degenerate.loop.policy: keep" in message
+    assert "truncated: keep" not in message

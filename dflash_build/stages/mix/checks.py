@@ -99,20 +99,7 @@ def check(
             )
         elif available_by_source[name] == 0 and sp.spec.category not in checks.allow_shortfall:
             drops, why = _token_drops(shards.get(name, []))
-            window = plan.config.trainer.max_length
-            degenerate = [r for r in DEGENERATE_REASONS if drops.get(r)]
-            if drops.get(R.STAT_OUTSIDE_WINDOW):
-                advice = f"its prompts leave too little of trainer.max_length {window}: raise it or drop the source"
-            elif degenerate:
-                advice = (
-                    f"its answers are degenerate ({', '.join(degenerate)}): see docs/configuration.md#degenerate-"
-                    f"answers; degenerate.{degenerate[0]}.policy: keep keeps them, regenerate asks again"
-                )
-            else:
-                advice = (
-                    f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps "
-                    "answers that hit max_new_tokens"
-                )
+            advice = _empty_source_advice(plan, drops)
             problems.append(
                 f"source '{name}' reaches the mix with no samples ({why}); {advice}; or allow it with "
                 f"checks.allow_shortfall: [{sp.spec.category}]"
@@ -139,6 +126,23 @@ def missed_shares(
         for category, share in shares.items()
         if share - chosen[category] / total > checks.share_tolerance and category not in checks.allow_shortfall
     ]
+
+
+def _empty_source_advice(plan: Plan, drops: Counter[str]) -> str:
+    """What to change for a source whose rows all failed to become samples, by why tokenize dropped them."""
+    degenerate = [r for r in DEGENERATE_REASONS if drops.get(r)]
+    if drops.get(R.STAT_OUTSIDE_WINDOW):
+        window = plan.config.trainer.max_length
+        return f"its prompts leave too little of trainer.max_length {window}: raise it or drop the source"
+    if degenerate:
+        return (
+            f"its answers are degenerate ({', '.join(degenerate)}): see docs/configuration.md#degenerate-answers; "
+            f"degenerate.{degenerate[0]}.policy: keep keeps them, regenerate asks again"
+        )
+    return (
+        f"see its generate and tokenize logs under {plan.config.logs}/; `truncated: keep` keeps answers that hit "
+        "max_new_tokens"
+    )
 
 
 def drawn_empty(plan: Plan, name: str) -> bool:
