@@ -40,6 +40,23 @@ def test_the_loop_rule_fires_on_the_first_prefix_a_run_makes_long_enough() -> No
     assert loops.loop_end(_words(200) + [5] * 95, RULE) is None and loops.loop_end([5] * 96, RULE) == 96
 
 
+def test_a_running_rows_checks_read_only_their_tail_and_find_what_the_whole_scan_finds() -> None:
+    """The engines check a running row every 16 tokens from its last clear prefix (``clear``): on 300 random
+    rows with a loop of a random period somewhere, the first check that fires names the prefix the scan of
+    the whole row names."""
+    rng = random.Random(0)
+    for _ in range(300):
+        period = rng.randrange(1, 70)
+        span = _words(period, seed=rng.randrange(10**6))
+        ids = _words(rng.randrange(600), seed=1) + span * rng.randrange(1, 12) + _words(rng.randrange(50), seed=2)
+        found, clear = None, 0
+        for n in range(loops.CHECK_EVERY, len(ids) + loops.CHECK_EVERY, loops.CHECK_EVERY):
+            found, clear = loops.loop_end(ids[:n], RULE, clear=clear), min(n, len(ids))
+            if found is not None:
+                break
+        assert found == loops.loop_end(ids, RULE), (period, len(ids))
+
+
 def test_a_planted_loop_an_unclosed_think_and_an_empty_answer_are_each_caught(tokenizer_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -251,12 +251,11 @@ class ServerClient:
                     ids += choice["token_ids"]
                     text.append(choice.get("text") or "")
                     finish = choice.get("finish_reason") or finish
-                if len(ids) - checked >= loops.CHECK_EVERY:
-                    checked = len(ids)
-                    if (end := loops.loop_end(ids, watch)) is not None:
+                # every 16 tokens, and once more on the last ones: the rule may fire in them
+                if len(ids) - checked >= loops.CHECK_EVERY or finish is not None:
+                    end, checked = loops.loop_end(ids, watch, clear=checked), len(ids)
+                    if end is not None:
                         return {"choices": [{"token_ids": ids[:end], "finish_reason": "loop"}]}
-        if finish in ("length", "stop") and (end := loops.loop_end(ids, watch)) is not None:
-            return {"choices": [{"token_ids": ids[:end], "finish_reason": "loop"}]}  # fired in the last tokens
         return {"choices": [{"token_ids": ids, "text": "".join(text), "finish_reason": finish}], "usage": usage}
 
     async def _call(

@@ -157,7 +157,7 @@ class TransformersEngine:
         output.append(token)
         rule = request.stop_loops
         if rule is not None and len(output) % loops.CHECK_EVERY == 0:
-            end = loops.loop_end(output, rule)
+            end = loops.loop_end(output, rule, clear=len(output) - loops.CHECK_EVERY)
             if end is not None:  # cut where the rule first fired: the same row whatever the check's step
                 return Result(request.prompt_id, request.sample_idx, output[:end], "loop")
         if len(output) >= request.params.max_new_tokens:

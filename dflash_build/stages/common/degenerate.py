@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dflash_build.loops import loop_end
 from dflash_build.spec import DEGENERATE_REASONS, Degenerate
 from dflash_build.store.records import FINISH_LOOP
@@ -42,10 +44,12 @@ def _last(ids: Sequence[int], marker: Sequence[int]) -> int:
     m = len(marker)
     if not m:
         return -1
-    first = marker[0]
-    for i in range(len(ids) - m, -1, -1):
-        if ids[i] == first and list(ids[i : i + m]) == list(marker):
-            return i
+    # the marker's first token found by numpy, then each place it starts tried from the end: a context of
+    # thousands of tokens costs one array pass, not a Python loop per sample
+    starts = np.flatnonzero(np.asarray(ids, dtype=np.int64)[: max(len(ids) - m + 1, 0)] == marker[0])
+    for i in starts[::-1]:
+        if list(ids[i : i + m]) == list(marker):
+            return int(i)
     return -1
 
 
