@@ -245,6 +245,22 @@ def test_an_unused_engine_stops_after_its_idle_timeout_and_frees_its_gpu(tmp_pat
 
 
 @pytest.mark.workflow
+def test_a_use_shorter_than_the_hosts_poll_restarts_its_idle_clock(tmp_path: Path, tiny_model: Path) -> None:
+    """A job that attaches, asks and leaves between two of the host's polls used the engine: the idle
+    timeout counts from there (the CI's vLLM test saw its warm server stop under the build it warmed)."""
+    spec = _spec(tmp_path, tiny_model, idle_timeout=2)
+    attached = engine_host.attach(spec)
+    state = attached.engines[0]
+    attached.release()
+    for _ in range(12):  # 3.6 s of brief uses, each far shorter than the host's 0.2-s poll
+        time.sleep(0.3)
+        engine_host.attach(spec, pool=False).release()
+    assert _alive(state["pid"]) and engine_host.read_state(spec.lock_dir, spec.slot) == state, "used: not idle"
+    wait_until(lambda: not _alive(state["pid"]), 30, "the idle engine stopped")
+    assert [h["reason"] for h in engine_history(tmp_path / "logs")] == ["idle for 2s"]
+
+
+@pytest.mark.workflow
 def test_the_server_dies_with_its_host_even_on_sigkill(tmp_path: Path, tiny_model: Path) -> None:
     spec = _spec(tmp_path, tiny_model)
     attached = engine_host.attach(spec)

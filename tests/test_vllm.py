@@ -298,6 +298,7 @@ def test_a_looping_row_is_stopped_on_the_server_where_the_rule_fires(
     stopped = {k: r for k, r in rows.items() if r["finish_reason"] == "loop"}
     assert stopped, {k: (r["finish_reason"], r["n_output_tokens"]) for k, r in rows.items()}
     assert all(r["n_output_tokens"] < BUDGET for r in stopped.values()), "stopped before the budget"
+    assert engine_host.running(config["engine"]["lock_dir"]) == [state], "the warm server served the build"
     spent = _generated_tokens(state["url"]) - before
     # each stopped row costs its tokens up to the check that fired (every 16) and the steps until the server
     # sees its client go; whole, every row would have cost its budget

@@ -140,6 +140,7 @@ class _Host:
                 self.busy_seconds += now - last
                 idle_since = now
             else:
+                idle_since = max(idle_since, now - max(0.0, time.time() - os.fstat(use_fd).st_mtime))
                 if now - idle_since >= self.spec.idle_timeout:
                     self.stop_reason = f"idle for {self.spec.idle_timeout:g}s"
                     state_path(self.spec.lock_dir, self.spec.slot).unlink(missing_ok=True)  # before anyone joins
