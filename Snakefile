@@ -42,6 +42,9 @@ if CONFIG.accept:
     include: "rules/accept.smk"
 
 
+include: "rules/preflight.smk"
+
+
 rule all:
     default_target: True
     input:

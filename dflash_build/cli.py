@@ -27,17 +27,18 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
+from dflash_build import measurements
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
 from dflash_build.engines import registry
 from dflash_build.ops import estimate, explain, gc, registrations, standing, status, verify
 from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
-from dflash_build.stages import accept
 from dflash_build.store import filesystem, layout, rowindex
 
 
@@ -68,6 +69,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hours = sum(e.gpu_hours for e in estimates)
     jobs = sum(len(e.generate_jobs) for e in estimates)
     print(f"total: {jobs} generate jobs, {total} rows to generate, {tokens:.0f} output tokens, {hours:.2f} GPU-hours")
+    if (speed := estimate.preflight_speed(plan)) is not None:
+        print(_speed_line(speed))
     if (lost := standing.standing(plan)) is not None:
         print(lost.line((sum(e.rows_held for e in estimates), sum(e.rows_held_reused for e in estimates))))
     shared = [e for e in estimates if e.cross_source_prompts]
@@ -95,13 +98,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(disk.line())
     for line in release.pending(plan.config.dist_folders):
         print(line)
-    if (line := accept.preview(plan)) is not None:
+    if (line := measurements.preview(plan)) is not None:
         print(line)
     if args.jobs:
         for e in estimates:
             for job in e.generate_jobs:
                 print(f"generate {job}")
     return _errors(estimates, disk)
+
+
+def _speed_line(speed: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(speed["at"] or 0))
+    return (
+        f"speed: preflight measured {speed['tokens_per_second']:.1f} output tok/s per GPU ({when}, "
+        f"{speed['path']}); GPU-hours use it until the store has a measured shard of this model"
+    )
 
 
 def _window_line(window: int, estimates: list[estimate.SourceEstimate], hours_per_token: float) -> str:
@@ -287,6 +298,22 @@ def cmd_accept(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """``snakemake preflight`` for the config (its sources prepared first), then the summary; 1 when it
+    fails. The environment's and the model's problems stop it at the workflow's parse, in one line."""
+    cfg = config_mod.load(args.configfile)
+    summary = Path(layout.preflight_summary(cfg.logs, cfg.dataset_name))
+    snakefile = Path(__file__).resolve().parents[1] / "Snakefile"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--configfile", args.configfile]
+    before = summary.stat().st_mtime if summary.exists() else None
+    target = ["--forcerun", "preflight", "--cores", str(args.cores), "preflight"]
+    done = subprocess.run([*cmd, *target, *args.snakemake_args], check=False)
+    if done.returncode != 0 or not summary.exists() or summary.stat().st_mtime == before:
+        return done.returncode or 1
+    print(layout.preflight_table(summary).read_text(), end="")
+    return 0 if json.loads(summary.read_text())["verdict"] == "PASS" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -383,6 +410,12 @@ def _view_commands(sub: Any, after: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", default="all", help="Snakemake's --cores (default: %(default)s)")
     p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="more Snakemake arguments (after --)")
     p.set_defaults(func=cmd_accept)
+    p = sub.add_parser(
+        "preflight", parents=[after], help="the engine, its options and the target's answers on this node, first"
+    )
+    p.add_argument("--cores", default="all", help="Snakemake's --cores (default: %(default)s)")
+    p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="more Snakemake arguments (after --)")
+    p.set_defaults(func=cmd_preflight)
     p = sub.add_parser("summary", parents=[after], help="summary of a built dataset")
     p.add_argument("dataset", help="dist/NAME")
     p.set_defaults(func=cmd_summary)

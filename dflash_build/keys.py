@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_build import hashing
+from dflash_build.versions import ACCEPT_VERSION, CALIBRATION_VERSION
 
 # The keys, one per keyed stage (store.layout's table names each stage's): each includes the one before.
 PROMPT = "prompt_key"
@@ -87,6 +88,42 @@ def generation_key(gen_components: Mapping[str, Any]) -> str:
     return hashing.content_key(parts)
 
 
+# An acceptance measurement's key (config `accept`, ``store/acceptance/KEY``): the target and the engine's
+# numerics (``measurements.engine_components``), the drafter, the eval split (its split_key, the digest of
+# its rows), the measurement's budget and the degenerate rule that leaves answers out of τ. Not a stage's
+# folder key: no dataset row depends on it.
+ACCEPT = "accept_key"
+
+
+def accept_key(
+    engine: Mapping[str, Any],
+    drafter: Mapping[str, Any],
+    split_key: str,
+    max_new_tokens: int,
+    degenerate: Mapping[str, Any],
+) -> str:
+    """One drafter's measurement: ``drafter`` has its method, fingerprint and options."""
+    return hashing.content_key(
+        {
+            "scheme": ACCEPT_VERSION,
+            **engine,
+            "method": drafter["method"],
+            "drafter": drafter["fingerprint"],
+            "options": dict(drafter["options"]),
+            "split": split_key,
+            "max_new_tokens": max_new_tokens,
+            "degenerate": dict(degenerate),
+        }
+    )
+
+
+def calibration_key(engine: Mapping[str, Any], calibration: Mapping[str, Any], split_key: str) -> str:
+    """The engine's calibration on a split (``calibration``: its rows, budget and draft tokens)."""
+    return hashing.content_key(
+        {"scheme": CALIBRATION_VERSION, "calibration": dict(calibration), **engine, "split": split_key}
+    )
+
+
 def unless_default(optional: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
     """The one rule for a key's optional components (``name: (value, default)``): each enters with its
     value unless that is its default, so a config that does not use a feature keeps the key it had before
@@ -110,7 +147,8 @@ _PACK = "only the packed folder: its name carries seq_len, the params trigger re
 _WHERE = "where files go or how jobs are scheduled, not what they hold"
 _EXPORT = "only that export's folder: the params trigger reruns it, export_key names it"
 _SAMPLING = "changes the distribution of answers"
-_ACCEPT = "only the acceptance report: each drafter's result is keyed by its own accept_key (stages.accept)"
+_PREFLIGHT = "how many rows a check before the build generates (the build's own, under its keys) and when it fails"
+_ACCEPT = "only the acceptance report: each drafter's result is keyed by its own accept_key (keys.accept_key)"
 
 _DEGENERATE = (
     "which answers are no training data, and whether each is dropped (tokenize's verdict); with a policy "
@@ -228,6 +266,9 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "checks.share_tolerance": _d(None, _CHECK),
     "checks.allow_shortfall": _d(None, _CHECK),
     "checks.min_free_gb": _d(None, _CHECK),
+    "preflight.rows": _d(None, _PREFLIGHT),
+    "preflight.speed_rows": _d(None, _PREFLIGHT),
+    "preflight.max_length_share": _d(None, _PREFLIGHT),
     "sources.*": _d(PROMPT, "the source's name is a store path segment and a column of every row"),
     "sources.*.category": _d(PROMPT, "a column of every row"),
     "sources.*.hf": _d(PROMPT, "hub id, config, split and pinned commit, or a local folder's file digests"),

@@ -264,6 +264,15 @@ class Degenerate:
 
 
 @dataclass(frozen=True)
+class PreflightSpec:
+    """What `preflight` generates before the build (config key `preflight`)."""
+
+    rows: int = 8
+    speed_rows: int | None = None  # None: as many as the build keeps in flight
+    max_length_share: float = 0.5
+
+
+@dataclass(frozen=True)
 class Checks:
     """When a build fails instead of losing data quietly (docs/configuration.md: "Loud failure")."""
 
@@ -420,6 +429,7 @@ class Config:
     mix_generate: str = "all"  # all | as_needed (stages.size)
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
     checks: Checks = field(default_factory=Checks)
+    preflight: PreflightSpec = field(default_factory=PreflightSpec)
     pack: PackSpec | None = None
     exports: Mapping[str, ExportSpec] = field(default_factory=dict)
     trainer: TrainerSpec = field(default_factory=TrainerSpec)

@@ -39,3 +39,9 @@ EXPORT_VERSION = 1
 # The eval split (stages/evalset.py): in its eval_key (Plan.eval_key, the rule's params) and in its
 # split_key (the digest of its rows, which each acceptance measurement is keyed by).
 EVAL_VERSION = 1
+# Each drafter's acceptance measurement (keys.accept_key). 2: the engine's calibration, the engine and its
+# version, τ per request, a context slice; the split no longer carries max_new_tokens. 3: degenerate
+# answers by the build's rule and thresholds.
+ACCEPT_VERSION = 3
+# The engine's calibration before the drafters (stages/accept/calibration.py, keys.calibration_key).
+CALIBRATION_VERSION = 1

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_build import measurements
 from dflash_build.publish import release
 from dflash_build.stages import accept, evalset
 from dflash_build.store import layout
@@ -209,7 +210,7 @@ def _measurements(workdir: Path, drafter: str, sampling: str = GREEDY_LABEL) -> 
     """The store's measurement folders of the drafter the config names ``drafter``, on the split of
     ``sampling`` (the greedy one, unless said)."""
     folders = [f for f in (workdir / "store" / layout.ACCEPTANCE).iterdir() if f.name not in _calibrations(workdir)]
-    summaries = {f: json.loads((f / accept.SUMMARY_FILE).read_text()) for f in folders}
+    summaries = {f: json.loads((f / measurements.SUMMARY_FILE).read_text()) for f in folders}
     return [
         f
         for f, s in summaries.items()
@@ -220,11 +221,12 @@ def _measurements(workdir: Path, drafter: str, sampling: str = GREEDY_LABEL) -> 
 def _calibrations(workdir: Path) -> set[str]:
     """The store's calibration folders (the engine's check, one per split and engine)."""
     folders = (workdir / "store" / layout.ACCEPTANCE).iterdir()
-    return {f.name for f in folders if json.loads((f / accept.SUMMARY_FILE).read_text()).get("kind") == "calibration"}
+    summaries = {f.name: json.loads((f / measurements.SUMMARY_FILE).read_text()) for f in folders}
+    return {name for name, summary in summaries.items() if summary.get("kind") == "calibration"}
 
 
 def _summaries(workdir: Path, drafter: str) -> list[dict[str, Any]]:
-    return [json.loads((f / accept.SUMMARY_FILE).read_text()) for f in _measurements(workdir, drafter)]
+    return [json.loads((f / measurements.SUMMARY_FILE).read_text()) for f in _measurements(workdir, drafter)]
 
 
 def test_a_drafter_that_is_the_target_accepts_every_drafted_token(measured: dict[str, Any]) -> None:
@@ -241,7 +243,7 @@ def test_the_slices_add_up_to_the_engines_own_totals(measured: dict[str, Any]) -
     for drafter in ("self", "ngram", "dflash"):
         [summary] = _summaries(workdir, drafter)
         [folder] = _measurements(workdir, drafter)
-        requests_file = folder / accept.REQUESTS_FILE
+        requests_file = folder / measurements.REQUESTS_FILE
         rows = pq.read_table(requests_file).to_pylist()
         totals = summary["engine_totals"]
         assert totals is not None, "vLLM's /metrics counters were read"

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dflash_build import measurements
 from dflash_build.engines.backends import vllm
 from dflash_build.engines.base import Acceptance
 from dflash_build.engines.openai_http import completion_acceptance
@@ -275,7 +276,7 @@ def _measurement(folder: Path) -> None:
     import pyarrow as pa
 
     table = pa.Table.from_pylist([_row("a", [0, 1, 2, 1])], schema=accept.REQUEST_SCHEMA)
-    accept.keep(folder, table, {**accept.summarize(table), "drafter": {"name": "d"}, "engine_totals": None})
+    measurements.keep(folder, table, {**accept.summarize(table), "drafter": {"name": "d"}, "engine_totals": None})
 
 
 def _publish(folder: Path, manifest: dict[str, Any]) -> None:
@@ -300,22 +301,25 @@ def test_gc_keeps_the_measurements_in_use_and_verify_finds_a_damaged_one(
 
     plan = build(_with_accept(raw), tmp_path)
     cfg_ = plan.config
-    first, broken = accept.preview(plan).split("\n")
+    first, broken = measurements.preview(plan).split("\n")
     assert first == "accept: measures 1 drafters (d: a server each) once the eval split is in"
     # the schema's default sampling (T 0.6, top_k 20) on vLLM's CPU build: said before any server starts
     assert broken.startswith("accept: at T 0.6, top_p 0.95, top_k 20, min_p 0: vLLM 0.32.0's CPU build kills"), broken
     assert "measure at top_k 0 on CPU" in broken
     _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": [], "eval_key": "rendered for another config"})
-    assert "once the eval split is rendered again" in accept.preview(plan), "a stale split is named as such"
+    assert "once the eval split is rendered again" in measurements.preview(plan), "a stale split is named as such"
     _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": [], "eval_key": plan.eval_key})
-    assert accept.preview(plan).startswith("accept: measures 1 of 1 drafters (d: a server each, 7 eval requests), ")
+    line = measurements.preview(plan)
+    expected = "accept: measures 1 of 1 drafters (d: a server each, 7 eval requests), "
+    assert line is not None and line.startswith(expected)
     [drafter] = cfg_.accept.drafters.values()
     mine, reported, stale = (
-        layout.acceptance_dir(cfg_.store, accept.accept_key(plan, drafter, split)) for split in ("s1", "s0", "s2")
+        layout.acceptance_dir(cfg_.store, measurements.accept_key(plan, drafter, split)) for split in ("s1", "s0", "s2")
     )
     for folder in (mine, reported, stale):
         _measurement(folder)
-    assert accept.preview(plan).startswith("accept: measures 0 of 1 drafters, reads 1 from the store (d); on the ")
+    line = measurements.preview(plan)
+    assert line is not None and line.startswith("accept: measures 0 of 1 drafters, reads 1 from the store (d); on the ")
     _publish(cfg_.acceptance_dir, {"files": [], "measurements": {"old": reported.name}, "v": 1})
     _publish(cfg_.acceptance_dir, {"files": [], "measurements": {"old": reported.name}, "v": 2})
     entries = {e.path: e for e in gc.garbage(plan)}
@@ -326,19 +330,20 @@ def test_gc_keeps_the_measurements_in_use_and_verify_finds_a_damaged_one(
     gc.collect(plan, list(entries.values()))
     assert mine.is_dir() and reported.is_dir() and not stale.exists()
 
-    summary_file = reported / accept.SUMMARY_FILE  # as the version before kept it: no digest of its requests
-    summary_file.write_text(json.dumps({k: v for k, v in accept.kept(reported).items() if k != accept.REQUESTS_FILE}))
+    summary_file = reported / measurements.SUMMARY_FILE  # as the version before kept it: no digest of its requests
+    older = {k: v for k, v in (measurements.kept(reported) or {}).items() if k != measurements.REQUESTS_FILE}
+    summary_file.write_text(json.dumps(older))
     checked, problems = verify.verify(plan)
     assert problems == [] and checked >= 2
-    requests = reported / accept.REQUESTS_FILE
+    requests = reported / measurements.REQUESTS_FILE
     requests.write_bytes(requests.read_bytes()[:-8])  # a torn write
-    (mine / accept.SUMMARY_FILE).write_text('{"slices": ')
+    (mine / measurements.SUMMARY_FILE).write_text('{"slices": ')
     _, problems = verify.verify(plan)
     assert {(p.path, p.reason.split(" (")[0]) for p in problems} == {
         (requests, "unreadable parquet footer"),
-        (mine / accept.SUMMARY_FILE, "damaged measurement summary"),
+        (mine / measurements.SUMMARY_FILE, "damaged measurement summary"),
     }
-    assert accept.kept(mine) is None and "measuring again" in caplog.text, "accept measures it again"
+    assert measurements.kept(mine) is None and "measuring again" in caplog.text, "accept measures it again"
     verify.repair(plan, problems)
     assert not mine.exists() and not reported.exists()
     assert not release.record_dir(cfg_.acceptance_dir).exists(), "so that `snakemake accept` runs again"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_build.engines.host.served import engine_error, exit_code
+from dflash_build.engines.host.logs import engine_error, exit_code
 from tests.conftest import REPO
 
 CRASH = REPO / "tests" / "data" / "vllm_cpu_topk_crash.log"
@@ -29,3 +29,11 @@ def test_only_what_a_job_saw_counts_and_a_killed_server_has_no_error(tmp_path: P
     killed.write_text(f"{ready}\n2026-12-06 03:16:52,858 ERROR engine-host: the server exited with -9\n")
     assert engine_error(killed) is None and exit_code(killed) == -9
     assert exit_code(tmp_path / "missing.log") is None and engine_error(tmp_path / "missing.log") is None
+
+
+def test_an_argument_the_engine_refuses_at_start_is_named_with_its_detail() -> None:
+    """pydantic's error says what was wrong on its next line (vLLM 0.32.0's CPU build refusing a max_model_len
+    past the model's, captured from tests/test_preflight.py's run): the line a job quotes carries it."""
+    error = engine_error(REPO / "tests" / "data" / "vllm_cpu_refused_max_model_len.log")
+    assert error is not None and error.startswith("ValidationError: 1 validation error for ModelConfig: Value error, ")
+    assert "User-specified max_model_len (1000000) is greater than the derived max_model_len" in error

@@ -171,3 +171,10 @@ def test_the_rules_use_these_envs() -> None:
                 assert (REPO / "envs" / f"{backend.conda_env}.yaml").exists(), backend.name
         else:
             assert f'"../envs/{env_name}"' in text, stage
+
+
+def test_the_design_document_lists_every_env() -> None:
+    """docs/architecture.md's layout names every conda env in envs/ (it omitted vllm.yaml)."""
+    design = (REPO / "docs" / "architecture.md").read_text()
+    unnamed = [p.name for p in sorted((REPO / "envs").glob("*.yaml")) if f"`{p.name}`" not in design]
+    assert not unnamed, unnamed

@@ -297,6 +297,9 @@ EDITS: dict[str, tuple[Edit, str | None]] = {
     "mix.budget_tokens": (_set("mix.budget_tokens", 1000), None),
     "mix.languages": (_set("mix.languages", {"x": {"zh": 0.2}}), None),
     "checks.share_tolerance": (_set("checks.share_tolerance", 0.3), None),
+    "preflight.rows": (_set("preflight.rows", 3), None),
+    "preflight.speed_rows": (_set("preflight.speed_rows", 0), None),
+    "preflight.max_length_share": (_set("preflight.max_length_share", 0.9), None),
     "checks.max_failed_fraction": (_set("checks.max_failed_fraction", 1.0), None),
     "sources.*.files": (_source("files", lambda ws, n: [str(ws.root / "a2.jsonl")]), keys.PROMPT),
     "sources.*.hf": (_to_hf, keys.PROMPT),
@@ -701,7 +704,7 @@ def test_the_shipped_configs_keep_their_keys(tmp_path: Path) -> None:
 def test_an_acceptance_measurement_is_keyed_by_what_changes_its_numbers(tmp_path: Path) -> None:
     """accept_key: the target, the drafter's files, method and options, the engine's numerics, the split and
     the budget; not the speed options, the report's settings or the drafter's name."""
-    from dflash_build.stages import accept
+    from dflash_build import measurements
 
     ws = Workspace(tmp_path)
     base = random_config(ws, random.Random(4))
@@ -715,7 +718,7 @@ def test_an_acceptance_measurement_is_keyed_by_what_changes_its_numbers(tmp_path
         path.write_text(yaml.safe_dump(raw))
         plan = plan_mod.build(cfg.load(path))
         assert plan.config.accept is not None
-        return accept.accept_key(plan, next(iter(plan.config.accept.drafters.values())), split)
+        return measurements.accept_key(plan, next(iter(plan.config.accept.drafters.values())), split)
 
     before = key(base)
     keyed: list[Callable[[dict[str, Any]], None]] = [

@@ -88,6 +88,17 @@ def test_first_level_units_form_layers() -> None:
     assert "stages" not in units["config"] | units["plan"] | units["spec"]
 
 
+def test_the_commands_read_acceptance_measurements_without_the_stage() -> None:
+    """`plan`, `gc` and `verify` read the measurements through :mod:`dflash_build.measurements`, which
+    imports no stage: the accept stage measures, it is no library of the commands."""
+    graph = import_graph()
+    readers = [m for m in graph if m.startswith("dflash_build.ops.") or m == "dflash_build.cli"]
+    assert "dflash_build.measurements" in graph["dflash_build.ops.gc"]  # the graph is read at all
+    importers = [m for m in readers if any(i.startswith("dflash_build.stages.accept") for i in graph[m])]
+    assert not importers, importers
+    assert not {i for i in graph["dflash_build.measurements"] if i.startswith("dflash_build.stages")}
+
+
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None

@@ -134,6 +134,17 @@ def gpu_lock(engine: EngineSpec, node_id: str) -> Path:
     return engine.lock_dir / f"gpu-{node_id}.lock"
 
 
+def every_gpu(engine: EngineSpec) -> list[GpuLease]:
+    """A lease of each GPU the build would use, by the ports and slots its jobs take (``preflight`` starts an
+    engine on each as they would; a shared engine's host takes the GPU's own lock, not a job's place)."""
+    gpus, source = candidates(engine)
+    allocation = (scheduler_job() or "") if source == "scheduler" else ""
+    return [
+        GpuLease(g.visible, engine.base_port + PORTS_PER_SLOT * g.slot, source, time.time(), g.node_id, allocation)
+        for g in gpus
+    ]
+
+
 @contextmanager
 def pinned(engine: EngineSpec) -> Iterator[GpuLease]:
     """Hold one GPU (with shared engines: one of its job places) for the block; sets CUDA_VISIBLE_DEVICES."""

@@ -11,6 +11,7 @@ imported only inside its functions, so parsing the workflow never needs an optio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,21 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class Preflight:
+    """What `preflight` asks of a backend before the build (``stages.preflight``): the Python package its
+    engine is (its version, from the interpreter it runs under), what its server says about itself in its
+    log (``report(log_text)``: ``kv_tokens``, the KV cache's tokens, ``kernels``, the backends it chose, and
+    ``lines``, the log lines read), the setting that sizes its KV cache, and what a hybrid target (linear
+    attention with a recurrent state) needs of its options (one line naming the setting, or None)."""
+
+    package: str
+    python: Callable[[Mapping[str, Any]], str]
+    report: Callable[[str], dict[str, Any]] = lambda log: {}
+    memory_knob: Callable[[Mapping[str, Any]], str] = lambda options: ""
+    hybrid: Callable[[Mapping[str, Any]], str | None] = lambda options: None
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     options: Mapping[str, Option]
@@ -112,6 +128,7 @@ class Backend:
     # Whether this machine can run the engine as configured (its device, its interpreter): a look of
     # milliseconds at parse time that names the setting to use, instead of a job that fails (engine checks).
     environment: Callable[[EngineSpec], None] | None = None
+    preflight: Preflight | None = None  # None: preflight checks its model and pilot, not its engine's package
 
     def decision(self, name: str) -> Option | None:
         """The decision for one option; None for a name this backend does not accept."""
@@ -205,6 +222,15 @@ def check_drafters(engine: EngineSpec, accept: AcceptSpec | None) -> None:
     backend.check({**engine.options, **accept.engine_options})
     for name, drafter in accept.drafters.items():
         backend.speculative.check(f"accept.drafters.{name}", drafter)
+
+
+def with_drafter(engine: EngineSpec, drafter: DrafterSpec, options: Mapping[str, Any]) -> EngineSpec:
+    """The engine that serves the target with ``drafter`` (``options``: more engine options, accept's): a
+    server of its own, never a shared one (another drafter is another server)."""
+    speculative = get(engine.backend).speculative
+    assert speculative is not None, "check_drafters refuses a backend without speculation at parse time"
+    served = {**engine.options, **options, **speculative.options(drafter)}
+    return dataclasses.replace(engine, options=served, shared=False)
 
 
 def draft_tokens(backend: str, drafter: DrafterSpec) -> int | None:

@@ -147,6 +147,21 @@ def _measured(sidecars: list[tuple[Path, dict[str, Any]]]) -> tuple[float | None
     return (tokens / rows if rows else None), (sum(rates) / len(rates) if rates else None)
 
 
+def preflight_speed(plan: Plan) -> dict[str, Any] | None:
+    """The last preflight's output tok/s per GPU for this config (at the build's own batch where its speed
+    source generated; else over the whole pilot), when it passed: `plan`'s speed until a shard is measured."""
+    path = Path(layout.preflight_summary(plan.config.logs, plan.config.dataset_name))
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pilot = summary.get("pilot") or {}
+    rate = pilot.get("speed_tokens_per_second") or pilot.get("tokens_per_second_per_gpu")
+    if summary.get("verdict") != "PASS" or not rate:
+        return None
+    return {"tokens_per_second": float(rate), "at": summary.get("at"), "path": str(path), "gpus": pilot.get("gpus")}
+
+
 def _variant_means(sidecars: list[tuple[Path, dict[str, Any]]]) -> dict[str | None, float | None]:
     """Mean output tokens per row under each sampling variant whose shards are in the store (a thinking
     variant's answers run longer than the model's mean)."""
@@ -253,6 +268,8 @@ def estimate_with_disk(
     # read once: rates, mean answer, the window's sample, bytes per token, each source's lengths
     sidecars = _model_sidecars(plan)
     mean_tokens, rate = _measured(sidecars)
+    if rate is None and (measured := preflight_speed(plan)) is not None:
+        rate = measured["tokens_per_second"]
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     windows = {w.source: w for w in turn_windows(plan)}
     selections: dict[str, Selection] = {}

@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_build import measurements
 from dflash_build.ops.registrations import referenced, registrations
 from dflash_build.plan import Plan
 from dflash_build.publish import release
 from dflash_build.spec import acceptance_report_of
-from dflash_build.stages import accept
 from dflash_build.store import atomic, layout
 from dflash_build.store.journal import ROWS_FILE
 from dflash_build.store.rowindex import RowIndex
@@ -150,7 +150,7 @@ def garbage(
         if entry not in refs:
             consider(entry, kept=any(entry.rglob(ROWS_FILE)) and not journals)
     # a measurement no drafter of this config keys to and no standing acceptance report was made from
-    in_use = accept.measurements(plan, sorted(_acceptance_reports(plan)))
+    in_use = measurements.in_use(plan, sorted(_acceptance_reports(plan)))
     out += [Entry(e, _size(e, seen), kept=False) for e in layout.acceptance_entries(store) if e not in in_use]
     # A dataset whose store entries go goes with them (its versions and record, and its packed folders):
     # left in place, Snakemake would call it up to date while plan and verify find its shards gone.

@@ -15,11 +15,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_build import hashing
+from dflash_build import hashing, measurements
 from dflash_build.plan import Plan, fingerprint_cache_file
 from dflash_build.publish import release
 from dflash_build.spec import Config
-from dflash_build.stages import accept
 from dflash_build.store import atomic, fingerprints, layout, rowindex
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, PUBLISHED_STATS, ROWS_FILE, parse
@@ -175,8 +174,8 @@ def _acceptance_problems(plan: Plan) -> tuple[int, list[Problem]]:
     `snakemake accept` measures that drafter again (the report in place stands until then)."""
     report = plan.config.acceptance_dir
     checked, problems = 0, []
-    for folder in sorted(accept.measurements(plan, [report])):
-        summary_file = folder / accept.SUMMARY_FILE
+    for folder in sorted(measurements.in_use(plan, [report])):
+        summary_file = folder / measurements.SUMMARY_FILE
         if not summary_file.exists():
             continue  # not measured yet, or gone: the report stands; the next accept run measures it
         checked += 1
@@ -190,9 +189,9 @@ def _acceptance_problems(plan: Plan) -> tuple[int, list[Problem]]:
         except (ValueError, KeyError, TypeError) as e:
             problems.append(Problem(summary_file, f"damaged measurement summary ({type(e).__name__}: {e})", remove))
             continue
-        requests = folder / accept.REQUESTS_FILE
+        requests = folder / measurements.REQUESTS_FILE
         # a measurement of the version before records no digest: its requests are not checked
-        expected = summary.get(accept.REQUESTS_FILE) or {"rows": overall["requests"], "sha256": None}
+        expected = summary.get(measurements.REQUESTS_FILE) or {"rows": overall["requests"], "sha256": None}
         try:
             reason = "missing" if not requests.exists() else _check(requests, expected)
         except CannotRead as e:

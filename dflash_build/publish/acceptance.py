@@ -40,6 +40,14 @@ def label(column: str, value: str) -> str:
     return OVERALL_LABEL if (column, value) == OVERALL else f"{column}={value}"
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def sampling_label(row: dict[str, Any]) -> str:
+    """A row's sampling as the report shows it: ``T 0.6, top_p 0.95, top_k 20, min_p 0``."""
+    return ", ".join(f"{'T' if k == 'temperature' else k} {row[k]:g}" for k in SAMPLING_KEYS)
+
+
 def build_report(
     measured: dict[str, dict[str, Any]],
     training: dict[str, dict[str, float]],

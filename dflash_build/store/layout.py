@@ -61,6 +61,7 @@ TABLE = (
     Stage("export", ("dataset", "store"), ("record",), "format"),
     Stage("evalset", ("manifests",), ("record",), "config"),
     Stage("accept", ("split", "dataset"), ("record",), "config"),
+    Stage("preflight", ("prepared",), ("summary",), "config"),
 )
 BY_NAME = {s.name: s for s in TABLE}
 PROMPTS, COMPLETIONS, TOKENS = BY_NAME["prepare"], BY_NAME["generate"], BY_NAME["tokenize"]
@@ -170,6 +171,20 @@ def prepared_record(logs: str | Path, name: str) -> str:
     """The record that every source of dataset ``name``'s config is prepared (the gate every generate job
     waits on, stages.prepared): derived from the config, so it lives with its logs."""
     return f"{logs}/prepared/{name}.json"
+
+
+def preflight_summary(logs: str | Path, name: str) -> str:
+    """The last preflight of dataset ``name``'s config (JSON; its Markdown beside it, :func:`preflight_table`):
+    a check of this node and config, not content, so it lives with the logs."""
+    return f"{logs}/preflight/{name}.json"
+
+
+def preflight_table(summary: str | Path) -> Path:
+    return Path(summary).with_suffix(".md")
+
+
+def preflight_log(logs: str | Path, name: str) -> str:
+    return f"{logs}/preflight/{name}{LOG}"
 
 
 def sizing_round(path: str | Path) -> int:

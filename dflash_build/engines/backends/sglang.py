@@ -10,6 +10,7 @@ without importing SGLang.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -18,7 +19,17 @@ from typing import TYPE_CHECKING, Any
 from dflash_build import hashing
 from dflash_build.engines import sglang_fields
 from dflash_build.engines.base import closest
-from dflash_build.engines.registry import FAULTS, KERNELS, NUMERICS, SPEED, Backend, Option, Serve, Speculative
+from dflash_build.engines.registry import (
+    FAULTS,
+    KERNELS,
+    NUMERICS,
+    SPEED,
+    Backend,
+    Option,
+    Preflight,
+    Serve,
+    Speculative,
+)
 from dflash_build.keys import GEN
 from dflash_build.spec import ConfigError, DrafterSpec
 
@@ -151,6 +162,19 @@ def _speculative_options(drafter: DrafterSpec) -> dict[str, Any]:
     return {"speculative_algorithm": drafter.method.upper(), **path, **drafter.options}  # meta_info has the counts
 
 
+# What SGLang logs about the memory it settled on ("max_total_num_tokens=..., max_running_requests=...",
+# its "KV Cache is allocated. #tokens: ..."), and the attention backend it chose.
+_KV_TOKENS = re.compile(r"max_total_num_tokens=(\d+)|KV Cache is allocated\. #tokens: (\d+)")
+_SETTLED = re.compile(r"max_total_num_tokens=\d+[^\n]*")
+_KERNELS = re.compile(r"(attention_backend='?\w+'?|Using [^\n]*?backend[^\n]*?)\s*$", re.M)
+
+
+def _self_report(log: str) -> dict[str, Any]:
+    kv = [int(a or b) for a, b in _KV_TOKENS.findall(log)]
+    kernels = sorted(set(_KERNELS.findall(log)))
+    return {"kv_tokens": kv[-1] if kv else None, "kernels": kernels, "lines": _SETTLED.findall(log)[-1:]}
+
+
 BACKEND = Backend(
     "sglang",
     options={
@@ -198,6 +222,12 @@ BACKEND = Backend(
     load=_load,
     serve=Serve(_argv, concurrency=lambda options: int(BACKEND.value(options, "max_inflight"))),
     uses_gpu=lambda engine: True,
+    preflight=Preflight(
+        "sglang",
+        lambda options: sys.executable,
+        _self_report,
+        lambda options: "engine.options.mem_fraction_static",
+    ),
     conda_env="sglang",
     env_only=("dflash_build.engines.sglang_backend",),
     undecided=Option(GEN, "a ServerArgs field not decided here: keyed, it may change what the model writes"),

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dflash_build import hashing
-from dflash_build.engines.registry import FAULTS, NUMERICS, SPEED, Backend, Derived, Option, Serve
+from dflash_build.engines.registry import FAULTS, NUMERICS, SPEED, Backend, Derived, Option, Preflight, Serve
 from dflash_build.keys import GEN
 
 if TYPE_CHECKING:
@@ -56,4 +56,5 @@ BACKEND = Backend(
     uses_gpu=_uses_gpu,
     threads=lambda options: int(options.get("threads") or 1),
     stops_loops=True,
+    preflight=Preflight("transformers", lambda options: sys.executable),
 )

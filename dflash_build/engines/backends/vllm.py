@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from dflash_build.engines.registry import (
     Backend,
     Derived,
     Option,
+    Preflight,
     Serve,
     Speculative,
 )
@@ -235,6 +237,37 @@ def _cpu_chunked_prefill(options: Mapping[str, Any]) -> bool | None:
     return False if BACKEND.value(options, "device") == "cpu" else None  # elsewhere vLLM's own
 
 
+# What vLLM logs about the engine it settled on: its KV cache ("GPU KV cache size: 1,048,576 tokens",
+# "CPU ..." on its CPU build, with "Maximum concurrency for 2,048 tokens per request: 512.00x") and the
+# kernels it chose ("Using FLASH_ATTN attention backend", "Using Triton/FLA GDN prefill kernel").
+_KV_TOKENS = re.compile(r"(?:GPU|CPU|XPU) KV cache size: ([\d,]+) tokens")
+_KERNELS = re.compile(r"(Using [^\n]*?(?:backend|kernel)[^\n]*?)\s*$", re.M | re.I)
+_MAX_CONCURRENCY = re.compile(r"(Maximum concurrency for [\d,]+ tokens per request: [\d.]+x)")
+
+
+def _self_report(log: str) -> dict[str, Any]:
+    kv = _KV_TOKENS.findall(log)
+    kernels = sorted({k.split("] ", 1)[-1] for k in _KERNELS.findall(log)})
+    lines = [m.group(0) for m in (*_KV_TOKENS.finditer(log), *_MAX_CONCURRENCY.finditer(log))]
+    return {"kv_tokens": int(kv[-1].replace(",", "")) if kv else None, "kernels": kernels, "lines": lines[-2:]}
+
+
+def _memory_knob(options: Mapping[str, Any]) -> str:
+    if BACKEND.value(options, "device") == "cpu":
+        return "engine.options.cpu_kvcache_space (GiB)"
+    return "engine.options.gpu_memory_utilization"
+
+
+def _hybrid(options: Mapping[str, Any]) -> str | None:
+    if options.get("enable_prefix_caching") is False:
+        return None
+    return (
+        "a hybrid target (linear attention with a recurrent state per request): set "
+        "engine.options.enable_prefix_caching: false (unique prompts share no prefix, vLLM keeps aligned state "
+        "blocks for it, and speculation on the pinned CPU build dies with it on)"
+    )
+
+
 VENV = ".venv-vllm"  # what `make setup` builds: vLLM's CPU build in a venv of its own
 
 
@@ -376,4 +409,11 @@ BACKEND = Backend(
     # the completion is streamed with its token ids and the connection closed when the loop rule fires:
     # vLLM aborts a request whose client goes (openai_http.ServerClient._streamed)
     stops_loops=True,
+    preflight=Preflight(
+        "vllm",
+        lambda options: BACKEND.value(options, "python") or sys.executable,
+        _self_report,
+        _memory_knob,
+        _hybrid,
+    ),
 )

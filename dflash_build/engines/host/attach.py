@@ -17,6 +17,7 @@ from typing import Any
 from dflash_build.engines.base import EngineFailed
 from dflash_build.engines.host.broker import BROKER_ENV, spawn_via_broker
 from dflash_build.engines.host.launch import LaunchSpec, host_argv, package_root
+from dflash_build.engines.host.logs import engine_error
 from dflash_build.engines.host.slots import (
     alive,
     flock,
@@ -164,16 +165,17 @@ def _start(spec: LaunchSpec, use_fd: int) -> dict[str, Any]:
     log_path = log_dir / f"{spec.slot}.log"
     broker = os.environ.get(BROKER_ENV)
     for attempt in range(START_ATTEMPTS):
+        since = log_path.stat().st_size if log_path.exists() else 0  # this start's lines follow
         host_pid = spawn_via_broker(Path(broker), spec, spec_file, log_path) if broker else _spawn(spec_file, log_path)
         log.info("starting the %s engine on %s (host pid %d, log %s)", spec.backend, spec.slot, host_pid, log_path)
-        state = _wait_ready(spec, host_pid, log_path, last=attempt == START_ATTEMPTS - 1)
+        state = _wait_ready(spec, host_pid, log_path, since, last=attempt == START_ATTEMPTS - 1)
         if state is not None:
             return state
         log.warning("the engine on %s (host pid %d) was lost once it served: starting it again", spec.slot, host_pid)
     raise AssertionError("unreachable: the last attempt raises")
 
 
-def _wait_ready(spec: LaunchSpec, host_pid: int, log_path: Path, last: bool) -> dict[str, Any] | None:
+def _wait_ready(spec: LaunchSpec, host_pid: int, log_path: Path, since: int, last: bool) -> dict[str, Any] | None:
     """The host's state once it serves; None if it died after it served (not on the ``last`` attempt);
     EngineFailed if it died before that, or did not serve in time."""
     deadline = time.monotonic() + spec.start_timeout + 60
@@ -187,6 +189,8 @@ def _wait_ready(spec: LaunchSpec, host_pid: int, log_path: Path, last: bool) -> 
                 os.kill(host_pid, signal.SIGKILL)
             if not last and recorded_pid(spec.lock_dir, spec.slot) == host_pid:
                 return None  # it served, then died: lost, as a running engine may be
+            if (error := engine_error(log_path, since)) is not None:  # the engine's own words, in one line
+                raise EngineFailed(f"the {spec.backend} engine on {spec.slot} did not start: {error}; log: {log_path}")
             raise EngineFailed(
                 f"the {spec.backend} engine on {spec.slot} did not start (host pid {host_pid}); "
                 f"its log {log_path} ends:\n{tail(log_path)}"

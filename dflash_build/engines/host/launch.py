@@ -15,7 +15,7 @@ from typing import Any
 from dflash_build import hashing
 from dflash_build.engines import registry
 from dflash_build.engines.gpus import GpuLease, gpu_lock
-from dflash_build.spec import Config
+from dflash_build.spec import Config, EngineSpec
 
 OWNER_ENV = "DFLASH_BUILD_ALLOCATION_PID"  # the batch step's task: engines stop when it is gone
 
@@ -44,10 +44,16 @@ class LaunchSpec:
 
 
 def launch_spec(
-    cfg: Config, stop_ids: list[int], lease: GpuLease | None, model_fingerprint: Any, context: int | None
+    cfg: Config,
+    stop_ids: list[int],
+    lease: GpuLease | None,
+    model_fingerprint: Any,
+    context: int | None,
+    engine: EngineSpec | None = None,
 ) -> LaunchSpec:
-    """The server for this config on the lease's GPU (or the CPU slot), and the identity it serves."""
-    engine, model = cfg.engine, cfg.model
+    """The server for this config (``engine``: another engine for its target) on the lease's GPU (or the
+    CPU slot), and the identity it serves."""
+    engine, model = engine or cfg.engine, cfg.model
     slot = "cpu" if lease is None else f"gpu-{lease.node_id}"
     if lease is not None and lease.allocation:  # engines serve their own allocation only
         slot = f"job-{lease.allocation}.{slot}"

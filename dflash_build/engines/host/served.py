@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from dflash_build.engines.base import EngineDied
 from dflash_build.engines.gpus import GpuLease
 from dflash_build.engines.host.attach import Attached, attach, join_others
 from dflash_build.engines.host.launch import LaunchSpec, launch_spec
+from dflash_build.engines.host.logs import engine_error, exit_code
 from dflash_build.engines.host.slots import read_state, stop_host, stop_idle
 from dflash_build.engines.openai_backend import OpenAIEngine, PoolChange, ServerDown
 from dflash_build.spec import Config, EngineSpec
@@ -32,55 +32,7 @@ def concurrency(engine: EngineSpec) -> int:
 
 
 STALLED_STOP_SECONDS = 20.0  # a stalled server is SIGKILLed by its host at once; then the host itself
-ERROR_SCAN_BYTES = 1 << 20  # how much of a dead server's log is read for its error
-# A Python exception as a server logs it (vLLM prefixes each line with its process and level); the
-# wrappers that only point back at the root cause are skipped.
-_EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_WRAPPERS = ("EngineDeadError", "EngineGenerateError")
-_POINTS_BACK = re.compile(r"stack trace (\(?above\)?|above)", re.IGNORECASE)
-_PROCESS = re.compile(r"^\([^)]*\)")
-_EXITED = re.compile(r"the server exited with (-?\d+)")  # the host's own line (engines.host.process)
 EXIT_WAIT_SECONDS = 10.0  # the host notices its server's exit within its poll
-
-
-def _tail(log_path: str | Path, since: int) -> list[str] | None:
-    """A server log's lines after byte ``since``, the last :data:`ERROR_SCAN_BYTES` of them at most (where
-    its end is: the error, the exit); None for a log that cannot be read."""
-    try:
-        with open(log_path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(since, size - ERROR_SCAN_BYTES))
-            return f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-
-
-def engine_error(log_path: str | Path, since: int = 0) -> str | None:
-    """The root exception a server's log shows after byte ``since``, with the innermost frame its process
-    raised it in, or None. A wrapper that points back at it ("see the stack trace above") is skipped."""
-    if (lines := _tail(log_path, since)) is None:
-        return None
-    frames: dict[str, str] = {}  # by the process a line is from (vLLM prefixes each with it)
-    found = None
-    for line in lines:
-        process = _PROCESS.match(line)
-        who = process.group(0) if process else ""
-        if (where := _FRAME.search(line)) is not None:
-            frames[who] = f"{Path(where.group(1)).name}:{where.group(2)} in {where.group(3)}"
-            continue
-        error = _EXCEPTION.search(line)
-        if error is None or error.group(1).endswith(_WRAPPERS) or _POINTS_BACK.search(error.group(2)):
-            continue
-        frame = frames.get(who)
-        found = f"{error.group(1).rsplit('.', 1)[-1]}: {error.group(2).strip()}" + (f" ({frame})" if frame else "")
-    return found
-
-
-def exit_code(log_path: str | Path, since: int = 0) -> int | None:
-    """The exit status the host saw its server end with (negative: a signal killed it), or None yet."""
-    codes = [int(m.group(1)) for line in _tail(log_path, since) or () if (m := _EXITED.search(line))]
-    return codes[-1] if codes else None
 
 
 class ServedEngine:
@@ -242,21 +194,24 @@ def open_engine(
     tokenizer: Any,
     model_fingerprint: Any,
     context: int | None,
+    engine: EngineSpec | None = None,
 ) -> ServedEngine:
-    """Attach to (starting if needed) the engine servers for this config and return a client of them."""
-    spec = launch_spec(cfg, stop_ids, lease, model_fingerprint, context)
-    attached = attach(spec, pool=cfg.engine.shared)
-    served = ServedEngine(spec, attached, stop_on_close=not cfg.engine.shared, pool=cfg.engine.shared)
+    """Attach to (starting if needed) the engine servers for this config and return a client of them;
+    ``engine``: another engine for the config's target (one serving a drafter: registry.with_drafter)."""
+    engine = engine or cfg.engine
+    spec = launch_spec(cfg, stop_ids, lease, model_fingerprint, context, engine)
+    attached = attach(spec, pool=engine.shared)
+    served = ServedEngine(spec, attached, stop_on_close=not engine.shared, pool=engine.shared)
     try:
         options = {
             "urls": attached.urls,
             "api": registry.get(spec.backend).serve.api,  # type: ignore[union-attr]  # launch_spec checked it
-            "concurrency": concurrency(cfg.engine),
+            "concurrency": concurrency(engine),
             "timeout": SHARED_REQUEST_TIMEOUT,  # a last resort: stalls are caught by engine.stall_timeout
-            "retries": int(registry.get(cfg.engine.backend).value(cfg.engine.options, "retries")),
+            "retries": int(registry.get(engine.backend).value(engine.options, "retries")),
         }
         served.client = OpenAIEngine(
-            options, stop_ids, tokenizer, cfg.model.path, cfg.engine.stall_timeout, spec.health_path, pool=served
+            options, stop_ids, tokenizer, cfg.model.path, engine.stall_timeout, spec.health_path, pool=served
         )
     except BaseException:
         served.close()

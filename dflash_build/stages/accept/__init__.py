@@ -11,10 +11,11 @@ steps that accepted position i. Answers that looped to their budget or were empt
 loop easily. Before the drafters, the engine's calibration (:mod:`.calibration`) checks that it measures
 right at the split's samplings; a drafter measured on an engine that fails it is marked untrusted.
 
-A drafter's measurement is keyed by :func:`accept_key` (the target, the drafter's files, method and
+A drafter's measurement is keyed by :func:`dflash_build.keys.accept_key` (the target, the drafter's files, method and
 options, the engine's keyed options, the split and the budget) and kept in the store (``store/acceptance/
 KEY``): a rerun measures nothing again, a new drafter only itself. The report (:mod:`dflash_build.publish.
-acceptance`), ``dist/NAME-acceptance``, puts the drafters side by side per slice.
+acceptance`), ``dist/NAME-acceptance``, puts the drafters side by side per slice. Where measurements lie and
+which are in use is :mod:`dflash_build.measurements`'s (what `plan`, `gc` and `verify` read).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dflash_build import hashing, running
+from dflash_build import hashing, measurements, running
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry, uses_gpu
 from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
@@ -53,9 +54,6 @@ log = logging.getLogger(__name__)
 # of τ; requests carry their sampling and prompt length; the summary its calibration and engine.
 # 3: degenerate answers by the build's rule and thresholds (config degenerate: a loop anywhere, a
 # repetitive answer), keyed.
-ACCEPT_VERSION = 3
-REQUESTS_FILE = layout.ACCEPTANCE_REQUESTS
-SUMMARY_FILE = layout.ACCEPTANCE_SUMMARY
 REPORT_JSON = "acceptance.json"
 PLOT = "plots/acceptance.png"
 OVERALL = report_mod.OVERALL
@@ -84,36 +82,6 @@ class AcceptanceMismatch(RuntimeError):
     """The requests' own counts do not add up to the engine's totals over the run."""
 
 
-def accept_key(plan: Plan, drafter: DrafterSpec, split_key: str) -> str:
-    """What one drafter's measurement depends on."""
-    cfg = plan.config
-    assert cfg.accept is not None
-    return hashing.content_key(
-        {
-            "scheme": ACCEPT_VERSION,
-            **_engine_components(plan),
-            "method": drafter.method,
-            "drafter": plan.drafter_fingerprints.get(drafter.name),
-            "options": dict(drafter.options),
-            "split": split_key,
-            "max_new_tokens": cfg.accept.max_new_tokens,
-            "degenerate": cfg.degenerate.components(),
-        }
-    )
-
-
-def _engine_components(plan: Plan) -> dict[str, Any]:
-    """The target and what of the engine changes its numbers: every measurement's key has them."""
-    cfg = plan.config
-    assert cfg.accept is not None
-    options = {**cfg.engine.options, **cfg.accept.engine_options}
-    return {
-        "target": plan.model_fingerprint["digest"],
-        "backend": cfg.engine.backend,
-        "engine": registry.keyed_options(cfg.engine.backend, options),
-    }
-
-
 def run(job: Job) -> dict[str, Any]:
     """Calibrate the engine, measure each drafter not measured yet, then write the report into a new
     version of the folder."""
@@ -127,8 +95,8 @@ def run(job: Job) -> dict[str, Any]:
             "settings than this config's (its sampling, template, model or prompts); run `snakemake evalset` first"
         )
     split, split_key = evalset.read(placed), placed.manifest["split_key"]
-    folders, calibration_folder = _folders(plan, split_key)
-    summaries = {name: kept(folder) for name, folder in folders.items()}
+    folders, calibration_folder = measurements.folders(plan, split_key)
+    summaries = {name: measurements.kept(folder) for name, folder in folders.items()}
     todo = [name for name, summary in summaries.items() if summary is None]
     verdict = calibrated(plan, split, calibration_folder, measure_now=bool(todo))
     measured = {}
@@ -168,7 +136,7 @@ def calibrated(plan: Plan, split: pa.Table, folder: Path | None, measure_now: bo
     assert accept is not None
     if folder is None:
         return None
-    if (summary := kept(folder)) is not None or not measure_now:
+    if (summary := measurements.kept(folder)) is not None or not measure_now:
         return summary
     backend = registry.get(plan.config.engine.backend)
     assert backend.speculative is not None and backend.speculative.self_drafter is not None
@@ -182,7 +150,7 @@ def calibrated(plan: Plan, split: pa.Table, folder: Path | None, measure_now: bo
         oracle = served.generate(calibration.oracle_requests(requests, results), "calibration's argmax")
     verdict = {**calibration.verdict(rows, requests, results, oracle, folder.name), "engine": served.engine}
     folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(folder / SUMMARY_FILE, verdict)
+    atomic.write_json(folder / measurements.SUMMARY_FILE, verdict)
     return verdict
 
 
@@ -213,17 +181,13 @@ def serving(plan: Plan, drafter: DrafterSpec) -> Iterator[Served]:
     """The target served with ``drafter`` on an engine of its own, stopped when done (the next drafter is
     another server)."""
     cfg = plan.config
-    accept = cfg.accept
-    assert accept is not None
-    backend = registry.get(cfg.engine.backend)
-    assert backend.speculative is not None, "registry.check_drafters refuses it at parse time"
-    options = {**cfg.engine.options, **accept.engine_options, **backend.speculative.options(drafter)}
-    engine_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, options=options, shared=False))
+    assert cfg.accept is not None
+    engine = registry.with_drafter(cfg.engine, drafter, cfg.accept.engine_options)
     tokenizer = chat.load_tokenizer(cfg.model, plan.tokenizer_cache())
     stop_ids = chat.stop_token_ids(tokenizer, cfg.model.path)
-    with gpus.pinned(engine_cfg.engine) if uses_gpu(engine_cfg.engine) else contextlib.nullcontext() as lease:
+    with gpus.pinned(engine) if uses_gpu(engine) else contextlib.nullcontext() as lease:
         served = engine_host.open_engine(
-            engine_cfg, stop_ids, lease, tokenizer, plan.model_fingerprint, chat.context_length(cfg.model)
+            cfg, stop_ids, lease, tokenizer, plan.model_fingerprint, chat.context_length(cfg.model), engine
         )
         try:
             urls = list(served.attached.urls)
@@ -259,7 +223,7 @@ def measure(
     summary["calibration"] = verdict
     summary["engine_totals"] = _difference(before, after)
     check_totals(summary)
-    return keep(folder, table, summary)
+    return measurements.keep(folder, table, summary)
 
 
 def _request_row(
@@ -270,7 +234,7 @@ def _request_row(
     output = [] if result is None else result.output_ids
     return {
         **{c: row[c] for c in ("prompt_id", *evalset.SLICES)},
-        "sampling": calibration.sampling_label(row),
+        "sampling": report_mod.sampling_label(row),
         "prompt_tokens": len(request.prompt_ids),
         "finish_reason": finish,
         "output_tokens": len(output),
@@ -280,124 +244,6 @@ def _request_row(
         "accepted": counted.accepted if counted else 0,
         "histogram": list(counted.histogram) if counted else [],
     }
-
-
-def keep(folder: Path, table: pa.Table, summary: dict[str, Any]) -> dict[str, Any]:
-    """Write a measurement: its requests, then its summary (which marks it done) with their rows and digest."""
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_parquet(folder / REQUESTS_FILE, table)
-    record = {"rows": table.num_rows, "sha256": hashing.sha256_file(folder / REQUESTS_FILE)}
-    summary = {**summary, REQUESTS_FILE: record}
-    atomic.write_json(folder / SUMMARY_FILE, summary)
-    return summary
-
-
-def kept(folder: Path) -> dict[str, Any] | None:
-    """The measurement kept in ``folder``: None when there is none, or its summary is damaged (then the
-    drafter is measured again, and the summary replaced)."""
-    try:
-        return json.loads((folder / SUMMARY_FILE).read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError as e:
-        log.warning("accept: %s is damaged (%s): measuring again", folder / SUMMARY_FILE, e)
-        return None
-
-
-def _config_folders(plan: Plan) -> tuple[release.InPlace, dict[str, Path], Path | None] | None:
-    """The eval split in place, by drafter the folder the config's drafters' measurements on it go to, and
-    the calibration's (None without `accept` or a split in place)."""
-    cfg = plan.config
-    if cfg.accept is None or release.current(cfg.eval_dir) is None:
-        return None
-    placed = release.in_place(cfg.eval_dir)
-    return placed, *_folders(plan, placed.manifest["split_key"])
-
-
-def _folders(plan: Plan, split_key: str) -> tuple[dict[str, Path], Path | None]:
-    """By drafter, the folder of the config's drafters' measurements on the split ``split_key``, and its
-    calibration's (None with accept.calibration.rows 0)."""
-    cfg = plan.config
-    assert cfg.accept is not None
-    drafters = cfg.accept.drafters.items()
-    folders = {name: layout.acceptance_dir(cfg.store, accept_key(plan, d, split_key)) for name, d in drafters}
-    if not cfg.accept.calibration.rows:
-        return folders, None
-    return folders, layout.acceptance_dir(cfg.store, calibration.key(plan, split_key, _engine_components(plan)))
-
-
-def measurements(plan: Plan, reports: list[Path]) -> set[Path]:
-    """The measurement folders in use: those the config's drafters (and its calibration) key to on the eval
-    split in place, and those each acceptance report in ``reports`` was made from."""
-    in_place = _config_folders(plan)
-    used: set[Path] = set()
-    if in_place is not None:
-        used |= set(in_place[1].values()) | ({in_place[2]} if in_place[2] else set())
-    for report in reports:
-        if release.current(report) is not None:
-            manifest = release.in_place(report).manifest
-            keys = [*manifest.get("measurements", {}).values(), *filter(None, [manifest.get("calibration")])]
-            used |= {layout.acceptance_dir(plan.config.store, key) for key in keys}
-    return used
-
-
-def preview(plan: Plan) -> str | None:
-    """`plan`'s line: which drafters `snakemake accept` would serve and which it reads from the store, and
-    whether the engine's calibration found its figures untrustworthy."""
-    cfg = plan.config
-    if cfg.accept is None:
-        return None
-    return "\n".join([_preview(plan), *known_broken(plan)])
-
-
-def known_broken(plan: Plan) -> list[str]:
-    """A line for each sampling of the split the pinned engine is known to measure wrong (or die on) under
-    speculation, with the setting that works: said before any server starts."""
-    cfg = plan.config
-    assert cfg.accept is not None
-    speculative = registry.get(cfg.engine.backend).speculative
-    assert speculative is not None
-    options = {**cfg.engine.options, **cfg.accept.engine_options}
-    samplings = {
-        calibration.sampling_label(sp.spec.sampling.as_dict()): sp.spec.sampling for sp in plan.sources.values()
-    }
-    if cfg.eval_benchmarks:
-        samplings[calibration.sampling_label(cfg.sampling.as_dict())] = cfg.sampling
-    lines = []
-    for label, sampling in sorted(samplings.items()):
-        if (why := speculative.known_broken(options, sampling.as_dict())) is not None:
-            lines.append(f"accept: at {label}: {why}")
-    return lines
-
-
-def _preview(plan: Plan) -> str:
-    cfg = plan.config
-    assert cfg.accept is not None
-    names = list(cfg.accept.drafters)
-    in_place = _config_folders(plan)
-    if in_place is None:
-        return f"accept: measures {len(names)} drafters ({', '.join(names)}: a server each) once the eval split is in"
-    placed, folders, calibration_folder = in_place
-    if placed.manifest.get("eval_key") != plan.eval_key:
-        return (
-            f"accept: measures up to {len(names)} drafters ({', '.join(names)}) once the eval split is rendered again: "
-            f"the one in place ({placed.manifest['split_key']}) was rendered for other settings (sampling, "
-            "template, model or prompts); the build renders it first, and a drafter is measured again only where "
-            "its rows changed"
-        )
-    todo = [name for name, folder in folders.items() if kept(folder) is None]
-    read = [name for name in names if name not in todo]
-    serve = f" ({', '.join(todo)}: a server each, {placed.manifest['rows']} eval requests)" if todo else ""
-    reads = f" ({', '.join(read)})" if read else ""
-    line = (
-        f"accept: measures {len(todo)} of {len(names)} drafters{serve}, reads {len(read)} from the store{reads}; "
-        f"on the eval split in place ({placed.manifest['split_key']}: a build that changes it measures every "
-        "drafter again)"
-    )
-    verdict = None if calibration_folder is None else kept(calibration_folder)
-    if verdict is not None and not verdict["trusted"]:
-        line += f"\naccept: the engine's figures are {report_mod.trust_line({'calibration': verdict})}"
-    return line
 
 
 def _request(i: int, row: dict[str, Any], max_new_tokens: int) -> Request:

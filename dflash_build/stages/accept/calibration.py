@@ -21,35 +21,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dflash_build import hashing
 from dflash_build.engines import Request, Result, SamplingParams
-from dflash_build.plan import Plan
+from dflash_build.publish.acceptance import sampling_label
 
-CALIBRATION_VERSION = 1
 # The least margin between the first draft position's acceptance and the target's argmax share: the
 # steps' first positions are not every position of an answer (they follow rejections and bonus tokens).
 MIN_MARGIN = 0.15
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
-
-
-def sampling_label(row: dict[str, Any]) -> str:
-    """A row's sampling as the report shows it: ``T 0.6, top_p 0.95, top_k 20, min_p 0``."""
-    return ", ".join(f"{'T' if k == 'temperature' else k} {row[k]:g}" for k in SAMPLING_KEYS)
-
-
-def key(plan: Plan, split_key: str, engine: dict[str, Any]) -> str:
-    """What the calibration depends on: the engine and target (``engine``), the split and its settings."""
-    accept = plan.config.accept
-    assert accept is not None
-    spec = accept.calibration
-    return hashing.content_key(
-        {
-            "scheme": CALIBRATION_VERSION,
-            "calibration": {"rows": spec.rows, "max_new_tokens": spec.max_new_tokens, "draft": spec.draft_tokens},
-            **engine,
-            "split": split_key,
-        }
-    )
 
 
 def rows(split: list[dict[str, Any]], per_sampling: int) -> list[dict[str, Any]]:

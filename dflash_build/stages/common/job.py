@@ -213,9 +213,16 @@ def _accept(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
     return inputs, {"record": (release.record_dir(cfg.acceptance_dir),)}
 
 
+def _preflight(plan: Plan, of: _Of) -> tuple[Paths, Paths]:
+    cfg = plan.config
+    summary = Path(layout.preflight_summary(cfg.logs, cfg.dataset_name))
+    return {"prepared": _prepared(plan, of)[1]["record"]}, {"summary": (summary,)}
+
+
 # Each stage's paths from the plan (layout.TABLE names each stage and what its rule declares).
 _PATHS = {"prepare": _prepare, "prepared": _prepared, "generate": _generate, "tokenize": _tokenize}
 _PATHS |= {"size": _size, "mix": _mix, "pack": _pack, "export": _export, "evalset": _evalset, "accept": _accept}
+_PATHS["preflight"] = _preflight
 
 
 def planned(
