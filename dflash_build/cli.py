@@ -39,7 +39,7 @@ from dflash_build.engines import registry
 from dflash_build.ops import estimate, explain, gc, registrations, standing, status, verify
 from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
-from dflash_build.store import filesystem, layout, rowindex
+from dflash_build.store import atomic, filesystem, layout, rowindex
 
 
 def _plan(args: argparse.Namespace) -> plan_mod.Plan:
@@ -310,8 +310,22 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     done = subprocess.run([*cmd, *target, *args.snakemake_args], check=False)
     if done.returncode != 0 or not summary.exists() or summary.stat().st_mtime == before:
         return done.returncode or 1
+    passed = json.loads(summary.read_text())["verdict"] == "PASS"
+    if passed:
+        _price(_plan(args), summary)
     print(layout.preflight_table(summary).read_text(), end="")
-    return 0 if json.loads(summary.read_text())["verdict"] == "PASS" else 1
+    return 0 if passed else 1
+
+
+def _price(plan: plan_mod.Plan, summary: Path) -> None:
+    """The whole build's GPU-hours at the speed the pilot measured (`plan`'s estimate), into the summary."""
+    estimates, _, _ = estimate.estimate_with_disk(plan)
+    rows, hours = sum(e.rows_to_generate for e in estimates), sum(e.gpu_hours for e in estimates)
+    recorded = json.loads(summary.read_text())
+    recorded["build"] = {"rows_to_generate": rows, "gpu_hours": round(hours, 3)}
+    line = f"\nThe build: {rows} rows to generate, {hours:.2f} GPU-hours at this speed (`dflash-build plan`).\n"
+    atomic.write_text(layout.preflight_table(summary), layout.preflight_table(summary).read_text() + line)
+    atomic.write_json(summary, recorded)
 
 
 def main(argv: list[str] | None = None) -> int:

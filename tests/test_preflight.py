@@ -161,12 +161,16 @@ def test_a_preflight_passes_its_pilot_rows_are_the_builds_and_plan_uses_its_spee
     assert summary["model"]["architecture"] == "Qwen3ForCausalLM" and summary["model"]["hybrid"] is False
     [engine] = summary["engines"]
     assert engine["kv_tokens"] == 1_048_576 and engine["ready_seconds"] > 0, engine  # cpu_kvcache_space: 1 GiB
+    assert 1 <= engine["peak_running"] <= 4 and 0 <= engine["peak_kv_usage"] < 0.01, engine  # its /metrics
     pilot = summary["pilot"]
     assert pilot["speed_source"] == "questions" and pilot["sources"]["questions"]["rows"] == 4
     assert pilot["sources"]["chats"]["rows"] == 2 and pilot["rows"] == 6 and pilot["output_tokens"] > 0
     assert pilot["speed_tokens_per_second"] > 0
     plan = wf.cli("plan").stdout
     assert f"speed: preflight measured {pilot['speed_tokens_per_second']:.1f} output tok/s per GPU" in plan
+    hours = float(plan.split(" GPU-hours\n", 1)[0].rsplit(" ", 1)[1])  # plan's total line
+    assert summary["build"] == {"rows_to_generate": 8, "gpu_hours": pytest.approx(hours, abs=0.01)}
+    assert "The build: 8 rows to generate" in proc.stdout, "12 + 2 conversations, less the pilot's 6"
 
     wf.build()
     questions = _sidecars(wf, "questions")  # two shards of 6 rows: the pilot took 4 of the first's
@@ -223,15 +227,18 @@ IGNORES_THINKING = (
 def test_a_small_kv_cache_a_template_that_ignores_the_switch_and_answers_at_the_budget_each_fail(
     tmp_path: Path, vllm_model: Path
 ) -> None:
-    """Three settings the build would run for days with, each a FAIL line naming its fix: in-flight requests
-    the KV cache cannot hold (vLLM's CPU build: cpu_kvcache_space), a template that renders enable_thinking
-    the same either way, a budget every answer runs into."""
+    """Settings the build would run for days with, each a FAIL line naming its fix: in-flight requests the KV
+    cache cannot hold (vLLM's CPU build: cpu_kvcache_space), a template that renders enable_thinking the
+    same either way for the variants that set it, a budget every answer runs into, tools the template drops."""
     config = vllm_config(vllm_model, tmp_path / "data")
     config["engine"]["options"] = {**config["engine"]["options"], "max_inflight": 100_000}
     template = tmp_path / "plain.jinja"
     template.write_text(IGNORES_THINKING)
     config["model"]["chat_template"] = str(template)
-    config["sources"]["questions"]["chat_template_kwargs"] = {"enable_thinking": False}
+    config["sources"]["questions"]["variants"] = {  # each a source of its own: questions@think, questions@direct
+        "think": {"share": 1, "chat_template_kwargs": {"enable_thinking": True}},
+        "direct": {"share": 1, "chat_template_kwargs": {"enable_thinking": False}},
+    }
     config["sampling"]["max_new_tokens"] = 2
     config["preflight"] = {"rows": 2, "speed_rows": 2}
     wf = Workflow.at(tmp_path / "work", config)
@@ -240,8 +247,10 @@ def test_a_small_kv_cache_a_template_that_ignores_the_switch_and_answers_at_the_
     lines = {p["line"] for p in _summary(wf)["problems"] if p["level"] == "fail"}
     [memory] = [x for x in lines if "KV cache holds 1,048,576 tokens" in x]
     assert "the build keeps 200000 in flight on it" in memory and "raise engine.options.cpu_kvcache_space" in memory
-    assert any("source questions: its chat template renders the same with enable_thinking False" in x for x in lines)
-    assert any("source questions:" in x and "pilot answers end at max_new_tokens 2" in x for x in lines)
+    for variant, value in (("think", True), ("direct", False)):
+        same = f"source questions@{variant}: its chat template renders the same with enable_thinking {value} "
+        assert any(x.startswith(same) for x in lines), lines
+    assert any("source questions@think:" in x and "pilot answers end at max_new_tokens 2" in x for x in lines)
     # and the conversations with tools, which the template drops: their source's job would fail on them
     assert "source chats: config key 'model.chat_template': this source has rows with tools, but the chat " in "".join(
         lines

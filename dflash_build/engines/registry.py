@@ -12,6 +12,7 @@ imported only inside its functions, so parsing the workflow never needs an optio
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,14 +92,31 @@ class Preflight:
     """What `preflight` asks of a backend before the build (``stages.preflight``): the Python package its
     engine is (its version, from the interpreter it runs under), what its server says about itself in its
     log (``report(log_text)``: ``kv_tokens``, the KV cache's tokens, ``kernels``, the backends it chose, and
-    ``lines``, the log lines read), the setting that sizes its KV cache, and what a hybrid target (linear
-    attention with a recurrent state) needs of its options (one line naming the setting, or None)."""
+    ``lines``, the log lines read), the setting that sizes its KV cache, what a hybrid target (linear
+    attention with a recurrent state) needs of its options (one line naming the setting, or None), and its
+    load while the pilot runs."""
 
     package: str
     python: Callable[[Mapping[str, Any]], str]
     report: Callable[[str], dict[str, Any]] = lambda log: {}
     memory_knob: Callable[[Mapping[str, Any]], str] = lambda options: ""
     hybrid: Callable[[Mapping[str, Any]], str | None] = lambda options: None
+    # The server's load from its /metrics text: requests ``running`` and ``waiting``, ``kv_usage`` (0-1);
+    # None: it exposes none
+    load: Callable[[str], dict[str, float]] | None = None
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def gauges(metrics: str, names: Mapping[str, str]) -> dict[str, float]:
+    """Prometheus samples by our name (``names``: ours -> the server's), summed over their label sets."""
+    ours = {theirs: mine for mine, theirs in names.items()}
+    found: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if (m := _SAMPLE.match(line)) is not None and m.group(1) in ours:
+            found[ours[m.group(1)]] = found.get(ours[m.group(1)], 0.0) + float(m.group(2))
+    return found
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dflash_build.engines.registry import (
     Preflight,
     Serve,
     Speculative,
+    gauges,
 )
 from dflash_build.keys import GEN
 from dflash_build.spec import ConfigError, DrafterSpec
@@ -169,6 +170,9 @@ _SETTLED = re.compile(r"max_total_num_tokens=\d+[^\n]*")
 _KERNELS = re.compile(r"(attention_backend='?\w+'?|Using [^\n]*?backend[^\n]*?)\s*$", re.M)
 
 
+_LOAD = {"running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs", "kv_usage": "sglang:token_usage"}
+
+
 def _self_report(log: str) -> dict[str, Any]:
     kv = [int(a or b) for a, b in _KV_TOKENS.findall(log)]
     kernels = sorted(set(_KERNELS.findall(log)))
@@ -227,6 +231,8 @@ BACKEND = Backend(
         lambda options: sys.executable,
         _self_report,
         lambda options: "engine.options.mem_fraction_static",
+        # its /metrics, with enable_metrics: true
+        load=lambda metrics: gauges(metrics, _LOAD),
     ),
     conda_env="sglang",
     env_only=("dflash_build.engines.sglang_backend",),

@@ -39,6 +39,7 @@ from dflash_build.engines.registry import (
     Preflight,
     Serve,
     Speculative,
+    gauges,
 )
 from dflash_build.keys import GEN
 from dflash_build.spec import ConfigError, DrafterSpec, EngineSpec, ModelSpec
@@ -252,6 +253,13 @@ def _self_report(log: str) -> dict[str, Any]:
     return {"kv_tokens": int(kv[-1].replace(",", "")) if kv else None, "kernels": kernels, "lines": lines[-2:]}
 
 
+_LOAD = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+}
+
+
 def _memory_knob(options: Mapping[str, Any]) -> str:
     if BACKEND.value(options, "device") == "cpu":
         return "engine.options.cpu_kvcache_space (GiB)"
@@ -415,5 +423,6 @@ BACKEND = Backend(
         _self_report,
         _memory_knob,
         _hybrid,
+        lambda metrics: gauges(metrics, _LOAD),
     ),
 )

@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,7 @@ from dflash_build.store.journal import Journal
 
 log = logging.getLogger(__name__)
 
+LOAD_POLL_SECONDS = 0.2  # how often the pilot's engines are asked for their load
 LOG_TAIL_BYTES = 4 << 20  # an engine's log is read from its end: it logs its settings once, at start
 
 
@@ -65,11 +68,13 @@ def check(plan: Plan) -> dict[str, Any]:
     parts, problems = before_engines(plan)
     if checks.verdict(problems) == "PASS":
         try:
-            with started_engines(plan) as states:
+            with started_engines(plan) as states, watched(plan, states) as loads:
                 parts["pilot"], found = pilot(plan)
                 problems += found
                 parts["engines"], found = engine_reports(plan, states, parts["pilot"], parts["at"])
                 problems += found
+            for report in parts["engines"]:
+                report.update(loads.get(report["slot"], {}))
         except EngineFailed as e:
             problems.append(Problem(FAIL, "engine", " ".join(str(e).split())))
     parts["seconds"] = round(time.time() - parts["at"], 1)
@@ -123,6 +128,38 @@ def started_engines(plan: Plan) -> Iterator[list[dict[str, Any]]]:
     finally:
         for a in attached:
             a.release()
+
+
+@contextlib.contextmanager
+def watched(plan: Plan, states: list[dict[str, Any]]) -> Iterator[dict[str, dict[str, float]]]:
+    """Each engine's load while the pilot runs, from its /metrics where the backend reads them: the peak of
+    requests running and waiting and of KV cache usage, by slot (filled in when the block ends)."""
+    load = getattr(registry.get(plan.config.engine.backend).preflight, "load", None)
+    peaks: dict[str, dict[str, float]] = {}
+    if load is None or not states:
+        yield peaks
+        return
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(LOAD_POLL_SECONDS):
+            for state in states:
+                try:
+                    with urllib.request.urlopen(f"{state['url']}/metrics", timeout=5) as answer:
+                        now = load(answer.read().decode())
+                except (OSError, ValueError):
+                    continue
+                seen = peaks.setdefault(state["slot"], {})
+                for name, value in now.items():
+                    seen[f"peak_{name}"] = max(seen.get(f"peak_{name}", 0.0), value)
+
+    sampler = threading.Thread(target=sample, name="preflight-load", daemon=True)
+    sampler.start()
+    try:
+        yield peaks
+    finally:
+        stop.set()
+        sampler.join()
 
 
 def pilot(plan: Plan) -> tuple[dict[str, Any], list[Problem]]:

@@ -223,10 +223,15 @@ def render(summary: dict[str, Any]) -> str:
         lines += ["", "## Model", ""]
         lines.append(", ".join(f"{k} {v}" for k, v in model.items() if k != "weights" and v is not None))
     if summary.get("engines"):
-        lines += ["", "## Engines", "", "| slot | ready in (s) | KV cache tokens | kernels |", "|---|---:|---:|---|"]
+        lines += ["", "## Engines", ""]
+        lines.append("| slot | ready in (s) | KV cache tokens | peak running / waiting | peak KV usage | kernels |")
+        lines.append("|---|---:|---:|---:|---:|---|")
         for e in summary["engines"]:
             kv = f"{e['kv_tokens']:,}" if e.get("kv_tokens") is not None else "?"
-            lines.append(f"| {e['slot']} | {e['ready_seconds']} | {kv} | {', '.join(e.get('kernels') or []) or '-'} |")
+            load = f"{e['peak_running']:.0f} / {e.get('peak_waiting', 0):.0f}" if "peak_running" in e else "-"
+            usage = f"{e['peak_kv_usage']:.1%}" if "peak_kv_usage" in e else "-"
+            kernels = ", ".join(e.get("kernels") or []) or "-"
+            lines.append(f"| {e['slot']} | {e['ready_seconds']} | {kv} | {load} | {usage} | {kernels} |")
     pilot = summary.get("pilot") or {}
     if pilot.get("sources"):
         lines += ["", "## Pilot", ""]
