@@ -117,9 +117,12 @@ def test_the_vllm_servers_own_report_is_read_from_its_log() -> None:
 
 
 def test_the_pilots_answers_are_judged() -> None:
-    assert checks.length_share("s", Counter(stop=3, length=2), 0.5, 64) is None
-    problem = checks.length_share("s", Counter(stop=1, length=3), 0.5, 64)
+    assert checks.length_share("s", Counter(stop=3, length=2), 0.5, 64, "drop") is None
+    problem = checks.length_share("s", Counter(stop=1, length=3), 0.5, 64, "drop")
     assert problem is not None and "3 of 4 pilot answers end at max_new_tokens 64" in problem.line
+    assert problem.level == checks.FAIL and "truncated: drop drops them" in problem.line
+    kept = checks.length_share("s", Counter(stop=1, length=3), 0.5, 64, "keep")
+    assert kept is not None and kept.level == checks.WARN, "the config keeps cut answers on purpose (the demo)"
     assert "render the same" not in (checks.thinking_switch("s", True, False, 2, 4) or checks.Problem("", "", "")).line
     same = checks.thinking_switch("s@think", True, True, 0, 4)
     assert same is not None and same.level == checks.FAIL and "the switch does nothing" in same.line
@@ -240,6 +243,7 @@ def test_a_small_kv_cache_a_template_that_ignores_the_switch_and_answers_at_the_
         "direct": {"share": 1, "chat_template_kwargs": {"enable_thinking": False}},
     }
     config["sampling"]["max_new_tokens"] = 2
+    config["truncated"] = "drop"  # as production: a row cut at the budget is GPU time thrown away
     config["preflight"] = {"rows": 2, "speed_rows": 2}
     wf = Workflow.at(tmp_path / "work", config)
     proc = wf.cli("preflight", check=False)

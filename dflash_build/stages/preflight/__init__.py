@@ -282,8 +282,8 @@ def _figures(work: ShardWork | None, generated: int, tokens: int, seconds: float
 def _source_problems(plan: Plan, source: str, work: ShardWork, figures: dict[str, Any]) -> list[Problem]:
     cfg = plan.config
     sp = plan.sources[source]
-    found = [checks.length_share(source, Counter(figures["finish_reasons"]), cfg.preflight.max_length_share,
-                                 sp.spec.sampling.max_new_tokens)]  # fmt: skip
+    finishes, limit = Counter(figures["finish_reasons"]), cfg.preflight.max_length_share
+    found = [checks.length_share(source, finishes, limit, sp.spec.sampling.max_new_tokens, cfg.truncated)]
     kwargs = dict(sp.gen_components["chat_template_kwargs"])
     if "enable_thinking" in kwargs and work.convs:
         conv = next(iter(work.convs.values()))

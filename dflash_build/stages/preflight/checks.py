@@ -153,17 +153,22 @@ def engine_memory(
     )
 
 
-def length_share(source: str, finishes: Counter[str], limit: float, max_new_tokens: int) -> Problem | None:
+def length_share(
+    source: str, finishes: Counter[str], limit: float, max_new_tokens: int, truncated: str
+) -> Problem | None:
+    """Too many answers at the budget: GPU time for rows `truncated: drop` throws away (a failure), or
+    rows kept cut where the config keeps them on purpose (`truncated: keep`, the demo's: a warning)."""
     answered = sum(finishes.values())
     ended = finishes.get("length", 0) + finishes.get("window", 0)
     if not answered or ended / answered <= limit:
         return None
+    kept = "truncated: keep keeps them cut" if truncated == "keep" else "truncated: drop drops them, GPU time lost"
     return Problem(
-        FAIL,
+        WARN if truncated == "keep" else FAIL,
         "pilot",
         f"source {source}: {ended} of {answered} pilot answers end at max_new_tokens {max_new_tokens} (finish "
-        f"reason length; preflight.max_length_share {limit:g}): raise sampling.max_new_tokens (the source's or the "
-        "top level) or check that the model stops (its stop ids, its template)",
+        f"reason length; preflight.max_length_share {limit:g}; {kept}): raise sampling.max_new_tokens (the "
+        "source's or the top level) or check that the model stops (its stop ids, its template)",
     )
 
 
