@@ -122,7 +122,12 @@ def started_engines(plan: Plan) -> Iterator[list[dict[str, Any]]]:
         for lease in leases
     ]
     with ThreadPoolExecutor(len(specs)) as pool:
-        attached = list(pool.map(lambda spec: engine_host.attach(spec, pool=False), specs))
+        futures = [pool.submit(engine_host.attach, spec, False) for spec in specs]
+    attached = [f.result() for f in futures if f.exception() is None]
+    if len(attached) < len(futures):  # one did not start: the others are let go before its error is said
+        for a in attached:
+            a.release()
+        next(f.result() for f in futures if f.exception() is not None)
     try:
         yield [state for a in attached for state in a.engines]
     finally:
