@@ -164,7 +164,10 @@ def test_a_preflight_passes_its_pilot_rows_are_the_builds_and_plan_uses_its_spee
     assert summary["model"]["architecture"] == "Qwen3ForCausalLM" and summary["model"]["hybrid"] is False
     [engine] = summary["engines"]
     assert engine["kv_tokens"] == 1_048_576 and engine["ready_seconds"] > 0, engine  # cpu_kvcache_space: 1 GiB
-    assert 1 <= engine["peak_running"] <= 4 and 0 <= engine["peak_kv_usage"] < 0.01, engine  # its /metrics
+    # read from the server's own /metrics while the pilot ran (the names are vLLM's: a sample may fall between
+    # requests, so the peaks are bounds, not counts)
+    assert {"peak_running", "peak_waiting", "peak_kv_usage"} <= set(engine), engine
+    assert engine["peak_running"] <= 4 and engine["peak_kv_usage"] < 0.01, engine
     pilot = summary["pilot"]
     assert pilot["speed_source"] == "questions" and pilot["sources"]["questions"]["rows"] == 4
     assert pilot["sources"]["chats"]["rows"] == 2 and pilot["rows"] == 6 and pilot["output_tokens"] > 0

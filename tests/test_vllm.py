@@ -289,8 +289,10 @@ def test_a_looping_row_is_stopped_on_the_server_where_the_rule_fires(
     # a budget the tiny model cannot finish before the job closes the stream, however busy the machine
     config["sampling"] = {**config["sampling"], "temperature": 0.0, "max_new_tokens": BUDGET}
     config["degenerate"] = {"loop": {"min_span": 32, "max_period": 16}}
-    warm_engine(wf.write_config(config))  # the shared server, started now to read its counters first
-    [state] = engine_host.running(config["engine"]["lock_dir"])
+    written = wf.write_config(config)  # with this worker's engine, which the fixture's may not be
+    warm_engine(written)  # the shared server, started now to read its counters first
+    lock_dir = yaml.safe_load(written.read_text())["engine"]["lock_dir"]
+    [state] = engine_host.running(lock_dir)
     before = _generated_tokens(state["url"])
     keys = {s["gen_key"] for s in _sidecars(store, "questions")}
     wf.run("--until", "generate")  # the random target loops on most rows: a mix of what is left is no point
@@ -298,7 +300,7 @@ def test_a_looping_row_is_stopped_on_the_server_where_the_rule_fires(
     stopped = {k: r for k, r in rows.items() if r["finish_reason"] == "loop"}
     assert stopped, {k: (r["finish_reason"], r["n_output_tokens"]) for k, r in rows.items()}
     assert all(r["n_output_tokens"] < BUDGET for r in stopped.values()), "stopped before the budget"
-    assert engine_host.running(config["engine"]["lock_dir"]) == [state], "the warm server served the build"
+    assert engine_host.running(lock_dir) == [state], "the warm server served the build"
     spent = _generated_tokens(state["url"]) - before
     # each stopped row costs its tokens up to the check that fired (every 16) and the steps until the server
     # sees its client go; whole, every row would have cost its budget
