@@ -21,13 +21,13 @@ DETAIL_CHARS = 300
 _EXITED = re.compile(r"the server exited with (-?\d+)")  # the host's own line (engines.host.process)
 
 
-def _tail(log_path: str | Path, since: int) -> list[str] | None:
-    """A server log's lines after byte ``since``, the last :data:`ERROR_SCAN_BYTES` of them at most (where
-    its end is: the error, the exit); None for a log that cannot be read."""
+def tail(log_path: str | Path, since: int = 0, limit: int = ERROR_SCAN_BYTES) -> list[str] | None:
+    """A server log's lines after byte ``since``, the last ``limit`` bytes of them at most (where its end
+    is: the error, the exit); None for a log that cannot be read."""
     try:
         with open(log_path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(since, size - ERROR_SCAN_BYTES))
+            f.seek(max(since, size - limit))
             return f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return None
@@ -36,7 +36,7 @@ def _tail(log_path: str | Path, since: int) -> list[str] | None:
 def engine_error(log_path: str | Path, since: int = 0) -> str | None:
     """The root exception a server's log shows after byte ``since``, with the innermost frame its process
     raised it in, or None. A wrapper that points back at it ("see the stack trace above") is skipped."""
-    if (lines := _tail(log_path, since)) is None:
+    if (lines := tail(log_path, since)) is None:
         return None
     frames: dict[str, str] = {}  # by the process a line is from (vLLM prefixes each with it)
     found = None
@@ -59,5 +59,5 @@ def engine_error(log_path: str | Path, since: int = 0) -> str | None:
 
 def exit_code(log_path: str | Path, since: int = 0) -> int | None:
     """The exit status the host saw its server end with (negative: a signal killed it), or None yet."""
-    codes = [int(m.group(1)) for line in _tail(log_path, since) or () if (m := _EXITED.search(line))]
+    codes = [int(m.group(1)) for line in tail(log_path, since) or () if (m := _EXITED.search(line))]
     return codes[-1] if codes else None

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import urllib.request
@@ -37,6 +36,7 @@ from typing import Any
 from dflash_build import engines, toolcalls
 from dflash_build.engines import EngineFailed, gpus, probe, registry
 from dflash_build.engines import host as engine_host
+from dflash_build.engines.host import logs as engine_logs
 from dflash_build.engines.host.served import concurrency
 from dflash_build.plan import Plan
 from dflash_build.spec import ConfigError
@@ -186,7 +186,7 @@ def pilot(plan: Plan) -> tuple[dict[str, Any], list[Problem]]:
         by_source[name], problems = figures, problems + found
         totals.update({k: figures[k] for k in ("rows", "generated", "output_tokens")})
         totals["milliseconds"] += round(figures["seconds"] * 1000)
-    gpu_count = len(gpus.every_gpu(cfg.engine)) if engines.uses_gpu(cfg.engine) else 1
+    gpu_count = _engine_count(plan)
     seconds = totals["milliseconds"] / 1000
     rate = totals["output_tokens"] / seconds if seconds else 0.0
     speed = by_source[speed_source]
@@ -210,6 +210,12 @@ def _one_line(e: Exception) -> str:
     return text if text.startswith("config key") else f"{type(e).__name__}: {text}"
 
 
+def _engine_count(plan: Plan) -> int:
+    """The engines the build runs: one per GPU it would use, or the one CPU engine."""
+    cfg = plan.config
+    return len(gpus.every_gpu(cfg.engine)) if engines.uses_gpu(cfg.engine) else 1
+
+
 def _speed_rows(plan: Plan) -> int:
     """Rows of the speed source: as many as the build keeps in flight on every engine (its batch)."""
     cfg = plan.config
@@ -217,8 +223,7 @@ def _speed_rows(plan: Plan) -> int:
         return cfg.preflight.speed_rows
     if not engine_host.through_server(cfg.engine):
         return int(registry.get(cfg.engine.backend).value(cfg.engine.options, "batch_size") or 0)
-    engines_count = len(gpus.every_gpu(cfg.engine)) if engines.uses_gpu(cfg.engine) else 1
-    return concurrency(cfg.engine) * engines_count
+    return concurrency(cfg.engine) * _engine_count(plan)
 
 
 def pilot_source(plan: Plan, source: str, rows: int) -> tuple[dict[str, Any], list[Problem]]:
@@ -319,22 +324,13 @@ def engine_reports(
     in_flight = concurrency(cfg.engine) * (cfg.engine.jobs_per_engine if cfg.engine.shared else 1)
     reports, problems = [], []
     for slot, path, ready in logs:
-        report = described.report(_tail(path))
+        report = described.report("\n".join(engine_logs.tail(path, limit=LOG_TAIL_BYTES) or []))
         ready_seconds = None if ready is None else round(ready, 1)
         reports.append({"slot": slot, "log": str(path), "ready_seconds": ready_seconds, **report})
         knob = described.memory_knob(cfg.engine.options)
         if (problem := checks.engine_memory(report, in_flight, per_request, knob, slot)) is not None:
             problems.append(problem)
     return reports, problems
-
-
-def _tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def write(path: Path, summary: dict[str, Any]) -> None:
