@@ -298,9 +298,7 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
         return None
     if "eval" not in raw:
         raise ConfigError("accept", "measures the eval split: set `eval` (a held-out share, benchmarks) too")
-    drafters = {
-        name: DrafterSpec(name, d["method"], d["path"], dict(d["options"])) for name, d in accept["drafters"].items()
-    }
+    drafters = {name: _drafter(name, d) for name, d in accept["drafters"].items()}
     return AcceptSpec(
         drafters=drafters,
         max_new_tokens=int(accept["max_new_tokens"]),
@@ -566,8 +564,13 @@ def _engine(engine: Mapping[str, Any]) -> EngineSpec:
         idle_timeout=float(engine["idle_timeout"]),
         start_timeout=float(engine["start_timeout"]),
         stall_timeout=float(engine["stall_timeout"]),
+        drafter=None if engine["drafter"] is None else _drafter("generation", engine["drafter"]),
     )
     return spec
+
+
+def _drafter(name: str, raw: Mapping[str, Any]) -> DrafterSpec:
+    return DrafterSpec(name, raw["method"], raw.get("path"), dict(raw.get("options") or {}))
 
 
 def load(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Config:

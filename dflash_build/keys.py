@@ -195,6 +195,11 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "engine.idle_timeout": _d(None, "when an unused shared engine stops"),
     "engine.start_timeout": _d(None, "how long a job waits for an engine to start"),
     "engine.stall_timeout": _d(None, "when a job warns that its engine stopped answering: fault handling"),
+    "engine.drafter": _d(
+        None,
+        "drafts verified by the target's own rejection sampling: the target's distribution, so a row is reused "
+        "whatever drafter served it; refused where the pinned engine is shown to get that sampling wrong",
+    ),
     "sampling.temperature": _d(GEN, _SAMPLING),
     "sampling.top_p": _d(GEN, _SAMPLING),
     "sampling.top_k": _d(GEN, _SAMPLING),

@@ -497,7 +497,7 @@ def build(config: Config, only: str | None = None) -> Plan:
     if only is not None and only not in config.sources:
         raise ConfigError("sources", f"no source '{only}' in the config")
     registry.check(config.engine)  # where the engine is chosen: its options, before any job
-    registry.check_drafters(config.engine, config.accept)
+    registry.check_drafters(config)  # accept's and engine.drafter, with the samplings they serve
     cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
     filtering, reference_files = _filtering(config, cache)
@@ -526,18 +526,20 @@ def build(config: Config, only: str | None = None) -> Plan:
 
 
 def fingerprint_drafters(config: Config, cache: fingerprints.FingerprintCache) -> dict[str, str]:
-    """The digest of each `accept` drafter's checkpoint (weights, config, remote code), by drafter name;
-    a drafter without one (ngram) is its method and options alone."""
+    """Each `accept` drafter's checkpoint digest by name (ngram: none); engine.drafter's is checked only."""
     digests = {}
-    for name, drafter in (config.accept.drafters if config.accept else {}).items():
+    named = {f"accept.drafters.{name}.path": d for name, d in (config.accept.drafters if config.accept else {}).items()}
+    named |= {"engine.drafter.path": config.engine.drafter} if config.engine.drafter else {}  # checked, not keyed
+    for key, drafter in named.items():
         if drafter.path is None:
             continue
         root = Path(drafter.path)
         files = _model_files(root)
         if not files:
-            raise ConfigError(f"accept.drafters.{name}.path", f"'{root}' holds no model files (weights, config.json)")
-        digests[name] = hashing.digest(cache.files(files, root if root.is_dir() else root.parent))
-        _check_vocabulary(config, name, drafter.method, root)
+            raise ConfigError(key, f"'{root}' holds no model files (weights, config.json)")
+        if key.startswith("accept."):
+            digests[drafter.name] = hashing.digest(cache.files(files, root if root.is_dir() else root.parent))
+        _check_vocabulary(config, key, drafter.method, root)
     return digests
 
 
@@ -552,7 +554,7 @@ def vocabulary_size(path: Path) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def _check_vocabulary(config: Config, name: str, method: str, drafter: Path) -> None:
+def _check_vocabulary(config: Config, key: str, method: str, drafter: Path) -> None:
     """A drafter its engine's method needs on the target's vocabulary, checked as the engine checks it when
     its server starts (before any server, in one line)."""
     speculative = registry.get(config.engine.backend).speculative
@@ -561,7 +563,7 @@ def _check_vocabulary(config: Config, name: str, method: str, drafter: Path) -> 
     target, own = vocabulary_size(Path(config.model.path)), vocabulary_size(drafter)
     if target is not None and own is not None and target != own:
         raise ConfigError(
-            f"accept.drafters.{name}.path",
+            key,
             f"'{drafter}' has a vocabulary of {own} tokens and the target {config.model.path} one of {target}: "
             f"the {method} method drafts in the target's vocabulary (the engine refuses it); use a drafter "
             "trained with the target's tokenizer",

@@ -194,6 +194,9 @@ class EngineSpec:
     idle_timeout: float = 600.0
     start_timeout: float = 1800.0
     stall_timeout: float = 300.0  # no answer this long with requests in flight: the job warns
+    # the drafter that serves generation (config engine.drafter): speculative decoding writes the target's
+    # own distribution, so it enters no key; each row records what the engine counted of it
+    drafter: DrafterSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -381,8 +384,8 @@ class DecontaminationSpec:
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """One drafter of `accept.drafters`: the speculative method, its checkpoint (none for ngram) and the
-    method's options, as the engine's pinned release names them."""
+    """One drafter of `accept.drafters` (or `engine.drafter`, serving generation): the speculative method,
+    its checkpoint (none for ngram) and the method's options, as the engine's pinned release names them."""
 
     name: str
     method: str

@@ -56,8 +56,11 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/a
 
 def test_vllms_per_request_metrics_become_the_requests_acceptance() -> None:
     counted = completion_acceptance({"choices": [], "metrics": VLLM_METRICS})
-    assert counted == Acceptance(steps=3, drafted=9, accepted=9, histogram=(0, 0, 0, 3))
+    assert counted == Acceptance(9 // 3, 9, 9, (0, 0, 0, 3), accepted_steps=(3, 3, 3), drafted_steps=(3, 3, 3))
     assert counted.per_position == (3, 3, 3)
+    # its 10 tokens: the prefill's, then three steps of 3 accepted drafts and the target's bonus token
+    assert counted.marks(10) == [-1, 1, 1, 1, -1, 1, 1, 1, -1, 1]
+    assert counted.marks(14) is None, "three steps make 13 tokens: a longer answer had steps not reported"
     assert completion_acceptance({"choices": [], "metrics": {"speculative_decoding": None}}) is None
     assert completion_acceptance({"choices": []}) is None, "a server without speculation"
 
@@ -305,7 +308,7 @@ def test_gc_keeps_the_measurements_in_use_and_verify_finds_a_damaged_one(
     assert first == "accept: measures 1 drafters (d: a server each) once the eval split is in"
     # the schema's default sampling (T 0.6, top_k 20) on vLLM's CPU build: said before any server starts
     assert broken.startswith("accept: at T 0.6, top_p 0.95, top_k 20, min_p 0: vLLM 0.32.0's CPU build kills"), broken
-    assert "measure at top_k 0 on CPU" in broken
+    assert "use top_k 0 on CPU" in broken
     _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": [], "eval_key": "rendered for another config"})
     assert "once the eval split is rendered again" in measurements.preview(plan), "a stale split is named as such"
     _publish(cfg_.eval_dir, {"split_key": "s1", "rows": 7, "files": [], "eval_key": plan.eval_key})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 from dflash_build.spec import LoopRule, Sampling
 
@@ -49,12 +49,63 @@ class Acceptance:
     drafted: int
     accepted: int
     histogram: tuple[int, ...] = ()
+    # each verify step's accepted and drafted counts in order, where the engine reports them (vLLM's
+    # per_request_spec_decode_metrics detailed); empty otherwise
+    accepted_steps: tuple[int, ...] = ()
+    drafted_steps: tuple[int, ...] = ()
 
     @property
     def per_position(self) -> tuple[int, ...]:
         """Steps that accepted draft position i (0-based): those that accepted more than i tokens."""
         h = self.histogram
         return tuple(sum(h[i + 1 :]) for i in range(len(h) - 1))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "histogram": list(self.histogram),
+            "accepted_steps": list(self.accepted_steps),
+            "drafted_steps": list(self.drafted_steps),
+        }
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any] | None) -> Acceptance | None:
+        if not d:
+            return None
+        lists = {k: tuple(int(n) for n in d.get(k) or ()) for k in ("histogram", "accepted_steps", "drafted_steps")}
+        return cls(int(d["steps"]), int(d["drafted"]), int(d["accepted"]), **lists)
+
+    def marks(self, n_tokens: int) -> list[int] | None:
+        """Each of an answer's first ``n_tokens`` tokens (its stop token included) as the verify steps made
+        it: ``MARK_ACCEPTED`` a draft token the target accepted, ``MARK_REJECTED`` the target's own token
+        where it turned the draft down (the drafter's error), ``MARK_NONE`` no draft judged it (the first
+        token, from the prompt's prefill; a step's bonus token after all its drafts passed). None where the
+        steps cannot be placed: no per-step counts, or fewer tokens from drafted steps than the answer has
+        (a step that proposed nothing, as ngram's without a match, is not reported, so the rest would slip)."""
+        if not self.accepted_steps or len(self.accepted_steps) != len(self.drafted_steps):
+            return None
+        out = [MARK_NONE]
+        for accepted, drafted in zip(self.accepted_steps, self.drafted_steps, strict=True):
+            if len(out) >= n_tokens:  # a step after the answer's end: these counts are not this answer's
+                return None
+            out += [MARK_ACCEPTED] * accepted + [MARK_REJECTED if accepted < drafted else MARK_NONE]
+        # the last step may run past the answer's end (a stop token among its accepted drafts, the budget)
+        return out[:n_tokens] if len(out) >= n_tokens else None
+
+
+MARK_ACCEPTED, MARK_REJECTED, MARK_NONE = 1, 0, -1
+
+
+def summed_histogram(histograms: Iterable[Iterable[int]]) -> list[int]:
+    """Histograms of steps by drafts accepted, added index by index (a shorter one counts 0 beyond its end)."""
+    out: list[int] = []
+    for h in histograms:
+        for i, n in enumerate(h):
+            out += [0] * (i + 1 - len(out))
+            out[i] += int(n)
+    return out
 
 
 @dataclass(frozen=True)

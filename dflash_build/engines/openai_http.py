@@ -143,7 +143,9 @@ def completion_acceptance(out: Any) -> Acceptance | None:
         return None
     histogram = tuple(int(n) for n in spec.get("acceptance_histogram") or ())
     drafted, accepted = int(spec.get("num_draft_tokens") or 0), int(spec.get("num_accepted_draft_tokens") or 0)
-    return Acceptance(int(spec["num_spec_steps"]), drafted, accepted, histogram)
+    # `detailed` only (vllm PR #48915): each verify step's counts, in order
+    per_step = [tuple(int(n) for n in spec.get(k) or ()) for k in ("per_step_accepted", "per_step_drafted")]
+    return Acceptance(int(spec["num_spec_steps"]), drafted, accepted, histogram, *per_step)
 
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
@@ -233,8 +235,10 @@ class ServerClient:
         server's whole JSON would, so the caller parses both alike."""
         ids: list[int] = []
         text: list[str] = []
-        finish, usage, checked = None, None, 0
-        async with self._client.stream("POST", url, json={**body, "stream": True}) as response:
+        finish, usage, metrics, checked = None, None, None, 0
+        # include_usage: vLLM sends the request's usage and metrics (its speculative counts) in a last chunk
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with self._client.stream("POST", url, json=streamed) as response:
             if response.status_code >= 400:
                 answer = (await response.aread()).decode(errors="replace")
                 if response.status_code not in _RETRY_STATUS:
@@ -244,7 +248,7 @@ class ServerClient:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = _json_chunk(line[6:])
-                usage = chunk.get("usage") or usage
+                usage, metrics = chunk.get("usage") or usage, chunk.get("metrics") or metrics
                 for choice in chunk.get("choices") or []:
                     if not isinstance(choice.get("token_ids"), list):
                         raise Malformed(f"a streamed chunk without token_ids: {line[:_SHOWN]}")
@@ -256,7 +260,8 @@ class ServerClient:
                     end, checked = loops.loop_end(ids, watch, clear=checked), len(ids)
                     if end is not None:
                         return {"choices": [{"token_ids": ids[:end], "finish_reason": "loop"}]}
-        return {"choices": [{"token_ids": ids, "text": "".join(text), "finish_reason": finish}], "usage": usage}
+        choices = [{"token_ids": ids, "text": "".join(text), "finish_reason": finish}]
+        return {"choices": choices, "usage": usage, "metrics": metrics}
 
     async def _call(
         self,

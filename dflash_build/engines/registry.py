@@ -24,7 +24,7 @@ from dflash_build.spec import ConfigError
 
 if TYPE_CHECKING:
     from dflash_build.engines.gpus import GpuLease
-    from dflash_build.spec import AcceptSpec, Degenerate, DrafterSpec, EngineSpec, LoopRule, ModelSpec
+    from dflash_build.spec import Config, Degenerate, DrafterSpec, EngineSpec, LoopRule, ModelSpec
 
 # The reasons most options share.
 NUMERICS = "changes the numbers the model computes, so the answers"
@@ -71,7 +71,8 @@ class Speculative:
     engine options that serve the target with that drafter and report each request's acceptance."""
 
     check: Callable[[str, DrafterSpec], None]
-    options: Callable[[DrafterSpec], dict[str, Any]]
+    # (drafter, per_step): per_step asks each answer for its verify steps in order where the engine can
+    options: Callable[[DrafterSpec, bool], dict[str, Any]]
     # The server's own totals from its /metrics text (steps, drafted, accepted, per_position); None: it
     # has none to check the requests' counts against.
     totals: Callable[[str], dict[str, Any]] | None = None
@@ -213,12 +214,45 @@ def check_options(backend: str, options: Mapping[str, Any]) -> None:
 
 
 def check(engine: EngineSpec) -> None:
-    """The config's engine section against its backend, before any job: options, and whether it can be
-    shared."""
+    """The config's engine section against its backend, before any job: options, whether it can be
+    shared, and the drafter that serves generation."""
     backend = get(engine.backend)
     backend.check(engine.options)
     if engine.shared and backend.serve is None:
         raise ConfigError("engine.shared", f"the {backend.name} backend talks to servers it does not run; remove it")
+    if engine.drafter is not None:
+        speculative = _speculative(backend, "engine.drafter")
+        speculative.check("engine.drafter", engine.drafter)
+        own = sorted(set(speculative.options(engine.drafter, True)) & set(engine.options))
+        if own:
+            raise ConfigError(f"engine.options.{own[0]}", "engine.drafter sets it: remove it here")
+
+
+def _speculative(backend: Backend, key: str) -> Speculative:
+    if backend.speculative is None:
+        able = sorted(name for name, b in _REGISTRY.found.items() if b.speculative is not None)
+        raise ConfigError(key, f"engine.backend {backend.name!r} cannot serve a drafter; use {' or '.join(able)}")
+    return backend.speculative
+
+
+def check_generation_drafter(engine: EngineSpec, samplings: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse generation with ``engine.drafter`` under a sampling (by its config key) that the pinned
+    engine is shown to get wrong under speculation: its rows would not be the target's."""
+    if engine.drafter is None:
+        return
+    speculative = _speculative(get(engine.backend), "engine.drafter")
+    for key, sampling in samplings.items():
+        if (why := speculative.known_broken(engine.options, sampling)) is not None:
+            raise ConfigError(key, f"engine.drafter cannot serve this sampling: {why}")
+
+
+def for_generation(engine: EngineSpec) -> EngineSpec:
+    """The engine generation runs: with ``engine.drafter`` its options serve the target with that drafter
+    and report each answer's verify steps (shared or not, as configured)."""
+    if engine.drafter is None:
+        return engine
+    speculative = _speculative(get(engine.backend), "engine.drafter")
+    return dataclasses.replace(engine, options={**engine.options, **speculative.options(engine.drafter, True)})
 
 
 def check_environment(engine: EngineSpec) -> None:
@@ -229,17 +263,19 @@ def check_environment(engine: EngineSpec) -> None:
         backend.environment(engine)
 
 
-def check_drafters(engine: EngineSpec, accept: AcceptSpec | None) -> None:
-    """`accept`'s drafters against the engine's pinned release, with the engine (before any job)."""
+def check_drafters(config: Config) -> None:
+    """`accept`'s drafters against the engine's pinned release, with the engine, and engine.drafter against
+    the sources' samplings (before any job)."""
+    engine, accept = config.engine, config.accept
+    samplings = {f"sources.{s.config_name}.sampling": s.sampling.as_dict() for s in config.sources.values()}
+    check_generation_drafter(engine, samplings)
     if accept is None:
         return
     backend = get(engine.backend)
-    if backend.speculative is None:
-        able = sorted(name for name, b in _REGISTRY.found.items() if b.speculative is not None)
-        raise ConfigError("accept", f"engine.backend {backend.name!r} cannot serve a drafter; use {' or '.join(able)}")
+    speculative = _speculative(backend, "accept")
     backend.check({**engine.options, **accept.engine_options})
     for name, drafter in accept.drafters.items():
-        backend.speculative.check(f"accept.drafters.{name}", drafter)
+        speculative.check(f"accept.drafters.{name}", drafter)
 
 
 def with_drafter(engine: EngineSpec, drafter: DrafterSpec, options: Mapping[str, Any]) -> EngineSpec:
@@ -247,8 +283,9 @@ def with_drafter(engine: EngineSpec, drafter: DrafterSpec, options: Mapping[str,
     server of its own, never a shared one (another drafter is another server)."""
     speculative = get(engine.backend).speculative
     assert speculative is not None, "check_drafters refuses a backend without speculation at parse time"
-    served = {**engine.options, **options, **speculative.options(drafter)}
-    return dataclasses.replace(engine, options=served, shared=False)
+    served = {**engine.options, **options, **speculative.options(drafter, False)}
+    # its options hold the drafter already: none left for for_generation to add
+    return dataclasses.replace(engine, options=served, shared=False, drafter=None)
 
 
 def draft_tokens(backend: str, drafter: DrafterSpec) -> int | None:

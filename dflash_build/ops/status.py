@@ -62,6 +62,17 @@ class SourceStatus:
     skipped: int = 0
     truncated: int = 0
     loops: int = 0  # rows the engine stopped on the loop rule (config degenerate.loop.stop_early)
+    # engine.drafter: rows the engine counted, their verify steps and accepted drafts (τ = 1 + accepted/steps)
+    measured: int = 0
+    spec_steps: int = 0
+    spec_accepted: int = 0
+
+    def count(self, measured: int, steps: int, accepted: int) -> None:
+        self.measured, self.spec_steps, self.spec_accepted = (
+            self.measured + measured,
+            self.spec_steps + steps,
+            self.spec_accepted + accepted,
+        )
 
 
 @dataclass
@@ -195,6 +206,8 @@ def _published(source: SourceStatus, stats: dict[str, Any], recent: _Window) -> 
     source.skipped += int(stats.get(R.STAT_SKIPPED, 0))
     source.truncated += int(stats.get(R.STAT_TRUNCATED, 0))
     source.loops += int(stats.get(R.STAT_LOOPS_STOPPED, 0))
+    if drafted := stats.get(R.STAT_DRAFTING):
+        source.count(int(drafted["rows"]), int(drafted["steps"]), int(drafted["accepted"]))
     if "started_at" in stats and "finished_at" in stats:
         generated = float(stats.get(R.STAT_GENERATED, rows))
         tokens = float(stats.get(R.STAT_OUTPUT_TOKENS, 0)) * (generated / rows if rows else 0.0)
@@ -209,6 +222,8 @@ def _journaled(
     for row in Journal.read(folder / ROWS_FILE):
         finished[(row["prompt_id"], row["sample_idx"])] = row
         recent.add_row(row.get("at"), len(row.get("output_ids") or []))
+        if counted := row.get("acceptance"):  # each answer (turn) a drafter served, as the engine counted it
+            source.count(int(not row.get("turn")), int(counted["steps"]), int(counted["accepted"]))
     source.rows_done += len(finished)
     source.failed += sum(r["finish_reason"] in R.NO_ANSWER for r in finished.values())
     source.skipped += sum(r["finish_reason"] == R.FINISH_SKIPPED for r in finished.values())
@@ -275,6 +290,7 @@ def text(status: Status) -> str:
             f"{s.source:<28}{s.rows_done:>12}{rows:>10}{shards:>10}{s.failed:>8}{s.skipped:>9}{s.truncated:>11}"
             f"{s.loops:>7}"
         )
+    lines += _drafting(status.sources)
     if status.build is None and not status.done:
         lines[0] += " (no Snakemake runs this build now: run it again to go on; `dflash-build plan` says what is left)"
     lines.append(f"jobs running: {len(status.jobs) + len(status.others)}")
@@ -306,6 +322,21 @@ def text(status: Status) -> str:
             f"server pid {e['server_pid']}, up {_duration(e['up_seconds'])}"
         )
     return "\n".join(lines)
+
+
+def _drafting(sources: list[SourceStatus]) -> list[str]:
+    """τ so far where engine.drafter served generation: overall and per source (nothing without it)."""
+
+    def tau(steps: int, accepted: int) -> str:
+        return f"{1 + accepted / steps:.2f}" if steps else "-"
+
+    measured = [s for s in sources if s.measured]
+    if not measured:
+        return []
+    steps, accepted = sum(s.spec_steps for s in measured), sum(s.spec_accepted for s in measured)
+    each = ", ".join(f"{s.source} {tau(s.spec_steps, s.spec_accepted)}" for s in measured)
+    count = sum(s.measured for s in measured)
+    return [f"drafter: τ {tau(steps, accepted)} tokens per verify step over {count} rows it served ({each})"]
 
 
 def watch(plan: Plan, every: float, window: float = WINDOW_SECONDS, as_json: bool = False) -> int:

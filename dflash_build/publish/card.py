@@ -170,6 +170,37 @@ def card_body(manifest: dict[str, Any]) -> str:
         report.languages_section(manifest),
         report.removals(manifest),
         report.degenerate_section(manifest),
+        drafting_section(manifest),
         report.multi_turn(manifest["report"]),
     ]
     return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{shown}\n"
+
+
+def drafting_section(manifest: dict[str, Any]) -> str:
+    """The card's table of the dataset's own acceptance, or nothing when no row was measured."""
+    found = manifest.get("drafting")
+    if not found:
+        return ""
+    slices = found["slices"]
+    whole = slices["all"]
+    drafter = found.get("drafter") or {}
+    served = f"`{drafter.get('method')}`" + (f", `{drafter['path']}`" if drafter.get("path") else "")
+    lines = [
+        "## Acceptance in generation",
+        "",
+        f"Rows a drafter served in generation carry the engine's counts (this config's engine.drafter: "
+        f"{served if drafter else 'none'}; each shard's generate sidecar names the one that served it): "
+        f"{whole['measured']} of {whole['rows']} rows measured "
+        f"({whole['measured_share']:.0%}; a row generated without it, or reused, carries no count). τ is tokens per "
+        "verify step with the target's own token; per token it sums a slice's steps, per request it averages "
+        "each row's own.",
+        "",
+        "| slice | rows | measured | τ per token | τ per request | accepted per draft position |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in slices.items():
+        positions = " ".join(f"{p:.2f}" for p in s["per_position"])
+        tau = "" if s["tau_per_token"] is None else f"{s['tau_per_token']:.2f}"
+        per_request = "" if s["tau_per_request"] is None else f"{s['tau_per_request']:.2f}"
+        lines.append(f"| {name} | {s['rows']} | {s['measured']} | {tau} | {per_request} | {positions} |")
+    return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import language
+from dflash_build.engines.base import MARK_NONE, Acceptance, summed_histogram
 from dflash_build.stages.common import chat, degenerate
 from dflash_build.stages.common.job import Job
 from dflash_build.store import atomic
@@ -107,6 +108,35 @@ def to_samples(row: dict[str, Any], truncated_policy: str) -> list[tuple[int | N
     return out
 
 
+_UNMEASURED = dict.fromkeys(("spec_steps", "spec_drafted", "spec_accepted", "spec_histogram", "draft_mark"))
+
+
+def drafting(row: dict[str, Any], turn: int | None) -> dict[str, Any]:
+    """A sample's acceptance columns (``records.SAMPLE_SCHEMA``) from its turns' counts: their sums, and each
+    token's mark lined up with the sample's input_ids (its prompt -1, each answer as
+    ``Acceptance.marks`` places it, -1 where it cannot); nulls unless every turn in it was measured."""
+    if row.get("turns"):
+        turns = row["turns"] if turn is None else [row["turns"][turn]]
+        counted = [t.get("acceptance") for t in turns]
+    else:
+        counted = [row.get("acceptance")]
+    measured = [Acceptance.of(c) for c in counted]
+    if any(a is None for a in measured):
+        return dict(_UNMEASURED)
+    parts = list(R.iter_turn_tokens(row))
+    mark: list[int] = []
+    for (context, generated), counts in zip(parts if turn is None else [parts[turn]], measured, strict=True):
+        placed = counts.marks(len(generated)) if counts is not None else None
+        mark += [MARK_NONE] * len(context) + (placed if placed is not None else [MARK_NONE] * len(generated))
+    return {
+        "spec_steps": sum(a.steps for a in measured if a is not None),
+        "spec_drafted": sum(a.drafted for a in measured if a is not None),
+        "spec_accepted": sum(a.accepted for a in measured if a is not None),
+        "spec_histogram": summed_histogram([a.histogram for a in measured if a is not None]),
+        "draft_mark": mark,
+    }
+
+
 def prompt_languages(prompt_shard: Path) -> dict[str, str]:
     """Each prompt's language, by prompt id."""
     table = pq.read_table(prompt_shard, columns=["prompt_id", "messages"])
@@ -151,6 +181,7 @@ def _samples(
                     "finish_reason": row["finish_reason"] if turn is None else row["turns"][turn]["finish_reason"],
                     "n_tokens": len(input_ids),
                     "n_loss_tokens": sum(loss_mask),
+                    **drafting(row, turn),
                 }
             )
     return samples, drops, found

@@ -24,6 +24,19 @@ PROMPT_SCHEMA = pa.schema(
     ]
 )
 
+# What a speculative engine counted of one answer (engine.drafter; engines.Acceptance): verify steps,
+# draft tokens proposed and accepted, steps by drafts accepted, and (vLLM's detailed metrics) each step's.
+ACCEPTANCE_TYPE = pa.struct(
+    [
+        ("steps", pa.int32()),
+        ("drafted", pa.int32()),
+        ("accepted", pa.int32()),
+        ("histogram", pa.list_(pa.int32())),
+        ("accepted_steps", pa.list_(pa.int16())),
+        ("drafted_steps", pa.list_(pa.int16())),
+    ]
+)
+
 COMPLETION_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -56,6 +69,7 @@ COMPLETION_SCHEMA = pa.schema(
                         ("text", pa.string()),
                         # per-turn samples: the prompt holds earlier answers as text the template wrote
                         ("history_retokenized", pa.bool_()),
+                        ("acceptance", ACCEPTANCE_TYPE),
                     ]
                 )
             ),
@@ -63,6 +77,9 @@ COMPLETION_SCHEMA = pa.schema(
         # the sampling variant the row was generated under (config variants); null without variants and in
         # shards written before the column
         ("variant", pa.string()),
+        # the row's acceptance under engine.drafter (its turns' sums for a conversation); null when no
+        # drafter served it, the engine did not count it, or a shard was written before the column
+        ("acceptance", ACCEPTANCE_TYPE),
     ]
 )
 
@@ -80,8 +97,27 @@ SAMPLE_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),
         ("n_tokens", pa.int32()),
         ("n_loss_tokens", pa.int32()),
+        # engine.drafter only (null otherwise, and in shards tokenized before these columns): the verify
+        # steps, draft tokens proposed and accepted over the sample's answers, and per token of input_ids
+        # (lined up with loss_mask): 1 a draft the target accepted, 0 the target's own token where it
+        # turned the draft down, -1 no draft judged it (the prompt, a first or bonus token, unplaced steps)
+        ("spec_steps", pa.int32()),
+        ("spec_drafted", pa.int32()),
+        ("spec_accepted", pa.int32()),
+        ("spec_histogram", pa.list_(pa.int32())),  # verify steps by drafts accepted (index i: i accepted)
+        ("draft_mark", pa.list_(pa.int8())),
     ]
 )
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with ``schema``'s columns in its order, a column it lacks (a file written before it was
+    added) as nulls."""
+    columns = [
+        table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type) for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -161,6 +197,7 @@ STAT_LOOPS_STOPPED = "loops_stopped"  # generate: rows the engine stopped on the
 STAT_LOOP_TOKENS = "loop_tokens"  # generate: the output tokens those rows had when stopped
 STAT_REGENERATED = "regenerated"  # generate: degenerate answers asked again in this run (policy regenerate)
 STAT_REGENERATED_ROWS = "regenerated_rows"  # generate: rows whose answer is a later attempt's
+STAT_DRAFTING = "drafting"  # generate: what the engine counted of the rows engine.drafter served (or null)
 STAT_RESTORED = "restored"  # {from, at}: a later job republished the shard; the numbers stay the generation's
 
 

@@ -158,7 +158,8 @@ def _check_drafter(key: str, drafter: DrafterSpec) -> None:
             )
 
 
-def _speculative_options(drafter: DrafterSpec) -> dict[str, Any]:
+def _speculative_options(drafter: DrafterSpec, per_step: bool = False) -> dict[str, Any]:
+    """``per_step``: SGLang 0.5.23 reports totals per request only (``meta_info``), never per step."""
     path = {"speculative_draft_model_path": drafter.path} if drafter.path else {}
     return {"speculative_algorithm": drafter.method.upper(), **path, **drafter.options}  # meta_info has the counts
 

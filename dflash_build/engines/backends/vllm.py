@@ -179,10 +179,11 @@ def _check_drafter(key: str, drafter: DrafterSpec) -> None:
         )
 
 
-def _speculative_options(drafter: DrafterSpec) -> dict[str, Any]:
+def _speculative_options(drafter: DrafterSpec, per_step: bool = False) -> dict[str, Any]:
     config = {"method": drafter.method, **({"model": drafter.path} if drafter.path else {}), **drafter.options}
-    # each answer carries its own counts (metrics.speculative_decoding): slices can share the server
-    return {"speculative_config": config, "per_request_spec_decode_metrics": "summary"}
+    # each answer carries its own counts (metrics.speculative_decoding): slices can share the server;
+    # `detailed` adds each verify step's accepted and drafted counts, in order (generation's rows)
+    return {"speculative_config": config, "per_request_spec_decode_metrics": "detailed" if per_step else "summary"}
 
 
 _COUNTERS = {
@@ -311,18 +312,20 @@ def _gpus_or_scheduler() -> bool:
 
 
 def _known_broken(options: Mapping[str, Any], sampling: Mapping[str, Any]) -> str | None:
-    """vLLM 0.32.0's CPU build under speculation (its C++ rejection kernels, docs/acceptance.md)."""
+    """vLLM 0.32.0's CPU build under speculation (its C++ rejection kernels, docs/acceptance.md): the defect,
+    and the sampling that works."""
     if BACKEND.value(options, "device") != "cpu":
         return None
     if sampling.get("top_k", 0) > 0:
         return (
             f"vLLM {VLLM_VERSION}'s CPU build kills its engine core under speculation with top_k > 0 "
-            "(apply_top_k_top_p_pytorch: index out of bounds); measure at top_k 0 on CPU, or on a GPU build"
+            "(apply_top_k_top_p_pytorch: index out of bounds); use top_k 0 on CPU, or a GPU build"
         )
     if sampling.get("temperature", 0) > 0:
         return (
-            f"vLLM {VLLM_VERSION}'s CPU build measures acceptance wrong at temperature > 0 (its calibration "
-            "fails there); measure at temperature 0 on CPU, or on a GPU build"
+            f"vLLM {VLLM_VERSION}'s CPU build does not keep the target's distribution under speculation at "
+            "temperature > 0 (its rejection kernel turns down the target's own likely tokens: the calibration "
+            "and the distribution test fail, docs/acceptance.md); use temperature 0 on CPU, or a GPU build"
         )
     return None
 

@@ -53,7 +53,7 @@ def launch_spec(
 ) -> LaunchSpec:
     """The server for this config (``engine``: another engine for its target) on the lease's GPU (or the
     CPU slot), and the identity it serves."""
-    engine, model = engine or cfg.engine, cfg.model
+    engine, model = engine or registry.for_generation(cfg.engine), cfg.model
     slot = "cpu" if lease is None else f"gpu-{lease.node_id}"
     if lease is not None and lease.allocation:  # engines serve their own allocation only
         slot = f"job-{lease.allocation}.{slot}"

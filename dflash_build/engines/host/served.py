@@ -198,7 +198,7 @@ def open_engine(
 ) -> ServedEngine:
     """Attach to (starting if needed) the engine servers for this config and return a client of them;
     ``engine``: another engine for the config's target (one serving a drafter: registry.with_drafter)."""
-    engine = engine or cfg.engine
+    engine = engine or registry.for_generation(cfg.engine)
     spec = launch_spec(cfg, stop_ids, lease, model_fingerprint, context, engine)
     attached = attach(spec, pool=engine.shared)
     served = ServedEngine(spec, attached, stop_on_close=not engine.shared, pool=engine.shared)

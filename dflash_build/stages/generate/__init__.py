@@ -327,7 +327,7 @@ def start_engine(work: ShardWork, lease: gpus.GpuLease | None) -> engines.Engine
     if engine_host.through_server(cfg.engine):
         fingerprint = work.plan.model_fingerprint
         return engine_host.open_engine(cfg, stop_ids, lease, work.tokenizer, fingerprint, work.context)
-    return engines.load(cfg.engine, cfg.model, stop_ids, lease, work.tokenizer)
+    return engines.load(registry.for_generation(cfg.engine), cfg.model, stop_ids, lease, work.tokenizer)
 
 
 def engine_name(engine: engines.Engine, backend: str, lease: gpus.GpuLease | None) -> str:

@@ -3,6 +3,7 @@ mostly failed shard."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from collections import Counter
@@ -101,6 +102,8 @@ def shard_stats(
         "engine": {
             "backend": cfg.backend,
             "options": dict(cfg.engine_options),
+            # engine.drafter, which enters no key: the drafter that served the rows generated in this run
+            "drafter": None if cfg.engine.drafter is None else dataclasses.asdict(cfg.engine.drafter),
             "host": platform.node(),
             "gpu": None
             if lease is None
@@ -118,6 +121,7 @@ def shard_stats(
         "started_at": round(time.time() - wall, 3),
         "finished_at": round(time.time(), 3),
         "errors": error_summary(rows),
+        R.STAT_DRAFTING: drafting(rows),
     }
     outcome_keys = (R.STAT_OK, R.STAT_TRUNCATED, R.STAT_WINDOW, R.STAT_LOOPS_STOPPED, R.STAT_ERROR, R.STAT_SKIPPED)
     accounted = sum(stats[k] for k in outcome_keys)
@@ -153,3 +157,14 @@ def error_summary(rows: list[dict[str, Any]]) -> dict[str, int]:
             reason = re.sub(r"\d+", "N", r["error"])[:200]
             counts[reason] = counts.get(reason, 0) + 1
     return counts
+
+
+def drafting(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the engine counted of the rows a drafter served (engine.drafter): rows measured, verify steps,
+    draft tokens proposed and accepted, and τ (tokens per step, the bonus token included); None if none."""
+    counted = [r["acceptance"] for r in rows if r.get("acceptance")]
+    if not counted:
+        return None
+    totals = {k: sum(int(c[k]) for c in counted) for k in ("steps", "drafted", "accepted")}
+    tau = 1 + totals["accepted"] / totals["steps"] if totals["steps"] else None
+    return {"rows": len(counted), **totals, "tau": None if tau is None else round(tau, 4)}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_build import toolcalls
+from dflash_build.engines.base import Acceptance
 from dflash_build.stages.common import chat
 from dflash_build.store import records as R
 
@@ -25,6 +26,7 @@ class Turn:
     across: bool = False  # reused from a generation under other settings (template, prepare, scheme)
     history_retokenized: bool = False  # the prompt holds earlier answers as text the template wrote
     tool_calls: str | None = None  # a tool conversation's turn: "matched" the dataset's calls, or "mismatched"
+    acceptance: Acceptance | None = None  # what a speculative engine counted of this answer (engine.drafter)
 
     @property
     def generated_ids(self) -> list[int]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash_build import hashing
 from dflash_build.engines import Result, SamplingParams
+from dflash_build.engines.base import Acceptance, summed_histogram
 from dflash_build.engines.registry import loop_stop
 from dflash_build.plan import Plan
 from dflash_build.spec import LoopRule, SourceSpec
@@ -57,6 +58,7 @@ def journal_row(conv: Conversation, turn: Turn) -> dict[str, Any]:
         "continued": turn.continued,
         "across": turn.across,
         "attempt": conv.attempt,
+        "acceptance": turn.acceptance.as_dict() if turn.acceptance is not None else None,
         "at": round(time.time(), 1),  # when it finished: `dflash-build status` reads rates from it
     }
 
@@ -176,6 +178,7 @@ def result_of(row: dict[str, Any]) -> Result:
         retokenized=row.get("retokenized", False),
         # a journaled drift is replayed as a count that cannot match
         engine_output_tokens=-1 if row.get("drifted") else None,
+        acceptance=Acceptance.of(row.get("acceptance")),
     )
 
 
@@ -191,6 +194,7 @@ def apply_result(conv: Conversation, context_ids: list[int], result: Result, sou
         result.error,
         result.retokenized,
         result.retokenized and drifted,
+        acceptance=result.acceptance,
     )
     turn.history_retokenized = conv.per_turn and bool(conv.turns)
     conv.turns.append(turn)
@@ -222,6 +226,7 @@ def completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> di
         "reused_from": first.reused_from if first else None,
         "continued": bool(first and first.continued),
         "per_turn": conv.per_turn if multi else None,
+        "acceptance": row_acceptance(turns),
         "turns": [
             {
                 "context_ids": t.context_ids,
@@ -230,9 +235,22 @@ def completion_row(conv: Conversation, renderer: Renderer, base_seed: int) -> di
                 "finish_reason": t.finish_reason,
                 "text": renderer.decode(t.output_ids),
                 "history_retokenized": t.history_retokenized,
+                "acceptance": t.acceptance.as_dict() if t.acceptance is not None else None,
             }
             for t in turns
         ]
         if multi
         else None,
     }
+
+
+def row_acceptance(turns: list[Turn]) -> dict[str, Any] | None:
+    """A row's acceptance: its one turn's counts (with the per-step counts), or the sums over turns (the
+    steps are in each turn's own); None unless every turn was measured."""
+    if not turns or any(t.acceptance is None for t in turns):
+        return None
+    if len(turns) == 1:
+        return turns[0].acceptance.as_dict()  # type: ignore[union-attr]
+    measured = [t.acceptance for t in turns if t.acceptance is not None]
+    steps, drafted, accepted = (sum(getattr(a, f) for a in measured) for f in ("steps", "drafted", "accepted"))
+    return Acceptance(steps, drafted, accepted, tuple(summed_histogram(a.histogram for a in measured))).as_dict()

@@ -9,6 +9,7 @@ The data is then streamed shard by shard into parquet files, so memory stays bou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter, defaultdict
@@ -32,6 +33,7 @@ from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import variants
 from dflash_build.stages.mix.checks import check, deviations, floor_shortfalls, missed_floors
+from dflash_build.stages.mix.drafting import DraftTally
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 from dflash_build.versions import MIX_VERSION
@@ -343,6 +345,7 @@ class _Written:
     )
     tally: report.Tally = field(default_factory=report.Tally)
     variants: variants.VariantTally = field(default_factory=variants.VariantTally)
+    drafting: DraftTally = field(default_factory=DraftTally)
     files: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, table: pa.Table, source: str, category: str, variant: str | None) -> None:
@@ -363,6 +366,11 @@ class _Written:
         self.tally.add_rows(source, category, n_tokens, n_loss, reasons)
         if variant is not None:
             self.variants.add(table, variant, category)
+        self.drafting.add(table, source, category, variant)
+
+
+def _drafter(cfg: Config) -> dict[str, Any] | None:
+    return None if cfg.engine.drafter is None else dataclasses.asdict(cfg.engine.drafter)
 
 
 def params(cfg: Config) -> dict[str, Any]:
@@ -414,7 +422,8 @@ def _write(plan: Plan, choice: _Choice, folder: Path) -> _Written:
         rows = np.flatnonzero(choice.chosen[choice.offsets[index] : choice.offsets[index + 1]])
         if not len(rows):
             continue
-        table = pq.read_table(path).take(pa.array(rows, type=pa.int64()))
+        # shards tokenized before a column was added read it as nulls: one schema for every file
+        table = R.conform(pq.read_table(path).take(pa.array(rows, type=pa.int64())), R.SAMPLE_SCHEMA)
         spec = plan.sources[source].spec
         written.add(table, source, spec.category, spec.variant)
         writer.write(table)
@@ -486,6 +495,8 @@ def _manifest(
             else {}
         ),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
+        # where engine.drafter served generation: τ per slice of the dataset's own rows (absent otherwise)
+        **({"drafting": drafted} if (drafted := written.drafting.report(_drafter(cfg))) is not None else {}),
         **_evaluation(cfg, choice),
         "prompts": _prompt_summaries(manifests),
         "shortfalls": below,  # where the dataset ends below its configured mix
