@@ -21,6 +21,7 @@ from dflash_build import configfile, inputs, language
 from dflash_build.spec import (
     DEGENERATE_REASONS,
     SAMPLING_FIELDS,
+    AcceptanceRule,
     AcceptSpec,
     Calibration,
     Checks,
@@ -192,6 +193,15 @@ def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> d
     return out
 
 
+def _by_acceptance(raw: Mapping[str, Any], categories: Mapping[str, float]) -> dict[str, AcceptanceRule]:
+    for category in raw:
+        if category not in categories:
+            near = difflib.get_close_matches(category, list(categories), n=1)
+            hint = f"did you mean '{near[0]}'?" if near else f"categories: {', '.join(sorted(categories))}"
+            raise ConfigError(f"mix.by_acceptance.{category}", f"'{category}' is not in mix.categories ({hint})")
+    return {str(c): AcceptanceRule(float(r["fraction"]), float(r.get("pool", 4))) for c, r in raw.items()}
+
+
 def _tool_match(raw: Mapping[str, Any], key: str) -> str:
     if "tool_match" in raw and raw["turns"] != "all":
         raise ConfigError(f"{key}.tool_match", "applies to turns: all only (turns: first answers the first turn only)")
@@ -292,7 +302,7 @@ def _eval_benchmarks(raw: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
     """Config key `accept` (its drafters are checked against the engine's pinned release with the
-    engine: ``engines.registry.check_drafters``)."""
+    engine: ``engines.registry.check_serving``)."""
     accept = raw.get("accept")
     if accept is None:
         return None
@@ -488,6 +498,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_seed=mix["seed"],
         mix_languages=_mix_languages(mix["languages"], categories),
         mix_generate=mix["generate"],
+        mix_by_acceptance=_by_acceptance(mix["by_acceptance"], categories),
         sources=sources,
         checks=checks,
         preflight=PreflightSpec(**raw["preflight"]),

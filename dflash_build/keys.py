@@ -227,6 +227,7 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "mix.budget_tokens": _d(None, _MIX),
     "mix.seed": _d(None, _MIX),
     "mix.languages": _d(None, _MIX),
+    "mix.by_acceptance": _d(None, _MIX),
     "mix.generate": _d(None, "how far down its shards a source is generated: which shards exist, never a shard's key"),
     "pack.seq_len": _d(None, _PACK),
     "pack.split_long": _d(None, _PACK),

@@ -497,7 +497,7 @@ def build(config: Config, only: str | None = None) -> Plan:
     if only is not None and only not in config.sources:
         raise ConfigError("sources", f"no source '{only}' in the config")
     registry.check(config.engine)  # where the engine is chosen: its options, before any job
-    registry.check_drafters(config)  # accept's and engine.drafter, with the samplings they serve
+    registry.check_serving(config)  # the model, engine.drafter and accept's drafters on this engine
     cache = fingerprint_cache(config)
     model_fp, template_fp = fingerprint_model(config, cache)
     filtering, reference_files = _filtering(config, cache)

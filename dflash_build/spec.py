@@ -414,6 +414,15 @@ class AcceptSpec:
 
 
 @dataclass(frozen=True)
+class AcceptanceRule:
+    """Config key `mix.by_acceptance.CATEGORY` (stages.mix.acceptance): the hard part's share of the
+    category's token target, drawn from a pool of the lowest-τ rows ``pool`` times its size."""
+
+    fraction: float
+    pool: float
+
+
+@dataclass(frozen=True)
 class Config:
     store: Path
     logs: Path
@@ -430,6 +439,7 @@ class Config:
     # category -> language -> the least share of the category's tokens in that language
     mix_languages: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     mix_generate: str = "all"  # all | as_needed (stages.size)
+    mix_by_acceptance: Mapping[str, AcceptanceRule] = field(default_factory=dict)  # by category
     sources: Mapping[str, SourceSpec] = field(default_factory=dict)
     checks: Checks = field(default_factory=Checks)
     preflight: PreflightSpec = field(default_factory=PreflightSpec)

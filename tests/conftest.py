@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,49 @@ def build_vllm_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
     )
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
+    return out
+
+
+def build_hybrid_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A 4-layer random Qwen3-Next (Qwen3.6's attention family: three Gated DeltaNet linear-attention layers,
+    then a gated full-attention one, each with a mixture of experts) over SmolLM2's vocabulary, which vLLM's
+    CPU build serves in bfloat16 ("CPU GDN attention requires BF16") with linear key and value head dim 64 (32
+    is refused, "Unexpected head dim size"). Smaller (hidden 128, 4 experts, tied embeddings) it answers
+    token 0 only: every logit equal in its bfloat16 forward, where transformers' has a clear top token."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3NextConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config)
+    model.config.architectures = ["Qwen3NextForCausalLM"]
+    model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
     return out
@@ -401,6 +444,31 @@ def warm_engine(config_file: Path) -> None:
         host.attach(dataclasses.replace(spec, log_dir=str(_engine_locks() / "logs")), pool=False).release()
     except host.EngineFailed:  # options the engine refuses: the build's own job says so
         return
+
+
+@contextlib.contextmanager
+def served_url(config: dict[str, Any], workdir: Path) -> Iterator[str]:
+    """The URL of the engine generation would run for ``config`` (started here if needed, as a build does),
+    held while in use as a job holds it (its idle clock stands still)."""
+    from dflash_build import config as config_mod
+    from dflash_build import plan as plan_mod
+    from dflash_build.engines import host
+    from dflash_build.stages.common import chat
+    from dflash_build.store import fingerprints
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = Workflow.at(workdir, config).workdir / "config.yaml"
+    with contextlib.chdir(workdir):  # the config's relative paths (its logs) are the workdir's, as a build's
+        cfg = config_mod.load(path)
+        tokenizer = chat.load_tokenizer(cfg.model, None)
+        fingerprint, _ = plan_mod.fingerprint_model(cfg, fingerprints.FingerprintCache(None))
+        stops = chat.stop_token_ids(tokenizer, cfg.model.path)
+        spec = host.launch_spec(cfg, stops, None, fingerprint, chat.context_length(cfg.model))
+    attached = host.attach(spec, pool=False)
+    try:
+        yield attached.urls[0]
+    finally:
+        attached.release()  # the engine stays for its idle timeout, as between a user's builds
 
 
 @functools.cache

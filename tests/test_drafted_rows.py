@@ -5,6 +5,7 @@ tests/test_vllm_drafter.py)."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,24 @@ def test_status_reads_tau_from_a_running_jobs_journal_and_a_published_shards_sid
     status._published(published, {R.STAT_INPUT_ROWS: 4, R.STAT_DRAFTING: drafted}, status._Window(2.0, 60.0))
     lines = status._drafting([running, published, status.SourceStatus("plain", 3, True)])
     assert lines == ["drafter: τ 1.86 tokens per verify step over 6 rows it served (code 2.75, prose 1.50)"]
+
+
+def test_a_hybrid_target_on_vllms_cpu_build_needs_prefix_caching_off(
+    raw: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Measured on vLLM 0.32.0's CPU server (tests/test_vllm_hybrid.py serves one): with prefix caching on, a
+    hybrid's server refuses to start, since this backend turns chunked prefill off there."""
+    config = _with_drafter(raw)
+    del config["engine"]["drafter"]
+    model = Path(config["model"]["path"])
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "layer_types": ["linear_attention"]}))
+    with pytest.raises(ConfigError) as refused:
+        build(config, tmp_path)
+    assert refused.value.key == "engine.options.enable_prefix_caching" and "Chunked prefill is required" in str(
+        refused.value
+    )
+    config["engine"]["options"]["enable_prefix_caching"] = False
+    assert build(config, tmp_path).config.engine.options["enable_prefix_caching"] is False
+    config["engine"]["options"] = {"device": "cuda"}  # a GPU build: preflight says what it needs, no refusal
+    build(config, tmp_path)

@@ -15,7 +15,7 @@ from dflash_build.engines import registry, vllm_fields
 from dflash_build.engines.backends import vllm
 from dflash_build.engines.base import Request, SamplingParams
 from dflash_build.engines.openai_http import completions_body
-from dflash_build.spec import ConfigError, ModelSpec
+from dflash_build.spec import ConfigError, DrafterSpec, ModelSpec
 from dflash_build.stages.generate import row_seed
 from tests.conftest import REPO, vllm_python
 
@@ -85,10 +85,13 @@ def test_vllms_own_parser_and_request_models_read_what_we_send() -> None:
     knob is ours (none left to the model's generation config), the row's seed and the stop ids too."""
     engine = production_vllm_engine()
     BACKEND.check(engine["options"])
+    drafter = DrafterSpec("generation", **engine["drafter"])  # engine.drafter: its options as generation serves them
+    BACKEND.speculative.check("engine.drafter", drafter)
+    options = {**engine["options"], **BACKEND.speculative.options(drafter, True)}
     model = ModelSpec("/models/Qwen3.6-27B", None, None, None, {})
-    argv = BACKEND.serve.argv(model, {**engine["options"], "dtype": "bfloat16"}, [2], 31000, 40960, None)
+    argv = BACKEND.serve.argv(model, {**options, "dtype": "bfloat16"}, [2], 31000, 40960, None)
     assert argv[1:3] == ["-m", vllm.SERVER_MODULE]
-    served = BACKEND.engine_options(engine["options"])
+    served = BACKEND.engine_options(options)
     assert "max_inflight" not in served and "max_inflight" not in " ".join(argv), "the driver's own stays home"
     dests = [*served, "model", "served_model_name", "max_model_len", "port", "host", "dtype"]
     seeds = [row_seed(0, "a" * 16, i) for i in range(2)]

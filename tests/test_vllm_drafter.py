@@ -5,7 +5,6 @@ and a drafter switched on, off or to another generates nothing (it enters no key
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import shutil
@@ -18,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_build.store import layout
-from tests.conftest import Workflow, completion_rows, shared_engine
+from tests.conftest import Workflow, base_config, build_smollm2_model, completion_rows, served_url, shared_engine
 from tests.test_vllm import vllm_config
 
 pytestmark = pytest.mark.workflow
@@ -139,28 +138,6 @@ def peaked_model(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> 
     return out
 
 
-def _server_url(config: dict[str, Any], workdir: Path) -> str:
-    """The URL of the engine generation would run for ``config`` (started here if needed, as a build does)."""
-    from dflash_build import config as config_mod
-    from dflash_build import plan as plan_mod
-    from dflash_build.engines import host
-    from dflash_build.stages.common import chat
-    from dflash_build.store import fingerprints
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = Workflow.at(workdir, config).workdir / "config.yaml"
-    with contextlib.chdir(workdir):
-        cfg = config_mod.load(path)
-    tokenizer = chat.load_tokenizer(cfg.model, None)
-    fingerprint, _ = plan_mod.fingerprint_model(cfg, fingerprints.FingerprintCache(None))
-    stops = chat.stop_token_ids(tokenizer, cfg.model.path)
-    spec = host.launch_spec(cfg, stops, None, fingerprint, chat.context_length(cfg.model))
-    attached = host.attach(spec, pool=False)
-    url = attached.urls[0]
-    attached.release()  # the engine stays for its idle timeout, as between a user's builds
-    return url
-
-
 def _answers(url: str, model: str, prompt: list[int], seeds: range, sampling: dict[str, Any]) -> list[tuple[int, ...]]:
     import httpx
 
@@ -200,18 +177,24 @@ def test_the_pinned_cpu_build_keeps_the_distribution_greedy_only_as_the_refusal_
     from dflash_build.engines.backends import vllm
 
     data = tmp_path / "data"
-    plain = _server_url(_greedy(peaked_model, data), tmp_path / "plain")
-    drafted = _server_url(_drafted(peaked_model, data, _self_drafter(peaked_model)), tmp_path / "drafted")
     model = str(peaked_model)
-    # a user turn, then the target's own greedy first token: its first sampled token is peaked too
-    prompt = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198]
-    prompt += _answers(plain, model, prompt, range(1), {"temperature": 0.0, "top_k": -1})[0][:1]
     sampled = {"temperature": 0.6, "top_p": 0.95, "top_k": -1}
-    base, again, with_drafter = (
-        _answers(plain, model, prompt, range(SEEDS), sampled),
-        _answers(plain, model, prompt, range(SEEDS, 2 * SEEDS), sampled),
-        _answers(drafted, model, prompt, range(SEEDS), sampled),
-    )
+    greedy = {"temperature": 0.0, "top_k": -1}
+    with (
+        served_url(_greedy(peaked_model, data), tmp_path / "plain") as plain,
+        served_url(_drafted(peaked_model, data, _self_drafter(peaked_model)), tmp_path / "drafted") as drafted,
+    ):
+        # a user turn, then the target's own greedy first token: its first sampled token is peaked too
+        prompt = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198]
+        prompt += _answers(plain, model, prompt, range(1), greedy)[0][:1]
+        base, again, with_drafter = (
+            _answers(plain, model, prompt, range(SEEDS), sampled),
+            _answers(plain, model, prompt, range(SEEDS, 2 * SEEDS), sampled),
+            _answers(drafted, model, prompt, range(SEEDS), sampled),
+        )
+        same_greedy = _answers(plain, model, prompt, range(16), greedy) == _answers(
+            drafted, model, prompt, range(16), greedy
+        )
     control, tested = _different(base, again), _different(base, with_drafter)
     tops = [Counter(answers).most_common(1)[0][1] for answers in (base, again, with_drafter)]
     print(f"T 0.6: control p {control:.3g}, with the drafter p {tested:.3g}; the top answer's count {tops}")
@@ -219,6 +202,73 @@ def test_the_pinned_cpu_build_keeps_the_distribution_greedy_only_as_the_refusal_
     assert tested < ALPHA, "the drafter kept the distribution at T 0.6: the pinned build is fixed, lift the refusal"
     assert vllm.BACKEND.speculative is not None
     assert vllm.BACKEND.speculative.known_broken({"device": "cpu"}, {"temperature": 0.6, "top_k": 0}) is not None
-    greedy = {"temperature": 0.0, "top_k": -1}
-    seeds = range(16)
-    assert _answers(plain, model, prompt, seeds, greedy) == _answers(drafted, model, prompt, seeds, greedy)
+    assert same_greedy, "at temperature 0 the drafter's answers are the plain server's"
+
+
+def test_ngram_accepts_more_on_repetitive_code_than_on_prose(tmp_path: Path, gguf_path: Path) -> None:
+    """SmolLM2-135M-Instruct on vLLM's CPU server, greedy, served with ngram (prompt lookup): the code rows
+    (asked to repeat code) accept more drafts than the prose rows, per row and in the card's slices."""
+    from tests.test_accept import NGRAM, accept_config
+
+    target = build_smollm2_model(tmp_path / "smollm2", gguf_path)
+    config = accept_config(target, tmp_path / "data", None)
+    config["sampling"]["max_new_tokens"] = 48
+    config["sources"]["code"]["max_samples"] = config["sources"]["prose"]["max_samples"] = 4
+    config["engine"] = {**config["engine"], "drafter": NGRAM}
+    wf = Workflow.at(tmp_path / "work", config)
+    wf.build()
+    tau: dict[str, list[float]] = {}
+    rows = {s: [r for p in sorted((wf.workdir / "store" / "completions" / s).rglob("0*.parquet"))
+                for r in pq.read_table(p).to_pylist()] for s in ("code", "prose")}  # fmt: skip
+    for source, found in rows.items():
+        measured = [r["acceptance"] for r in found if r["acceptance"] and r["acceptance"]["steps"]]
+        assert len(measured) == len(found) == 4, (source, [r["acceptance"] for r in found])
+        tau[source] = [1 + a["accepted"] / a["steps"] for a in measured]
+    print(f"ngram τ per row: code {tau['code']}, prose {tau['prose']}")
+    assert min(tau["code"]) > max(tau["prose"]), tau
+    slices = json.loads((wf.workdir / "dist" / "test-mix" / layout.MANIFEST).read_text())["drafting"]["slices"]
+    assert slices["category=coding"]["tau_per_token"] > slices["category=general"]["tau_per_token"]
+
+
+def _dataset_taus(wf: Workflow) -> list[float]:
+    data = wf.workdir / "dist" / "test-mix" / "data"
+    rows = [r for p in sorted(data.glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    return [1 + r["spec_accepted"] / r["spec_steps"] if r["spec_steps"] else 1.0 for r in rows]
+
+
+def test_the_mix_chooses_the_rows_the_drafter_accepted_least(tmp_path: Path, gguf_path: Path) -> None:
+    """One category of code and prose prompts, generated with ngram on SmolLM2, then mixed to half its tokens:
+    by acceptance the dataset's rows accept less than the seeded rank's choice of the same budget, the share
+    and the language floor met, the manifest's counts those of the dataset, and nothing generated again."""
+    from tests.test_accept import CODE, NGRAM, PROSE
+
+    target = build_smollm2_model(tmp_path / "smollm2", gguf_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "mixed.jsonl").write_text("".join(json.dumps({"instruction": p}) + "\n" for p in CODE[:4] + PROSE[:4]))
+    sources = {"mixed": {"category": "coding", "format": "alpaca", "files": [str(data / "mixed.jsonl")]}}
+    config = base_config(target, sources, engine={**shared_engine(target, "vllm"), "drafter": NGRAM})
+    config["model"].pop("chat_template")
+    config["sampling"] = {"temperature": 0, "top_k": 0, "max_new_tokens": 48}
+    config["mix"]["languages"] = {"coding": {"en": 0.5}}
+    wf = Workflow.at(tmp_path / "work", config)
+    wf.build()
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / layout.MANIFEST).read_text())
+    config["mix"]["budget_tokens"] = manifest["tokens"] // 2
+    wf.write_config(config)
+    wf.build()
+    random_choice = _dataset_taus(wf)
+    config["mix"]["by_acceptance"] = {"coding": {"fraction": 1.0, "pool": 1}}
+    wf.write_config(config)
+    assert "total: 0 generate jobs" in wf.cli("plan").stdout
+    wf.build()
+    chosen = _dataset_taus(wf)
+    manifest = json.loads((wf.workdir / "dist" / "test-mix" / layout.MANIFEST).read_text())
+    rule = manifest["by_acceptance"]["coding"]
+    print(f"τ of the rows chosen by acceptance {chosen}, by rank {random_choice}; {rule}")
+    assert sum(chosen) / len(chosen) < sum(random_choice) / len(random_choice)
+    assert rule["hard_rows"] + rule["rest_rows"] == len(chosen) == rule["chosen"]["rows"]
+    assert rule["chosen"]["rows"] + rule["left_out"]["rows"] == 8
+    assert rule["chosen"]["tau_per_row"] == pytest.approx(sum(chosen) / len(chosen), abs=1e-3)
+    assert rule["chosen"]["tau_per_row"] < rule["left_out"]["tau_per_row"]
+    assert manifest["mix"]["languages"]["coding"]["en"]["achieved_share"] >= 0.5

@@ -139,13 +139,13 @@ def completion_acceptance(out: Any) -> Acceptance | None:
     started with ``per_request_spec_decode_metrics`` adds: ``num_spec_steps``, ``num_draft_tokens``,
     ``num_accepted_draft_tokens``, ``acceptance_histogram``); None without it."""
     spec = (out.get("metrics") or {}).get("speculative_decoding") if isinstance(out, dict) else None
-    if not isinstance(spec, dict) or not spec.get("num_spec_steps"):
-        return None
+    if not isinstance(spec, dict):
+        return None  # a request the server drafted nothing for is counted: 0 steps (ngram without a match)
     histogram = tuple(int(n) for n in spec.get("acceptance_histogram") or ())
     drafted, accepted = int(spec.get("num_draft_tokens") or 0), int(spec.get("num_accepted_draft_tokens") or 0)
     # `detailed` only (vllm PR #48915): each verify step's counts, in order
     per_step = [tuple(int(n) for n in spec.get(k) or ()) for k in ("per_step_accepted", "per_step_drafted")]
-    return Acceptance(int(spec["num_spec_steps"]), drafted, accepted, histogram, *per_step)
+    return Acceptance(int(spec.get("num_spec_steps") or 0), drafted, accepted, histogram, *per_step)
 
 
 def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:

@@ -12,9 +12,11 @@ imported only inside its functions, so parsing the workflow never needs an optio
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_build import discovery
@@ -148,6 +150,9 @@ class Backend:
     # milliseconds at parse time that names the setting to use, instead of a job that fails (engine checks).
     environment: Callable[[EngineSpec], None] | None = None
     preflight: Preflight | None = None  # None: preflight checks its model and pilot, not its engine's package
+    # What these options cannot serve of a hybrid target (linear attention with a recurrent state; one line
+    # naming the setting), refused at parse time, or None (preflight still says what it needs)
+    refuses_hybrid: Callable[[Mapping[str, Any]], str | None] = field(default=lambda options: None)
 
     def decision(self, name: str) -> Option | None:
         """The decision for one option; None for a name this backend does not accept."""
@@ -263,10 +268,25 @@ def check_environment(engine: EngineSpec) -> None:
         backend.environment(engine)
 
 
-def check_drafters(config: Config) -> None:
-    """`accept`'s drafters against the engine's pinned release, with the engine, and engine.drafter against
-    the sources' samplings (before any job)."""
+# The model types whose layers keep a recurrent state per request (linear attention), also where their
+# config.json lists no layer_types
+HYBRID_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text"})
+
+
+def is_hybrid(model_config: Mapping[str, Any]) -> bool:
+    """Whether a model's config.json is a hybrid's: linear-attention layers beside full attention."""
+    text = model_config.get("text_config") or model_config
+    return "linear_attention" in (text.get("layer_types") or []) or model_config.get("model_type") in HYBRID_TYPES
+
+
+def check_serving(config: Config) -> None:
+    """The engine against what it serves, before any job: a hybrid target on these options, engine.drafter
+    against the sources' samplings, and `accept`'s drafters against the engine's pinned release."""
     engine, accept = config.engine, config.accept
+    model_config = Path(config.model.path) / "config.json"
+    hybrid = model_config.is_file() and is_hybrid(json.loads(model_config.read_text()))
+    if hybrid and (why := get(engine.backend).refuses_hybrid(engine.options)) is not None:
+        raise ConfigError("engine.options.enable_prefix_caching", why)
     samplings = {f"sources.{s.config_name}.sampling": s.sampling.as_dict() for s in config.sources.values()}
     check_generation_drafter(engine, samplings)
     if accept is None:
@@ -282,7 +302,7 @@ def with_drafter(engine: EngineSpec, drafter: DrafterSpec, options: Mapping[str,
     """The engine that serves the target with ``drafter`` (``options``: more engine options, accept's): a
     server of its own, never a shared one (another drafter is another server)."""
     speculative = get(engine.backend).speculative
-    assert speculative is not None, "check_drafters refuses a backend without speculation at parse time"
+    assert speculative is not None, "check_serving refuses a backend without speculation at parse time"
     served = {**engine.options, **options, **speculative.options(drafter, False)}
     # its options hold the drafter already: none left for for_generation to add
     return dataclasses.replace(engine, options=served, shared=False, drafter=None)

@@ -277,6 +277,19 @@ def _hybrid(options: Mapping[str, Any]) -> str | None:
     )
 
 
+def _refuses_hybrid(options: Mapping[str, Any]) -> str | None:
+    """vLLM 0.32.0's CPU build: prefix caching on a hybrid keeps 'align' state blocks, which need chunked
+    prefill, which this backend turns off there (seeded requests fail it): the server would refuse to start."""
+    if BACKEND.value(options, "device") != "cpu" or options.get("enable_prefix_caching") is False:
+        return None
+    return (
+        f"a hybrid target on vLLM {VLLM_VERSION}'s CPU build needs enable_prefix_caching: false (its server "
+        "refuses to start otherwise: \"Chunked prefill is required for mamba cache mode 'align'\"; unique "
+        'prompts share no prefix anyway); it also serves only dtype bfloat16 there ("CPU GDN attention requires '
+        'BF16")'
+    )
+
+
 VENV = ".venv-vllm"  # what `make setup` builds: vLLM's CPU build in a venv of its own
 
 
@@ -420,6 +433,7 @@ BACKEND = Backend(
     # the completion is streamed with its token ids and the connection closed when the loop rule fires:
     # vLLM aborts a request whose client goes (openai_http.ServerClient._streamed)
     stops_loops=True,
+    refuses_hybrid=_refuses_hybrid,
     preflight=Preflight(
         "vllm",
         lambda options: BACKEND.value(options, "python") or sys.executable,

@@ -31,6 +31,7 @@ from dflash_build.publish.report import length_stats
 from dflash_build.spec import Config
 from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import Job
+from dflash_build.stages.mix import acceptance as by_acceptance
 from dflash_build.stages.mix import variants
 from dflash_build.stages.mix.checks import check, deviations, floor_shortfalls, missed_floors
 from dflash_build.stages.mix.drafting import DraftTally
@@ -239,6 +240,7 @@ class _Choice:
     drawn: Counter[str]  # variant sources: prompts drawn to each that reached the mix (variants)
     taken: Counter[str]  # variant sources: distinct prompts the dataset takes of each
     held_out_samples: int = 0  # samples of held-out prompts (config eval) another source generated
+    by_acceptance: dict[str, Any] = field(default_factory=dict)  # mix.by_acceptance: what each part chose
 
 
 def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
@@ -260,12 +262,23 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
     targets = category_targets(shares, dict(available), cfg.mix_budget_tokens, floors, by_language)
     chosen = np.zeros(len(cand.rank), dtype=bool)
     chosen_tokens: Counter[str] = Counter()
+    rules = cfg.mix_by_acceptance
+    taus = by_acceptance.tau([p for _, p in inputs], len(cand.rank)) if rules else np.zeros(0)
+    drawn: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # mix.by_acceptance: each category's members, hard part
     for code, category in enumerate(categories):
         members = np.flatnonzero((cand.category == code) & eligible)
-        by_rank = members[np.argsort(cand.rank[members], kind="stable")]
+        if category in rules:
+            by_rank, hard = by_acceptance.order(
+                members, cand.rank, cand.n_tokens, taus, targets[category], rules[category]
+            )
+            drawn[category] = (members, hard)
+        else:
+            by_rank = members[np.argsort(cand.rank[members], kind="stable")]
         take = _fill(cand, by_rank, targets[category], floors.get(category))
         chosen[take] = True
         chosen_tokens[category] += int(cand.n_tokens[take].sum(dtype=np.int64))
+    chose = {c: by_acceptance.report(rules[c], hard, members, chosen, taus, cand.n_tokens)
+             for c, (members, hard) in drawn.items()}  # fmt: skip
     reached = {}
     if floors:
         reached = _floors_reached(floors, cand.by_language(categories, chosen), chosen_tokens, by_language)
@@ -275,17 +288,18 @@ def choose(plan: Plan, shards: Mapping[str, list[Path]]) -> _Choice:
         "category": cand.available(cand.category, categories, every),
         "source": cand.available(cand.source, names, every),
     }
-    drawn, taken = Counter[str](), Counter[str]()
+    prompts_drawn, taken = Counter[str](), Counter[str]()
     if variants.has_variants(plan):
-        drawn = variants.drawn_prompts(plan)
-        drawn.subtract({n: len(cross.dropped.get(n, ())) for n in drawn} if cross is not None else {})
+        prompts_drawn = variants.drawn_prompts(plan)
+        prompts_drawn.subtract({n: len(cross.dropped.get(n, ())) for n in prompts_drawn} if cross is not None else {})
         taken = variants.prompts_taken(cand.prompt_id, cand.source, chosen, names)
-    missed = missed_floors(plan, reached, targets) + variants.missed(plan, drawn, taken)
+    missed = missed_floors(plan, reached, targets) + variants.missed(plan, prompts_drawn, taken)
     check(plan, shards, shares, targets, chosen_tokens, available, by_source, cross, missed)
     copies = int(held.sum())
     return _Choice(
-        inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached, drawn, taken, copies
-    )
+        inputs, chosen, cand.offsets, shares, targets, available, generated, cross, reached, prompts_drawn, taken,
+        copies, chose,
+    )  # fmt: skip
 
 
 def _fill(cand: _Candidates, by_rank: np.ndarray, target: float, floors: dict[str, float] | None) -> np.ndarray:
@@ -383,6 +397,8 @@ def params(cfg: Config) -> dict[str, Any]:
         "budget_tokens": cfg.mix_budget_tokens,
         "seed": cfg.mix_seed,
         "languages": {c: dict(f) for c, f in cfg.mix_languages.items()},
+        # only where set: a config without it keeps the params (and the dataset) it had
+        **({"by_acceptance": {c: vars(r) for c, r in cfg.mix_by_acceptance.items()}} if cfg.mix_by_acceptance else {}),
         "rows_per_file": cfg.rows_per_file,
         "dedup": {"across_sources": cfg.dedup.across_sources, "priority": cfg.dedup.source_priority(cfg.sources)},
         "checks": {"share_tolerance": checks.share_tolerance, "allow_shortfall": sorted(checks.allow_shortfall)},
@@ -495,6 +511,8 @@ def _manifest(
             else {}
         ),
         "cross_source": choice.cross.report() if choice.cross is not None else None,
+        # mix.by_acceptance: the rows each part of the rule chose, τ chosen against left out (absent otherwise)
+        **({"by_acceptance": choice.by_acceptance} if choice.by_acceptance else {}),
         # where engine.drafter served generation: τ per slice of the dataset's own rows (absent otherwise)
         **({"drafting": drafted} if (drafted := written.drafting.report(_drafter(cfg))) is not None else {}),
         **_evaluation(cfg, choice),

@@ -10,12 +10,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_build.engines import probe
+from dflash_build.engines import probe, registry
 
 FAIL, WARN = "fail", "warn"
 WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 # model types whose layers mix linear attention (a recurrent state per request) with full attention
-HYBRID_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text"})
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ def model_folder(path: str, hybrid_needs: str | None) -> tuple[dict[str, Any], l
         "dtype": text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype"),
         "layers": text.get("num_hidden_layers"),
     }
-    hybrid = "linear_attention" in layer_types or config.get("model_type") in HYBRID_TYPES
+    hybrid = registry.is_hybrid(config)
     facts["hybrid"] = hybrid
     if hybrid:
         facts["linear_attention_layers"] = layer_types.count("linear_attention") or None
