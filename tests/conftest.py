@@ -83,102 +83,58 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> 
     return out
 
 
-def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
-    """A 2-layer random Llama over SmolLM2's vocabulary, saved with that tokenizer."""
+def _random_model(out: Path, tokenizer_dir: Path, seed: int, kind: str, stops: bool, **shape: Any) -> Path:
+    """A random ``kind`` (transformers' ``{kind}Config`` / ``{kind}ForCausalLM``) of ``shape`` over SmolLM2's
+    vocabulary, saved with that tokenizer; ``stops``: 4000 extra end-of-answer ids make answers stop or run
+    out, both often."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
+    config = getattr(transformers, f"{kind}Config")(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
+        **shape,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
+    getattr(transformers, f"{kind}ForCausalLM")(config).save_pretrained(out)
     tok.save_pretrained(out)
+    if stops:
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
     return out
+
+
+def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A 2-layer random Llama over SmolLM2's vocabulary, saved with that tokenizer."""
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "tie_word_embeddings": True}  # fmt: skip
+    return _random_model(out, tokenizer_dir, seed, "Llama", False, **shape)
 
 
 def build_vllm_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
-    """A 2-layer random Qwen3 over SmolLM2's vocabulary that vLLM's CPU build serves (head_dim 64: its CPU
-    attention refuses 16), saved with that tokenizer; 4000 extra end-of-answer ids make answers stop or
-    run out, both often."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    Qwen3ForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
-    return out
+    """A 2-layer random Qwen3 that vLLM's CPU build serves (head_dim 64: its CPU attention refuses 16)."""
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 64, "tie_word_embeddings": True}  # fmt: skip
+    return _random_model(out, tokenizer_dir, seed, "Qwen3", True, **shape)
 
 
 def build_hybrid_model(out: Path, tokenizer_dir: Path, seed: int) -> Path:
     """A 4-layer random Qwen3-Next (Qwen3.6's attention family: three Gated DeltaNet linear-attention layers,
-    then a gated full-attention one, each with a mixture of experts) over SmolLM2's vocabulary, which vLLM's
-    CPU build serves in bfloat16 ("CPU GDN attention requires BF16") with linear key and value head dim 64 (32
-    is refused, "Unexpected head dim size"). Smaller (hidden 128, 4 experts, tied embeddings) it answers
-    token 0 only: every logit equal in its bfloat16 forward, where transformers' has a clear top token."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3NextConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config)
-    model.config.architectures = ["Qwen3NextForCausalLM"]
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, *range(1000, 5000)]}))
-    return out
+    then a gated full-attention one, each with a mixture of experts), which vLLM's CPU build serves in
+    bfloat16 ("CPU GDN attention requires BF16") with linear key and value head dim 64 (32 is refused,
+    "Unexpected head dim size"). Smaller (hidden 128, 4 experts, tied embeddings) it answers token 0 only:
+    every logit equal in its bfloat16 forward, where transformers' has a clear top token."""
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+             "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+             "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "initializer_range": 0.2,
+             "tie_word_embeddings": False}  # fmt: skip
+    return _random_model(out, tokenizer_dir, seed, "Qwen3Next", True, **shape)
 
 
 def build_smollm2_model(out: Path, gguf: Path) -> Path:

@@ -272,3 +272,5 @@ def test_the_mix_chooses_the_rows_the_drafter_accepted_least(tmp_path: Path, ggu
     assert rule["chosen"]["tau_per_row"] == pytest.approx(sum(chosen) / len(chosen), abs=1e-3)
     assert rule["chosen"]["tau_per_row"] < rule["left_out"]["tau_per_row"]
     assert manifest["mix"]["languages"]["coding"]["en"]["achieved_share"] >= 0.5
+    card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
+    assert f"| coding | 1 | 1 | {rule['hard_rows']} | {rule['rest_rows']} | 0 |" in card

@@ -171,6 +171,7 @@ def card_body(manifest: dict[str, Any]) -> str:
         report.removals(manifest),
         report.degenerate_section(manifest),
         drafting_section(manifest),
+        by_acceptance_section(manifest),
         report.multi_turn(manifest["report"]),
     ]
     return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{shown}\n"
@@ -203,4 +204,32 @@ def drafting_section(manifest: dict[str, Any]) -> str:
         tau = "" if s["tau_per_token"] is None else f"{s['tau_per_token']:.2f}"
         per_request = "" if s["tau_per_request"] is None else f"{s['tau_per_request']:.2f}"
         lines.append(f"| {name} | {s['rows']} | {s['measured']} | {tau} | {per_request} | {positions} |")
+    return "\n".join(lines) + "\n"
+
+
+def by_acceptance_section(manifest: dict[str, Any]) -> str:
+    """The card's account of mix.by_acceptance: per category, the rows each part chose and τ chosen against
+    left out; nothing without it."""
+    found = manifest.get("by_acceptance")
+    if not found:
+        return ""
+
+    def tau(side: dict[str, Any]) -> str:
+        return "" if side["tau_per_row"] is None else f"{side['tau_per_row']:.2f}"
+
+    lines = [
+        "## Chosen by acceptance",
+        "",
+        "Where a category had more rows than its target, the mix drew `fraction` of its tokens from the rows the "
+        "drafter accepted least (a pool of the lowest-τ rows, `pool` times that part), the rest in rank order "
+        "(config `mix.by_acceptance`; unmeasured rows are in the rest).",
+        "",
+        "| category | fraction | pool | hard rows | rest rows | unmeasured chosen | τ chosen | τ left out |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c in found.items():
+        lines.append(
+            f"| {name} | {c['fraction']:g} | {c['pool']:g} | {c['hard_rows']} | {c['rest_rows']} | "
+            f"{c['unmeasured_chosen']} | {tau(c['chosen'])} | {tau(c['left_out'])} |"
+        )
     return "\n".join(lines) + "\n"
