@@ -283,8 +283,10 @@ def check_serving(config: Config) -> None:
     """The engine against what it serves, before any job: a hybrid target on these options, engine.drafter
     against the sources' samplings, and `accept`'s drafters against the engine's pinned release."""
     engine, accept = config.engine, config.accept
-    model_config = Path(config.model.path) / "config.json"
-    hybrid = model_config.is_file() and is_hybrid(json.loads(model_config.read_text()))
+    try:  # a folder whose config.json is missing or broken: the engine, or preflight, says so
+        hybrid = is_hybrid(json.loads((Path(config.model.path) / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        hybrid = False
     if hybrid and (why := get(engine.backend).refuses_hybrid(engine.options)) is not None:
         raise ConfigError("engine.options.enable_prefix_caching", why)
     samplings = {f"sources.{s.config_name}.sampling": s.sampling.as_dict() for s in config.sources.values()}
