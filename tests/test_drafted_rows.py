@@ -177,3 +177,30 @@ def test_a_hybrid_target_on_vllms_cpu_build_needs_prefix_caching_off(
     assert build(config, tmp_path).config.engine.options["enable_prefix_caching"] is False
     config["engine"]["options"] = {"device": "cuda"}  # a GPU build: preflight says what it needs, no refusal
     build(config, tmp_path)
+
+
+def test_the_datasets_tau_per_slice_is_accepts_figure_over_the_same_counts() -> None:
+    """The card's slices use accept's figures: τ per token over the summed steps, τ per request over the
+    rows with a verify step (a row counted with none, ngram without a match, is measured but not averaged)."""
+    import pyarrow as pa
+
+    from dflash_build.stages.mix.drafting import DraftTally
+    from dflash_build.store import records as R
+
+    rows = [
+        {"language": "en", "spec_steps": 2, "spec_drafted": 6, "spec_accepted": 6, "spec_histogram": [0, 0, 0, 2]},
+        {"language": "zh", "spec_steps": 4, "spec_drafted": 12, "spec_accepted": 2, "spec_histogram": [2, 2, 0, 0]},
+        {"language": "zh", "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_histogram": [0, 0, 0, 0]},
+        {"language": "en", "spec_steps": None, "spec_drafted": None, "spec_accepted": None, "spec_histogram": None},
+    ]
+    schema = R.SAMPLE_SCHEMA
+    table = pa.Table.from_pylist([{f.name: r.get(f.name) for f in schema} for r in rows], schema=schema)
+    tally = DraftTally()
+    tally.add(table, "s", "coding", None)
+    report = tally.report({"method": "ngram"})
+    assert report is not None
+    whole = report["slices"]["all"]
+    assert (whole["rows"], whole["measured"], whole["steps"], whole["accepted"]) == (4, 3, 6, 8)
+    assert whole["tau"] == round(1 + 8 / 6, 4) and whole["tau_per_request"] == round((4.0 + 1.5) / 2, 4)
+    assert whole["per_position_steps"] == [4, 2, 2] and whole["per_position"] == [round(4 / 6, 4), 0.3333, 0.3333]
+    assert report["slices"]["language=zh"]["tau_per_request"] == 1.5, "the row without a step is not averaged"

@@ -95,7 +95,7 @@ def test_the_datasets_draft_mark_lines_up_with_loss_mask_and_the_card_shows_tau(
         assert mark.count(1) <= s["spec_accepted"], "each accepted draft in the sample, at most once"
     manifest = json.loads((dataset / layout.MANIFEST).read_text())
     whole = manifest["drafting"]["slices"]["all"]
-    assert whole["measured"] == whole["rows"] == len(samples) and whole["tau_per_token"] == SELF_DRAFT_K + 1
+    assert whole["measured"] == whole["rows"] == len(samples) and whole["tau"] == SELF_DRAFT_K + 1
     assert manifest["drafting"]["slices"]["category=agent"]["per_position"] == [1.0] * SELF_DRAFT_K
     card = (dataset / "README.md").read_text()
     assert "## Acceptance in generation" in card and "| category=general |" in card
@@ -227,7 +227,7 @@ def test_ngram_accepts_more_on_repetitive_code_than_on_prose(tmp_path: Path, ggu
     print(f"ngram τ per row: code {tau['code']}, prose {tau['prose']}")
     assert min(tau["code"]) > max(tau["prose"]), tau
     slices = json.loads((wf.workdir / "dist" / "test-mix" / layout.MANIFEST).read_text())["drafting"]["slices"]
-    assert slices["category=coding"]["tau_per_token"] > slices["category=general"]["tau_per_token"]
+    assert slices["category=coding"]["tau"] > slices["category=general"]["tau"]
 
 
 def _dataset_taus(wf: Workflow) -> list[float]:

@@ -98,6 +98,31 @@ class Acceptance:
 MARK_ACCEPTED, MARK_REJECTED, MARK_NONE = 1, 0, -1
 
 
+def tau(steps: int, accepted: int) -> float | None:
+    """Tokens per verify step, the target's own (bonus) token included; None without a step."""
+    return 1 + accepted / steps if steps else None
+
+
+def tau_figures(
+    steps: int, drafted: int, accepted: int, per_request: tuple[float, int], per_position_steps: list[int]
+) -> dict[str, Any]:
+    """A group of requests' figures from their summed counts: τ per token (its steps summed), τ per request
+    (``per_request``: the sum and number of the requests' own τ, those with a step), the acceptance rate, and
+    per draft position the steps that accepted it and their share."""
+    total, counted = per_request
+    per_token = tau(steps, accepted)
+    return {
+        "steps": steps,
+        "drafted": drafted,
+        "accepted": accepted,
+        "tau": None if per_token is None else round(per_token, 4),
+        "tau_per_request": round(total / counted, 4) if counted else None,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "per_position_steps": per_position_steps,
+        "per_position": [round(n / steps, 4) for n in per_position_steps] if steps else [],
+    }
+
+
 def summed_histogram(histograms: Iterable[Iterable[int]]) -> list[int]:
     """Histograms of steps by drafts accepted, added index by index (a shorter one counts 0 beyond its end)."""
     out: list[int] = []

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import running, workflow
 from dflash_build.engines import host as engine_host
+from dflash_build.engines.base import tau
 from dflash_build.ops import estimate, standing
 from dflash_build.plan import Plan
 from dflash_build.store import layout
@@ -327,16 +328,17 @@ def text(status: Status) -> str:
 def _drafting(sources: list[SourceStatus]) -> list[str]:
     """τ so far where engine.drafter served generation: overall and per source (nothing without it)."""
 
-    def tau(steps: int, accepted: int) -> str:
-        return f"{1 + accepted / steps:.2f}" if steps else "-"
+    def shown(steps: int, accepted: int) -> str:
+        per_token = tau(steps, accepted)
+        return "-" if per_token is None else f"{per_token:.2f}"
 
     measured = [s for s in sources if s.measured]
     if not measured:
         return []
     steps, accepted = sum(s.spec_steps for s in measured), sum(s.spec_accepted for s in measured)
-    each = ", ".join(f"{s.source} {tau(s.spec_steps, s.spec_accepted)}" for s in measured)
+    each = ", ".join(f"{s.source} {shown(s.spec_steps, s.spec_accepted)}" for s in measured)
     count = sum(s.measured for s in measured)
-    return [f"drafter: τ {tau(steps, accepted)} tokens per verify step over {count} rows it served ({each})"]
+    return [f"drafter: τ {shown(steps, accepted)} tokens per verify step over {count} rows it served ({each})"]
 
 
 def watch(plan: Plan, every: float, window: float = WINDOW_SECONDS, as_json: bool = False) -> int:

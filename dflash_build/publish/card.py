@@ -194,14 +194,14 @@ def drafting_section(manifest: dict[str, Any]) -> str:
         f"{whole['measured']} of {whole['rows']} rows measured "
         f"({whole['measured_share']:.0%}; a row generated without it, or reused, carries no count). τ is tokens per "
         "verify step with the target's own token; per token it sums a slice's steps, per request it averages "
-        "each row's own.",
+        "the own τ of each row with a verify step (as `accept` does).",
         "",
         "| slice | rows | measured | τ per token | τ per request | accepted per draft position |",
         "|---|---|---|---|---|---|",
     ]
     for name, s in slices.items():
         positions = " ".join(f"{p:.2f}" for p in s["per_position"])
-        tau = "" if s["tau_per_token"] is None else f"{s['tau_per_token']:.2f}"
+        tau = "" if s["tau"] is None else f"{s['tau']:.2f}"
         per_request = "" if s["tau_per_request"] is None else f"{s['tau_per_request']:.2f}"
         lines.append(f"| {name} | {s['rows']} | {s['measured']} | {tau} | {per_request} | {positions} |")
     return "\n".join(lines) + "\n"

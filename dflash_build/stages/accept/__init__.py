@@ -36,6 +36,7 @@ import pyarrow as pa
 from dflash_build import hashing, measurements, running
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry, uses_gpu
 from dflash_build.engines import host as engine_host
+from dflash_build.engines.base import tau_figures
 from dflash_build.plan import Plan
 from dflash_build.publish import acceptance as report_mod
 from dflash_build.publish import release
@@ -358,12 +359,5 @@ def _figures(rows: list[dict[str, Any]], everything: bool = False) -> dict[str, 
         "requests": len(kept_rows),
         "degenerate": len(rows) - len(kept_rows),
         "samplings": sorted({r["sampling"] for r in rows}),
-        "steps": steps,
-        "drafted": drafted,
-        "accepted": accepted,
-        "tau": round(1 + accepted / steps, 4) if steps else None,
-        "tau_per_request": round(sum(per_request) / len(per_request), 4) if per_request else None,
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-        "per_position_steps": per_position,
-        "per_position": [round(n / steps, 4) for n in per_position] if steps else [],
+        **tau_figures(steps, drafted, accepted, (sum(per_request), len(per_request)), per_position),
     }

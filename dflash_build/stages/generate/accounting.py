@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build.engines import gpus
+from dflash_build.engines.base import tau
 from dflash_build.plan import Plan
 from dflash_build.stages.common.job import StageFailure
 from dflash_build.stages.generate.conversation import Conversation
@@ -166,5 +167,5 @@ def drafting(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not counted:
         return None
     totals = {k: sum(int(c[k]) for c in counted) for k in ("steps", "drafted", "accepted")}
-    tau = 1 + totals["accepted"] / totals["steps"] if totals["steps"] else None
-    return {"rows": len(counted), **totals, "tau": None if tau is None else round(tau, 4)}
+    per_token = tau(totals["steps"], totals["accepted"])
+    return {"rows": len(counted), **totals, "tau": None if per_token is None else round(per_token, 4)}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dflash_build.engines.base import summed_histogram
+from dflash_build.engines.base import summed_histogram, tau, tau_figures
 
 SLICES = ("category", "source", "language", "variant")
 
@@ -22,23 +22,16 @@ class _Slice:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
-    tau_sum: float = 0.0  # each measured row's own τ, summed: τ per request
+    tau_sum: float = 0.0  # the own τ of each measured row with a verify step, summed: τ per request
+    tau_rows: int = 0
     histogram: list[int] = field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
         h = self.histogram
-        return {
-            "rows": self.rows,
-            "measured": self.measured,
-            "measured_share": round(self.measured / self.rows, 4) if self.rows else 0.0,
-            "steps": self.steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "tau_per_token": round(1 + self.accepted / self.steps, 4) if self.steps else None,
-            "tau_per_request": round(self.tau_sum / self.measured, 4) if self.measured else None,
-            # the share of verify steps that accepted draft position i
-            "per_position": [round(sum(h[i + 1 :]) / self.steps, 4) for i in range(len(h) - 1)] if self.steps else [],
-        }
+        per_position = [sum(h[i + 1 :]) for i in range(len(h) - 1)]
+        figures = tau_figures(self.steps, self.drafted, self.accepted, (self.tau_sum, self.tau_rows), per_position)
+        share = round(self.measured / self.rows, 4) if self.rows else 0.0
+        return {"rows": self.rows, "measured": self.measured, "measured_share": share, **figures}
 
 
 @dataclass
@@ -63,7 +56,8 @@ class DraftTally:
         into.steps += row["spec_steps"]
         into.drafted += row["spec_drafted"]
         into.accepted += row["spec_accepted"]
-        into.tau_sum += 1 + row["spec_accepted"] / row["spec_steps"] if row["spec_steps"] else 1.0
+        if (own := tau(row["spec_steps"], row["spec_accepted"])) is not None:  # as accept's τ per request
+            into.tau_sum, into.tau_rows = into.tau_sum + own, into.tau_rows + 1
         into.histogram = summed_histogram([into.histogram, row["spec_histogram"] or []])
 
     def report(self, drafter: dict[str, Any] | None) -> dict[str, Any] | None:
