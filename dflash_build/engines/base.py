@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -56,9 +56,7 @@ class Acceptance:
 
     @property
     def per_position(self) -> tuple[int, ...]:
-        """Steps that accepted draft position i (0-based): those that accepted more than i tokens."""
-        h = self.histogram
-        return tuple(sum(h[i + 1 :]) for i in range(len(h) - 1))
+        return tuple(per_position(self.histogram))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -121,6 +119,12 @@ def tau_figures(
         "per_position_steps": per_position_steps,
         "per_position": [round(n / steps, 4) for n in per_position_steps] if steps else [],
     }
+
+
+def per_position(histogram: Sequence[int]) -> list[int]:
+    """Steps that accepted draft position i (0-based), from a histogram of steps by drafts accepted: those
+    that accepted more than i tokens."""
+    return [sum(histogram[i + 1 :]) for i in range(len(histogram) - 1)]
 
 
 def summed_histogram(histograms: Iterable[Iterable[int]]) -> list[int]:

@@ -36,7 +36,7 @@ import pyarrow as pa
 from dflash_build import hashing, measurements, running
 from dflash_build.engines import Request, Result, SamplingParams, gpus, registry, uses_gpu
 from dflash_build.engines import host as engine_host
-from dflash_build.engines.base import tau_figures
+from dflash_build.engines.base import per_position, summed_histogram, tau_figures
 from dflash_build.plan import Plan
 from dflash_build.publish import acceptance as report_mod
 from dflash_build.publish import release
@@ -352,12 +352,11 @@ def _figures(rows: list[dict[str, Any]], everything: bool = False) -> dict[str, 
     """A group's figures over its answers that are not degenerate (all of them with ``everything``)."""
     kept_rows = rows if everything else [r for r in rows if not r["degenerate"]]
     steps, drafted, accepted = (sum(r[k] for r in kept_rows) for k in COUNTS)
-    width = max((len(r["histogram"]) for r in kept_rows), default=1) - 1
-    per_position = [sum(sum(r["histogram"][p + 1 :]) for r in kept_rows) for p in range(max(width, 0))]
+    positions = per_position(summed_histogram(r["histogram"] for r in kept_rows))
     per_request = [1 + r["accepted"] / r["steps"] for r in kept_rows if r["steps"]]
     return {
         "requests": len(kept_rows),
         "degenerate": len(rows) - len(kept_rows),
         "samplings": sorted({r["sampling"] for r in rows}),
-        **tau_figures(steps, drafted, accepted, (sum(per_request), len(per_request)), per_position),
+        **tau_figures(steps, drafted, accepted, (sum(per_request), len(per_request)), positions),
     }

@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dflash_build.engines.base import summed_histogram, tau, tau_figures
+from dflash_build.engines.base import per_position, summed_histogram, tau, tau_figures
 
 SLICES = ("category", "source", "language", "variant")
 
@@ -27,9 +27,8 @@ class _Slice:
     histogram: list[int] = field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
-        h = self.histogram
-        per_position = [sum(h[i + 1 :]) for i in range(len(h) - 1)]
-        figures = tau_figures(self.steps, self.drafted, self.accepted, (self.tau_sum, self.tau_rows), per_position)
+        steps = per_position(self.histogram)
+        figures = tau_figures(self.steps, self.drafted, self.accepted, (self.tau_sum, self.tau_rows), steps)
         share = round(self.measured / self.rows, 4) if self.rows else 0.0
         return {"rows": self.rows, "measured": self.measured, "measured_share": share, **figures}
 
