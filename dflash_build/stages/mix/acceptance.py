@@ -26,10 +26,10 @@ def tau(paths: list[Path], rows: int) -> np.ndarray:
     out = np.full(rows, np.nan)
     at = 0
     for path in paths:
-        schema = pq.read_schema(path)
-        n = pq.read_metadata(path).num_rows
-        if all(c in schema.names for c in COLUMNS):
-            table = pq.read_table(path, columns=list(COLUMNS))
+        shard = pq.ParquetFile(path)
+        n = shard.metadata.num_rows
+        if all(c in shard.schema_arrow.names for c in COLUMNS):
+            table = shard.read(columns=list(COLUMNS))
             steps = table.column("spec_steps").to_numpy(zero_copy_only=False).astype(float)
             accepted = table.column("spec_accepted").to_numpy(zero_copy_only=False).astype(float)
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -59,7 +59,7 @@ def order(members: np.ndarray, rank: np.ndarray, n_tokens: np.ndarray, taus: np.
 def report(rule: Rule, drawn: np.ndarray, members: np.ndarray, chosen: np.ndarray, taus: np.ndarray,
            n_tokens: np.ndarray) -> dict[str, Any]:  # fmt: skip
     """The manifest's account of one category: the rows each part chose and τ of the chosen rows against the
-    rows left out (per token: each side's rows' τ weighted by their tokens; per row: their mean)."""
+    rows left out (per row: their mean; and weighted by their tokens)."""
     took = chosen[members]
     mine = members[took]
     left = members[~took]
@@ -72,7 +72,10 @@ def report(rule: Rule, drawn: np.ndarray, members: np.ndarray, chosen: np.ndarra
             "rows": len(rows),
             "measured": len(measured),
             "tau_per_row": round(float(taus[measured].mean()), 4) if len(measured) else None,
-            "tau_per_token": round(float(np.average(taus[measured], weights=weights)), 4) if len(measured) else None,
+            # the rows' own τ weighted by their tokens (not steps summed: a row's steps are not kept here)
+            "tau_weighted_by_tokens": round(float(np.average(taus[measured], weights=weights)), 4)
+            if len(measured)
+            else None,
         }
 
     return {
