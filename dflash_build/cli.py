@@ -36,7 +36,8 @@ from dflash_build import measurements
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
 from dflash_build.engines import registry
-from dflash_build.ops import estimate, explain, gc, registrations, standing, status, verify
+from dflash_build.ops import estimate, explain, gc, nextround, registrations, standing, status, verify
+from dflash_build.publish import acceptance as acceptance_report
 from dflash_build.publish import card, release
 from dflash_build.spec import ConfigError
 from dflash_build.store import atomic, filesystem, layout, rowindex
@@ -98,13 +99,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(disk.line())
     for line in release.pending(plan.config.dist_folders):
         print(line)
-    if (line := measurements.preview(plan)) is not None:
+    for line in _accept_lines(plan):
         print(line)
     if args.jobs:
         for e in estimates:
             for job in e.generate_jobs:
                 print(f"generate {job}")
     return _errors(estimates, disk)
+
+
+def _accept_lines(plan: plan_mod.Plan) -> list[str]:
+    """What `accept` would measure, and with a report in place the next round for its weakest slices (on
+    the store as it is now)."""
+    out = [line] if (line := measurements.preview(plan)) is not None else []
+    report_file = plan.config.acceptance_dir / layout.ACCEPTANCE_REPORT
+    if plan.config.accept is None or not report_file.exists():
+        return out
+    if weak := acceptance_report.weak_slices(json.loads(report_file.read_text())):
+        table = nextround.table(plan, weak, plan.config.dataset_dir)
+        out += ["next round (the acceptance report's weakest slices):", *acceptance_report.nextround_lines(table)]
+    return out
 
 
 def _speed_line(speed: dict[str, Any]) -> str:

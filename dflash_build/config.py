@@ -7,20 +7,19 @@ files that must exist, pinned revisions. Every error names the config key it is 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import glob
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash_build import configfile, inputs, language
+from dflash_build import configfile, configsources, language
 from dflash_build.spec import (
     DEGENERATE_REASONS,
-    SAMPLING_FIELDS,
     AcceptanceRule,
     AcceptSpec,
     Calibration,
@@ -34,145 +33,17 @@ from dflash_build.spec import (
     EngineSpec,
     ExportSpec,
     HeldOut,
-    HubSpec,
     LoopRule,
     ModelSpec,
     NearSpec,
     PackSpec,
     PreflightSpec,
     ReferenceSpec,
-    Sampling,
     SourceSpec,
-    TemplateKwargFrom,
     TrainerSpec,
-    VariantDraw,
     parent_name,
-    variant_source_name,
 )
 from dflash_build.store import layout
-
-_COMMIT = re.compile(r"[0-9a-f]{40}")
-
-
-def _sampling(base: Mapping[str, Any], override: Mapping[str, Any], key: str) -> Sampling:
-    merged = {**base, **override}
-    missing = [f for f in SAMPLING_FIELDS if f not in merged]
-    if missing:
-        raise ConfigError(key, f"missing sampling fields {missing}")
-    if merged["top_k"] < -1:
-        raise ConfigError(f"{key}.top_k", "must be -1, 0 (disabled) or positive")
-    return Sampling(**{f: merged[f] for f in SAMPLING_FIELDS})
-
-
-def _source(
-    name: str, raw: Mapping[str, Any], base_sampling: Mapping[str, Any], mix: Mapping[str, float], checks: Checks
-) -> SourceSpec:
-    key = f"sources.{name}"
-    has_files, has_hf = "files" in raw, "hf" in raw
-    if has_files == has_hf:
-        raise ConfigError(key, "give exactly one of 'files' (local json/jsonl/parquet) or 'hf' (datasets.load_dataset)")
-    if raw["category"] not in mix:
-        raise ConfigError(
-            f"{key}.category", f"'{raw['category']}' has no share in mix.categories ({', '.join(sorted(mix))})"
-        )
-    fmt = inputs.get(raw["format"])
-    for field_name in raw["fields"]:
-        if field_name not in fmt.fields:
-            raise ConfigError(f"{key}.fields.{field_name}", f"format '{fmt.name}' reads only {', '.join(fmt.fields)}")
-    for field_name in fmt.required:
-        if field_name not in raw["fields"]:
-            raise ConfigError(
-                f"{key}.fields.{field_name}", f"format '{fmt.name}' needs the name of the {field_name} column"
-            )
-    hf = _hub(raw["hf"], f"{key}.hf") if has_hf else None
-    filters = raw["filters"]
-    return SourceSpec(
-        name=name,
-        category=raw["category"],
-        format=raw["format"],
-        files=tuple(raw.get("files", ())),
-        hf=hf,
-        fields=dict(raw["fields"]),
-        roles=dict(raw["roles"]),
-        max_samples=raw["max_samples"],
-        seed=raw["seed"],
-        min_chars=filters["min_chars"],
-        max_chars=filters["max_chars"],
-        sampling=_sampling(base_sampling, raw["sampling"], f"{key}.sampling"),
-        chat_template_kwargs=dict(raw["chat_template_kwargs"]),
-        turns=raw["turns"],
-        max_drop_fraction=raw.get("max_drop_fraction", checks.max_drop_fraction),
-        turn_samples=_turn_samples(raw, key),
-        tool_match=_tool_match(raw, key),
-        history=_history(raw, key),
-        chat_template_kwargs_from=_kwargs_from(raw["chat_template_kwargs_from"], key),
-        languages=_languages(raw["languages"], f"{key}.languages"),
-        weight=raw["weight"],
-    )
-
-
-def _sources(
-    name: str,
-    raw: Mapping[str, Any],
-    base_sampling: Mapping[str, Any],
-    variants: Mapping[str, Any],
-    mix: Mapping[str, float],
-    checks: Checks,
-) -> dict[str, SourceSpec]:
-    """A config source as the sources it builds: itself, or one source per sampling variant (its own
-    ``variants``, else the top level's), each with the variant's sampling and template kwargs merged
-    over its own."""
-    own = raw.get("variants")
-    table = own if own is not None else variants
-    if not table:
-        return {name: _source(name, raw, base_sampling, mix, checks)}
-    key = f"sources.{name}.variants" if own is not None else "variants"
-    draw = _draw(table, key)
-    out = {}
-    for variant, settings in sorted(table.items()):
-        merged = {
-            **raw,
-            "sampling": {**raw["sampling"], **settings["sampling"]},
-            "chat_template_kwargs": {**raw["chat_template_kwargs"], **settings["chat_template_kwargs"]},
-        }
-        spec = _source(name, merged, base_sampling, mix, checks)
-        weight, share = spec.weight, draw.share(variant)
-        if weight is not None and share is not None:  # as_needed: the variant's part of the source's weight
-            weight *= share
-        full = variant_source_name(name, variant)
-        out[full] = dataclasses.replace(
-            spec,
-            name=full,
-            variant=variant,
-            parent=name,
-            draw=draw,
-            weight=weight,
-            variant_tolerance=settings["tolerance"],
-        )
-    return out
-
-
-def _draw(table: Mapping[str, Any], key: str) -> VariantDraw:
-    for variant, settings in table.items():
-        if settings["every"] == ("share" in settings):
-            raise ConfigError(
-                f"{key}.{variant}",
-                "give exactly one of 'share' (the part of the prompts drawn to it) or 'every: true' (every prompt)",
-            )
-        if settings["sampling"].get("top_k", 0) < -1:  # named here: the merged sampling would name the source
-            raise ConfigError(f"{key}.{variant}.sampling.top_k", "must be -1, 0 (disabled) or positive")
-    shares = {v: float(s["share"]) for v, s in table.items() if not s["every"]}
-    return VariantDraw(shares, tuple(sorted(v for v, s in table.items() if s["every"])))
-
-
-def _languages(raw: Any, key: str) -> tuple[str, ...] | None:
-    if raw is None:
-        return None
-    for i, code in enumerate(raw):
-        problem = language.unknown_code(code)
-        if problem:
-            raise ConfigError(f"{key}.{i}", problem)
-    return tuple(raw)
 
 
 def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -193,65 +64,23 @@ def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> d
     return out
 
 
-def _by_acceptance(raw: Mapping[str, Any], categories: Mapping[str, float]) -> dict[str, AcceptanceRule]:
+def _by_acceptance(raw: Mapping[str, Any], categories: Mapping[str, float], generate: str) -> dict[str, AcceptanceRule]:
     for category in raw:
         if category not in categories:
             near = difflib.get_close_matches(category, list(categories), n=1)
             hint = f"did you mean '{near[0]}'?" if near else f"categories: {', '.join(sorted(categories))}"
             raise ConfigError(f"mix.by_acceptance.{category}", f"'{category}' is not in mix.categories ({hint})")
-    return {str(c): AcceptanceRule(float(r["fraction"]), float(r.get("pool", 4))) for c, r in raw.items()}
-
-
-def _tool_match(raw: Mapping[str, Any], key: str) -> str:
-    if "tool_match" in raw and raw["turns"] != "all":
-        raise ConfigError(f"{key}.tool_match", "applies to turns: all only (turns: first answers the first turn only)")
-    return str(raw.get("tool_match", configfile.unfilled_default("sources.*.tool_match")))
-
-
-def _history(raw: Mapping[str, Any], key: str) -> str:
-    if "history" not in raw:
-        return str(configfile.unfilled_default("sources.*.history"))
-    if raw["turns"] != "all":
-        raise ConfigError(f"{key}.history", "applies to turns: all only (turns: first has no history to regenerate)")
-    if raw["history"] == "source" and raw.get("turn_samples") == "sequence":
-        raise ConfigError(
-            f"{key}.turn_samples",
-            "history: source prompts each turn on the dataset's history, so each turn is a sample of its own: "
-            "per_turn or auto",
-        )
-    return str(raw["history"])
-
-
-def _turn_samples(raw: Mapping[str, Any], key: str) -> str:
-    if "turn_samples" in raw and raw["turns"] != "all":
-        raise ConfigError(f"{key}.turn_samples", "applies to turns: all only (turns: first makes one sample a row)")
-    return str(raw.get("turn_samples", configfile.unfilled_default("sources.*.turn_samples")))
-
-
-def _kwargs_from(raw: Mapping[str, Any], key: str) -> dict[str, TemplateKwargFrom]:
-    out = {}
-    for kwarg, spec in raw.items():
-        mapping = spec.get("map")
-        for value in mapping or {}:
-            if not isinstance(value, str):
-                raise ConfigError(
-                    f"{key}.chat_template_kwargs_from.{kwarg}.map",
-                    f"{value!r} is not a string: quote each value as the column holds it "
-                    "(YAML reads a bare on/off/yes/no as a boolean)",
-                )
-        out[kwarg] = TemplateKwargFrom(spec["field"], None if mapping is None else dict(mapping), spec.get("default"))
-    return out
-
-
-def _hub(h: Mapping[str, Any], key: str) -> HubSpec:
-    hf = HubSpec(h["path"], h["name"], h["split"], h["revision"], h["data_files"])
-    if _unpinned(hf.path, hf.revision):
-        raise ConfigError(
-            f"{key}.revision",
-            f"hub dataset '{hf.path}' needs a pinned revision: a 40-hex-digit commit, not {hf.revision!r} "
-            "(content behind a branch can change under the same key)",
-        )
-    return hf
+    rules = {
+        str(c): AcceptanceRule(float(r["fraction"]), float(r["pool"]), float(r["oversample"])) for c, r in raw.items()
+    }
+    for category, rule in rules.items():
+        if rule.oversample != 1 and generate != "as_needed":
+            raise ConfigError(
+                f"mix.by_acceptance.{category}.oversample",
+                f"applies under mix.generate: as_needed only (mix.generate is {generate}: every prompt is "
+                "generated already); set mix.generate: as_needed or remove it",
+            )
+    return rules
 
 
 def _dedup(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> DedupSpec:
@@ -280,7 +109,7 @@ def _decontaminate(raw: Mapping[str, Any] | None) -> DecontaminationSpec | None:
             raise ConfigError(
                 key, "give exactly one of 'files' (local json/jsonl/parquet) or 'hf' (datasets.load_dataset)"
             )
-        hf = _hub(ref["hf"], f"{key}.hf") if "hf" in ref else None
+        hf = configsources.hub(ref["hf"], f"{key}.hf") if "hf" in ref else None
         references[name] = ReferenceSpec(name, tuple(ref.get("files", ())), hf, ref["field"])
     return DecontaminationSpec(int(raw["ngram"]), references)
 
@@ -447,13 +276,8 @@ def _to_fill_in(raw: Mapping[str, Any]) -> list[str]:
     return [
         f"{key}.revision ({hf.get('path')}: {hf.get('revision')!r})"
         for key, hf in hubs
-        if hf is not None and _unpinned(hf["path"], hf.get("revision"))
+        if hf is not None and configsources.unpinned(hf["path"], hf.get("revision"))
     ]
-
-
-def _unpinned(path: str, revision: str | None) -> bool:
-    """A hub dataset (not a local folder) without a 40-hex-digit commit."""
-    return not os.path.isdir(path) and not _COMMIT.fullmatch(revision or "")
 
 
 def from_dict(raw: Mapping[str, Any]) -> Config:
@@ -475,13 +299,11 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     sources: dict[str, SourceSpec] = {}
     held_out = HeldOut(float(raw["eval"]["share"]), int(raw["eval"]["cap"])) if "eval" in raw else None
     for name, s in raw["sources"].items():
-        built = _sources(name, s, raw["sampling"], raw["variants"], categories, checks)
+        built = configsources.sources(name, s, raw["sampling"], raw["variants"], categories, checks)
         sources.update({n: dataclasses.replace(spec, held_out=held_out) for n, spec in built.items()})
     _check_rule_names(sources)
     _check_supplied(categories, sources, checks)
-    trainer = TrainerSpec(**raw["trainer"])
-    if trainer.max_length is not None and trainer.min_new_tokens >= trainer.max_length:
-        raise ConfigError("trainer.min_new_tokens", f"must be below trainer.max_length ({trainer.max_length})")
+    trainer = _trainer(raw["trainer"])
     dataset = raw["dataset"]
     config = Config(
         store=Path(raw["store"]),
@@ -498,7 +320,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         mix_seed=mix["seed"],
         mix_languages=_mix_languages(mix["languages"], categories),
         mix_generate=mix["generate"],
-        mix_by_acceptance=_by_acceptance(mix["by_acceptance"], categories),
+        mix_by_acceptance=_by_acceptance(mix["by_acceptance"], categories, mix["generate"]),
         sources=sources,
         checks=checks,
         preflight=PreflightSpec(**raw["preflight"]),
@@ -510,11 +332,33 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         decontaminate=_decontaminate(raw["decontaminate"]),
         held_out=held_out,
         eval_benchmarks=_eval_benchmarks(raw),
-        sampling=_sampling(raw["sampling"], {}, "sampling"),
+        sampling=configsources.sampling(raw["sampling"], {}, "sampling"),
         accept=_accept(raw),
+        raw=copy.deepcopy(dict(raw)),
     )
     _check_dataset_dir(config)
     return config
+
+
+def _trainer(raw: Mapping[str, Any]) -> TrainerSpec:
+    trainer = TrainerSpec(**raw)
+    if trainer.max_length is not None and trainer.min_new_tokens >= trainer.max_length:
+        raise ConfigError("trainer.min_new_tokens", f"must be below trainer.max_length ({trainer.max_length})")
+    return trainer
+
+
+def edited(config: Config, edits: Mapping[str, Any]) -> Config:
+    """``config`` with ``edits`` (dotted key -> value, as a user would write them in the file) applied to
+    the dict it was built from, validated and built as a file would be."""
+    raw = copy.deepcopy(dict(config.raw))
+    for dotted, value in edits.items():
+        *parents, last = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    configfile.validate(raw)
+    return from_dict(raw)
 
 
 def _check_rule_names(sources: Mapping[str, SourceSpec]) -> None:

@@ -416,10 +416,17 @@ class AcceptSpec:
 @dataclass(frozen=True)
 class AcceptanceRule:
     """Config key `mix.by_acceptance.CATEGORY` (stages.mix.acceptance): the hard part's share of the
-    category's token target, drawn from a pool of the lowest-τ rows ``pool`` times its size."""
+    category's token target, drawn from a pool of the lowest-τ rows ``pool`` times its size; under
+    ``mix.generate: as_needed`` the category is generated to ``oversample`` times its target (stages.size),
+    so that the rule has rows to choose from."""
 
     fraction: float
     pool: float
+    oversample: float = 1.0
+
+    def mix_params(self) -> dict[str, float]:
+        """What the mix's choice depends on: oversample acts through the shards the mix reads."""
+        return {"fraction": self.fraction, "pool": self.pool}
 
 
 @dataclass(frozen=True)
@@ -453,6 +460,8 @@ class Config:
     sampling: Sampling | None = None  # the top-level sampling (each source's holds it merged)
     accept: AcceptSpec | None = None
     degenerate: Degenerate = field(default_factory=Degenerate)
+    # the validated dict it was built from (config.edited applies an edit through the same parser)
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def dataset_dir(self) -> Path:

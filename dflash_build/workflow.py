@@ -9,6 +9,7 @@ the job (every stage's ``run(job)``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import importlib
@@ -298,7 +299,7 @@ def _first_output(smk: Any) -> str | None:
         return None
 
 
-def run_rule(smk: Any, stage: str) -> None:
+def run_rule(smk: Any, stage: str, **given: Any) -> None:
     """Run ``stage`` for a Snakemake job (the ``snakemake`` object a script receives).
 
     Before any work (no tokenizer, no GPU), the job checks that its own plan gives the key Snakemake
@@ -313,7 +314,7 @@ def run_rule(smk: Any, stage: str) -> None:
         with running.recorded(job.plan.config.logs, log, **what):  # what `status` shows running
             if job.key is not None and job.source is not None:
                 check_key(job.plan, stage, job.source, job.key, getattr(smk.params, "components", None))
-            module.run(job)
+            module.run(dataclasses.replace(job, given=given))  # given: what its rule's script passes (Job.given)
 
 
 def generate_resources(engine: EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:

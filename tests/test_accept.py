@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_build import measurements
-from dflash_build.publish import release
-from dflash_build.stages import accept, evalset
+from dflash_build.publish import acceptance, release
+from dflash_build.stages import evalset
 from dflash_build.store import layout
 from tests.conftest import (
     Workflow,
@@ -200,7 +200,7 @@ def _cli(wf: Workflow, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _report(wf: Workflow) -> dict[str, Any]:
-    return json.loads((wf.workdir / "dist" / "test-mix-acceptance" / accept.REPORT_JSON).read_text())
+    return json.loads((wf.workdir / "dist" / "test-mix-acceptance" / layout.ACCEPTANCE_REPORT).read_text())
 
 
 GREEDY_LABEL = "T 0, top_p 1, top_k 0, min_p 0"
@@ -290,6 +290,28 @@ def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[s
     assert all("change" in s and "ngram" in s["change"] for s in report["slices"] if s["self"] is not None)
     assert report["weakest"]["ngram"], "the weakest slices are named"
     assert all("training_share" in w for w in report["weakest"]["ngram"])
+
+
+def test_the_report_names_the_next_round_for_its_weakest_slices_and_plan_prints_it(measured: dict[str, Any]) -> None:
+    """Issue 70: each weakest slice once, with its unused prompts, the change that takes them and its cost
+    (tests/test_next_round.py holds the cost to `plan`'s and builds the change)."""
+    report = measured["second"]
+    weak = acceptance.weak_slices(report)
+    assert weak and [r["slice"] for r in report["next_round"]] == [f"{c}={v}" for c, v in weak]
+    for row in report["next_round"]:
+        column, value = row["slice"].split("=", 1)
+        if column not in ("category", "source") or value not in ("coding", "general", "code", "prose"):
+            assert row["note"] and not row["change"], row  # a language slice, a benchmark's
+            continue
+        assert not row["note"], row
+        assert row["sources"] == ([value] if column == "source" else [{"coding": "code", "general": "prose"}[value]])
+        left = sum(v for v in row["left_out_prompts"].values() if v is not None)
+        assert bool(row["change"]) == (left > 0 or bool(row["over_max_samples"])), "a change where prompts wait"
+        assert all(k.startswith("mix.categories.") or k.endswith(".max_samples") for k in row["change"]), row
+        assert row["rows_to_generate"] == 0 and row["gpu_hours"] == 0, "mix.generate all: generated already"
+    assert "## The next round" in measured["sampled_readme"]
+    assert "next round (the acceptance report's weakest slices):" in measured["plan_before_third"]
+    assert "assumption, not a measurement" in measured["plan_before_third"]
 
 
 def _accept_log(measured: dict[str, Any]) -> str:

@@ -77,6 +77,49 @@ def test_a_categorys_need_is_split_by_weight_capped_at_each_sources_supply() -> 
     assert shards["small"] == 2 and shards["big"] == 1
 
 
+def test_an_oversampled_category_is_sized_to_its_factor_and_plan_prices_the_difference(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """mix.by_acceptance.CATEGORY.oversample (as_needed): the sizing asks for that multiple of the target,
+    capped at the supply, in the size jobs' params only where set; the forecast prices the extra shards."""
+    from dflash_build.stages import size
+    from dflash_build.stages.size import Supply, shards_needed
+
+    supplies = [
+        Supply("code", "c", shards=20, built=1, samples_per_shard=4, tokens_per_sample=25),  # 100 a shard
+        Supply("scarce", "d", shards=5, built=1, samples_per_shard=4, tokens_per_sample=10),  # 200 in all
+    ]
+    plain, targets = shards_needed({"c": 0.5, "d": 0.5}, None, supplies, part=1.0)
+    assert targets["c"] == 200 and plain["code"] == 2
+    more, same = shards_needed({"c": 0.5, "d": 0.5}, None, supplies, part=1.0, oversample={"c": 1.5})
+    assert more["code"] == 3 and same == targets, "1.5 x 200 tokens: 3 shards of 100; the targets stay"
+    whole, _ = shards_needed({"c": 0.5, "d": 0.5}, None, supplies, part=1.0, oversample={"c": 50.0})
+    assert whole["code"] == 20, "capped at the supply"
+
+    base = _plan(tmp_path / "a", tiny_model, generate="as_needed")
+    over = _plan(
+        tmp_path / "b", tiny_model, generate="as_needed", by_acceptance={"coding": {"fraction": 0.5, "oversample": 2}}
+    )
+    assert "oversample" not in size.params(base.config), "a config without it keeps its sizing's params"
+    assert size.params(over.config)["oversample"] == {"coding": 2.0}
+    assert over.config.mix_by_acceptance["coding"].mix_params() == {"fraction": 0.5, "pool": 4.0}
+    _, _, plain_forecast = estimate.estimate_with_disk(base, 100)
+    _, _, got = estimate.estimate_with_disk(over, 100)
+    (extra,) = got.oversampled.values()
+    k_plain, k_over = plain_forecast.as_needed["long"][0], got.as_needed["long"][0]
+    # long: 30 prompts in 8 shards at the assumed 200 answer tokens (a mean of 3.75 rows a shard)
+    assert k_over > k_plain and extra.shards == k_over - k_plain
+    assert extra.rows == pytest.approx(extra.shards * 30 / 8) and extra.answer_tokens == pytest.approx(extra.rows * 200)
+    line = next(x for x in got.lines() if x.startswith("oversampling"))
+    assert f"+{extra.shards} shards" in line and f"{extra.answer_tokens / 100 / 3600:.2f} GPU-hours" in line
+    assert not plain_forecast.oversampled and not any(x.startswith("oversampling") for x in plain_forecast.lines())
+
+
+def test_oversampling_is_refused_where_every_prompt_is_generated(tmp_path: Path, tiny_model: Path) -> None:
+    with pytest.raises(cfg.ConfigError, match=r"mix.by_acceptance.coding.oversample.*as_needed only"):
+        _plan(tmp_path, tiny_model, by_acceptance={"coding": {"fraction": 0.5, "oversample": 2}})
+
+
 def test_the_size_stage_sizes_each_round_from_the_shards_its_job_declares(tmp_path: Path, tiny_model: Path) -> None:
     """size.run on the pilot's token sidecars, then on the first round's: the rule's two checkpoints."""
     from dflash_build.stages import size

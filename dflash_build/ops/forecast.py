@@ -64,6 +64,17 @@ class CategoryForecast:
 
 
 @dataclass(frozen=True)
+class Oversampled:
+    """What a category's oversampling factor (mix.by_acceptance.CATEGORY.oversample) generates beyond its
+    target's need: shards, rows and answer tokens (the GPU time)."""
+
+    factor: float
+    shards: int
+    rows: float
+    answer_tokens: float
+
+
+@dataclass(frozen=True)
 class MixForecast:
     categories: list[CategoryForecast]
     bases: dict[str, str]  # source -> where its lengths come from
@@ -80,6 +91,9 @@ class MixForecast:
     missed_shares: list[str] = field(default_factory=list)
     share_tolerance: float = 0.0
     checked_on_built: bool = False  # the mix's own checks on the built token shards, not mean lengths
+    # mix.by_acceptance's oversample (as_needed): per category, the shards, rows and answer tokens generated
+    # beyond what the target alone would ask for
+    oversampled: dict[str, Oversampled] = field(default_factory=dict)
 
     @property
     def expected_tokens(self) -> float:
@@ -137,6 +151,12 @@ class MixForecast:
             out.append(
                 f"degenerate answers dropped in the shards built (config degenerate): {each}; the forecast "
                 "leaves the same share of each source's rows out"
+            )
+        for category, o in self.oversampled.items():
+            out.append(
+                f"oversampling (mix.by_acceptance.{category}.oversample {o.factor:g}): +{o.shards} shards, "
+                f"+{o.rows:.0f} rows, +{o.answer_tokens:.0f} answer tokens beyond the target's need, about "
+                f"{o.answer_tokens / self.tokens_per_second / 3600:.2f} GPU-hours, for the mix to choose from"
             )
         bases = Counter(self.bases.values())
         out.append("lengths: " + ", ".join(f"{n} sources {basis}" for basis, n in sorted(bases.items())))
@@ -227,6 +247,7 @@ def forecast(
         for c, share in shares.items()
     ]
     sized: dict[str, tuple[int, int]] = {}
+    oversampled: dict[str, Oversampled] = {}
     if cfg.mix_generate == "as_needed":
         supplies = [
             size.Supply(
@@ -240,8 +261,9 @@ def forecast(
             )
             for name, sp in plan.sources.items()
         ]
-        shards, _ = size.shards_needed(shares, cfg.mix_budget_tokens, supplies)
+        shards, _ = size.shards_needed(shares, cfg.mix_budget_tokens, supplies, oversample=size.oversample(cfg))
         sized = {name: (max(1, shards[name]), plan.sources[name].n_shards) for name in plan.sources}
+        oversampled = _oversampled(plan, supplies, shards, samples, lengths)
     generated = {
         name: samples[name] * (sized[name][0] / sized[name][1] if name in sized else 1.0) for name in plan.sources
     }
@@ -256,7 +278,34 @@ def forecast(
         share_tolerance=cfg.checks.share_tolerance,
         checked_on_built=built is not None,
         degenerate=degenerate,
+        oversampled=oversampled,
     )
+
+
+def _oversampled(
+    plan: Plan,
+    supplies: list[size.Supply],
+    shards: dict[str, int],
+    samples: dict[str, float],
+    lengths: dict[str, Lengths],
+) -> dict[str, Oversampled]:
+    """Per oversampled category, what the sizing asks for beyond the same sizing without the factor."""
+    cfg = plan.config
+    factors = size.oversample(cfg)
+    if not factors:
+        return {}
+    plain, _ = size.shards_needed(dict(cfg.mix_categories), cfg.mix_budget_tokens, supplies)
+    out = {}
+    for category, factor in factors.items():
+        extra = {
+            s.source: max(1, shards[s.source]) - max(1, plain[s.source]) for s in supplies if s.category == category
+        }
+        rows = {n: samples[n] / plan.sources[n].n_shards * k for n, k in extra.items()}
+        answer = {n: min(lengths[n].answer, plan.sources[n].spec.sampling.max_new_tokens) for n in extra}
+        out[category] = Oversampled(
+            factor, sum(extra.values()), sum(rows.values()), sum(rows[n] * answer[n] for n in rows)
+        )
+    return out
 
 
 def _built_mix_checks(plan: Plan, sized: dict[str, tuple[int, int]]) -> list[str] | None:

@@ -14,6 +14,10 @@ import pyarrow.parquet as pq
 
 from dflash_build.publish import release
 
+NEXT_ROUND_ASSUMES = (
+    "that a slice's τ rises when the training data holds more of it is an assumption, not a measurement: "
+    "measure the drafter trained on the next round with `accept`"
+)
 OVERALL = ("all", "all")
 OVERALL_LABEL = "overall"
 
@@ -98,6 +102,8 @@ def _weakest(measured: dict[str, Any], training: dict[str, dict[str, float]], co
     rows = [
         {
             "slice": label(column, value),
+            "column": column,
+            "value": value,
             "tau": figures["tau"],
             "below_overall": round(overall - figures["tau"], 4),
             "requests": figures["requests"],
@@ -174,7 +180,20 @@ def render_table(report: dict[str, Any]) -> str:
                 f"| {w['slice']} | {_num(w['tau'])} | {_num(w['below_overall'])} | {w['requests']} | "
                 f"{_pct(w['training_share'])} |"
             )
+    if "next_round" in report:
+        lines += ["", "## The next round", ""]
+        lines += [
+            "The weakest slices' prompts the dataset does not hold, the config change that would take them, "
+            "and what generating them costs:",
+            "",
+            *nextround_lines(report["next_round"]),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def weak_slices(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every drafter's weakest slices as (column, value), each once, weakest first."""
+    return list(dict.fromkeys((w["column"], w["value"]) for weak in report["weakest"].values() for w in weak))
 
 
 def _engine(report: dict[str, Any]) -> str:
@@ -221,3 +240,35 @@ def plot(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)  # into the version being written, which is swapped in whole
     plt.close(fig)
+
+
+def nextround_lines(table: list[dict[str, Any]]) -> list[str]:
+    """The table as Markdown lines, with what it assumes."""
+    out = [
+        "| slice | prompts left out | past max_samples | change | rows to generate | answer tokens | GPU-h |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        left = sum(v for v in r["left_out_prompts"].values() if v is not None)
+        unknown = " (some sources not prepared)" if None in r["left_out_prompts"].values() else ""
+        if degenerate := sum(r.get("degenerate_rows", {}).values()):
+            unknown += f" ({degenerate} degenerate: never taken)"
+        change = "; ".join(f"`{k}: {_yaml(c['from'])} → {_yaml(c['to'])}`" for k, c in r["change"].items())
+        if r["note"] and not r["change"]:
+            out.append(f"| {r['slice']} | - | - | {r['note']} | - | - | - |")
+            continue
+        out.append(
+            f"| {r['slice']} | {left}{unknown} | {sum(r['over_max_samples'].values())} | {change or 'none needed'}"
+            f"{' (' + r['note'] + ')' if r['note'] else ''} | {r['rows_to_generate']} | {r['answer_tokens']} | "
+            f"{r['gpu_hours']:.2f} |"
+        )
+    out += [
+        "",
+        "Rows, answer tokens and GPU-hours are `dflash-build plan`'s for the config with that row's change (each "
+        f"row's against the config as it is: two rows' changes together are not costed here); {NEXT_ROUND_ASSUMES}.",
+    ]
+    return out
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

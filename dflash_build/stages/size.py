@@ -16,7 +16,9 @@ which the others' targets follow from. The second, sized on every shard of the f
 category's supply known exactly), asks for the target plus :data:`MARGIN`. Overshoot bound: a category
 is generated to at most its target × (1 + MARGIN), plus, per source, the part of one shard its need did
 not fill, plus what the first round's shards overshot when the pilot underestimated a source by more than
-1 / FIRST_ROUND (bench/generate_to_mix.py measures both on the production config's shape).
+1 / FIRST_ROUND (bench/generate_to_mix.py measures both on the production config's shape). A category
+chosen by acceptance (mix.by_acceptance) may ask for ``oversample`` times its target in both rounds, so the
+mix has rows to choose from.
 """
 
 from __future__ import annotations
@@ -89,10 +91,14 @@ def _split(need: float, members: list[Supply]) -> dict[str, float]:
 
 
 def shards_needed(
-    shares: Mapping[str, float], budget: int | None, supplies: list[Supply], part: float = 1 + MARGIN
+    shares: Mapping[str, float],
+    budget: int | None,
+    supplies: list[Supply],
+    part: float = 1 + MARGIN,
+    oversample: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, int], dict[str, float]]:
     """(shards per source, target tokens per category) for these supplies: ``part`` of each category's
-    target, a binding category whole."""
+    target (times its ``oversample`` factor, mix.by_acceptance), a binding category whole."""
     available = {c: 0.0 for c in shares}
     for s in supplies:
         available[s.category] = available.get(s.category, 0.0) + s.tokens
@@ -101,7 +107,8 @@ def shards_needed(
     for category in shares:
         members = [s for s in supplies if s.category == category]
         whole = binds(targets[category], available[category])
-        need = available[category] if whole else min(targets[category] * part, available[category])
+        factor = (oversample or {}).get(category, 1.0)
+        need = available[category] if whole else min(targets[category] * part * factor, available[category])
         parts = _split(need, members)
         for s in members:
             # a source whose measured shards gave no sample gets nothing more: more of it would give none either
@@ -143,14 +150,21 @@ def params(cfg: Config) -> dict[str, Any]:
         "budget_tokens": cfg.mix_budget_tokens,
         "weights": {s: spec.weight for s, spec in cfg.sources.items()},
         "rounds": [FIRST_ROUND, MARGIN],
+        # only where set: a config without it keeps the sizing it had
+        **({"oversample": over} if (over := oversample(cfg)) else {}),
     }
+
+
+def oversample(cfg: Config) -> dict[str, float]:
+    """Each category's oversampling factor (mix.by_acceptance.CATEGORY.oversample), where it is not 1."""
+    return {c: rule.oversample for c, rule in cfg.mix_by_acceptance.items() if rule.oversample != 1}
 
 
 def sizing(plan: Plan, supplies: list[Supply], round_: int) -> dict[str, Any]:
     """Round ``round_``'s sizing record: the shards per source it names for these supplies."""
     cfg = plan.config
     part = FIRST_ROUND if round_ == layout.SIZING_ROUNDS[0] else 1 + MARGIN
-    shards, targets = shards_needed(cfg.mix_categories, cfg.mix_budget_tokens, supplies, part)
+    shards, targets = shards_needed(cfg.mix_categories, cfg.mix_budget_tokens, supplies, part, oversample(cfg))
     return {
         "stage": "size",
         "round": round_,

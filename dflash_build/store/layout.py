@@ -91,6 +91,8 @@ ACCEPTANCE = "acceptance"  # each drafter's measurement on the eval split, by ac
 # A measurement's files: each request's counts, then the summary, written last (it marks the measurement done).
 ACCEPTANCE_REQUESTS = "requests.parquet"
 ACCEPTANCE_SUMMARY = "summary.json"
+ACCEPTANCE_REPORT = "acceptance.json"  # the report in dist/NAME-acceptance (its README.md renders it)
+ACCEPTANCE_PLOT = "plots/acceptance.png"
 
 
 def acceptance_dir(store: Path, key: str) -> Path:

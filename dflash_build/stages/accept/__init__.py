@@ -55,8 +55,6 @@ log = logging.getLogger(__name__)
 # of τ; requests carry their sampling and prompt length; the summary its calibration and engine.
 # 3: degenerate answers by the build's rule and thresholds (config degenerate: a loop anywhere, a
 # repetitive answer), keyed.
-REPORT_JSON = "acceptance.json"
-PLOT = "plots/acceptance.png"
 OVERALL = report_mod.OVERALL
 COUNTS = ("steps", "drafted", "accepted")
 PROGRESS_EVERY = 16  # results between two updates of the job's progress record (dflash_build.running)
@@ -85,7 +83,8 @@ class AcceptanceMismatch(RuntimeError):
 
 def run(job: Job) -> dict[str, Any]:
     """Calibrate the engine, measure each drafter not measured yet, then write the report into a new
-    version of the folder."""
+    version of the folder, with the weakest slices' next round where its rule gives ``next_round``
+    (``job.given``: ops.nextround.table, `plan`'s estimate of a change, which a stage cannot import)."""
     plan = job.plan
     accept = plan.config.accept
     assert accept is not None
@@ -111,16 +110,25 @@ def run(job: Job) -> dict[str, Any]:
         measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
     training = report_mod.training_shares(release.folder_of(job.input("dataset")))
     report = report_mod.build_report(measured, training, accept.weakest, split_key)
+    if (next_round := job.given.get("next_round")) is not None:
+        dataset = release.folder_of(job.input("dataset"))
+        report["next_round"] = next_round(plan, report_mod.weak_slices(report), dataset)
     record = job.output("record")
     with release.publish(release.folder_of(record), record) as tmp:
-        atomic.write_json(tmp / REPORT_JSON, report)
+        atomic.write_json(tmp / layout.ACCEPTANCE_REPORT, report)
         atomic.write_text(tmp / "README.md", report_mod.render_table(report))
-        report_mod.plot(report, tmp / PLOT)
+        report_mod.plot(report, tmp / layout.ACCEPTANCE_PLOT)
         # named by its report's digest (release.publish names a version by its manifest's)
-        report_digest = hashing.sha256_file(tmp / REPORT_JSON)
+        report_digest = hashing.sha256_file(tmp / layout.ACCEPTANCE_REPORT)
         # the measurements it was made from, by drafter: gc keeps them, verify checks them
         keys = {name: folder.name for name, folder in folders.items()}  # a measurement's folder is its key
-        manifest = {"stage": "accept", "split_key": split_key, "files": [], "report": REPORT_JSON, "measurements": keys}
+        manifest = {
+            "stage": "accept",
+            "split_key": split_key,
+            "files": [],
+            "report": layout.ACCEPTANCE_REPORT,
+            "measurements": keys,
+        }
         if verdict is not None:
             manifest["calibration"] = verdict["key"]
         atomic.write_json(tmp / layout.MANIFEST, {**manifest, "report_sha256": report_digest})

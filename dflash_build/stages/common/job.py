@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dflash_build.plan import Plan
 from dflash_build.publish import release
@@ -38,6 +39,9 @@ class Job:
     shard: str | None = None
     key: str | None = None  # the key Snakemake asked for (keyed stages: prepare, generate, tokenize)
     fmt: str | None = None  # export: the format
+    # what the rule's script gives the stage beside the plan: functions of the layers above the stages
+    # (accept's ``next_round``: ops' estimate of a change, which a stage cannot import)
+    given: Mapping[str, Any] = field(default_factory=dict)
 
     def input(self, name: str) -> Path:
         """The one path of the declared input ``name``."""

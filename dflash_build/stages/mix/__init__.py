@@ -398,7 +398,9 @@ def params(cfg: Config) -> dict[str, Any]:
         "seed": cfg.mix_seed,
         "languages": {c: dict(f) for c, f in cfg.mix_languages.items()},
         # only where set: a config without it keeps the params (and the dataset) it had
-        **({"by_acceptance": {c: vars(r) for c, r in cfg.mix_by_acceptance.items()}} if cfg.mix_by_acceptance else {}),
+        **(
+            {"by_acceptance": {c: r.mix_params() for c, r in rules.items()}} if (rules := cfg.mix_by_acceptance) else {}
+        ),
         "rows_per_file": cfg.rows_per_file,
         "dedup": {"across_sources": cfg.dedup.across_sources, "priority": cfg.dedup.source_priority(cfg.sources)},
         "checks": {"share_tolerance": checks.share_tolerance, "allow_shortfall": sorted(checks.allow_shortfall)},

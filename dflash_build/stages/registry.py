@@ -1,0 +1,124 @@
+"""The stages, each declared once by its own package: ``dflash_build/stages/NAME/stage.py`` holds ``STAGE``,
+its descriptor (name, what its rule declares, the paths of a job from the plan, whether the config enables
+it, what it adds to the build's final targets, its params, and for a keyed stage its store folder).
+
+The Snakefile includes ``rules/NAME.smk`` of every enabled stage, the final targets and the rules' params
+come from here, and :func:`dflash_build.stages.common.job.planned` makes a job from its ``paths``. A
+descriptor module is small (it imports no stage code: a job imports only its own stage), and found by
+package, so adding a stage touches no list elsewhere (docs/architecture.md, "Adding a stage").
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash_build.store import layout
+
+if TYPE_CHECKING:
+    from dflash_build.plan import Plan
+    from dflash_build.spec import Config
+
+Paths = Mapping[str, tuple[Path, ...]]
+PER = ("source", "shard", "round", "format", "config")
+
+
+@dataclass(frozen=True)
+class Of:
+    """What one job is for: its source (and shard), its format, its sizing round and file."""
+
+    source: str | None = None
+    shard: str | None = None
+    fmt: str | None = None
+    round_: int | None = None
+    sizing: str | Path | None = None
+
+
+def always(config: Config) -> bool:
+    return True
+
+
+def no_targets(plan: Plan) -> list[Path]:
+    return []
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its name (its package ``dflash_build.stages.NAME``, its rule file ``rules/NAME.smk`` and
+    its rule), the names its rule gives its inputs and outputs (what its ``Job`` reads them by), what one
+    of its jobs is for (``per``: source, shard, round, format or the whole config), and where it sits in
+    the order the data flows (``order``). ``paths``: a job's inputs and outputs from the plan;
+    ``enabled``: whether the config includes its rule; ``targets``: what it adds to the build's default
+    target (``snakemake`` with no target); ``params``: what its rule's params trigger reruns on (None:
+    none); ``store``: a keyed stage's folder in the store (layout.KEYED)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    per: str
+    order: int
+    paths: Callable[[Plan, Of], tuple[Paths, Paths]]
+    enabled: Callable[[Config], bool] = always
+    targets: Callable[[Plan], list[Path]] = no_targets
+    params: Callable[..., Any] | None = None
+    store: layout.Keyed | None = None
+
+    def __post_init__(self) -> None:
+        if self.per not in PER:
+            raise ValueError(f"stage {self.name}: per must be one of {PER}, not {self.per!r}")
+
+    @property
+    def rule(self) -> str:
+        """The rule that writes it (prepare's, one per source: ``prepare_SOURCE``)."""
+        return self.name
+
+    @property
+    def key(self) -> str | None:
+        return self.store.key if self.store is not None else None
+
+    @property
+    def rule_file(self) -> str:
+        return f"rules/{self.name}.smk"
+
+
+PACKAGE = "dflash_build.stages"
+
+
+@functools.cache
+def stages() -> tuple[Stage, ...]:
+    """Every stage's descriptor, in the order the data flows: each subpackage of stages/ with a
+    ``stage`` module that defines ``STAGE``."""
+    root = importlib.import_module(PACKAGE)
+    found: dict[str, Stage] = {}
+    for info in pkgutil.iter_modules(root.__path__):
+        name = f"{PACKAGE}.{info.name}.stage"
+        if not info.ispkg or importlib.util.find_spec(name) is None:
+            continue
+        stage = importlib.import_module(name).STAGE
+        if stage.name != info.name:
+            raise RuntimeError(f"{name}: STAGE is named {stage.name!r}, not its package's name {info.name!r}")
+        found[stage.name] = stage
+    return tuple(sorted(found.values(), key=lambda s: (s.order, s.name)))
+
+
+def get(name: str) -> Stage:
+    for stage in stages():
+        if stage.name == name:
+            return stage
+    raise ValueError(f"no stage named {name!r} (stages: {', '.join(s.name for s in stages())})")
+
+
+def enabled(config: Config) -> list[Stage]:
+    """The stages whose rules a build of ``config`` includes, in order."""
+    return [s for s in stages() if s.enabled(config)]
+
+
+def final_targets(plan: Plan) -> list[Path]:
+    """What ``snakemake`` with no target builds: each enabled stage's targets, in order."""
+    return [p for s in enabled(plan.config) for p in s.targets(plan)]
