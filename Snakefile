@@ -10,39 +10,13 @@ configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"
-include: "rules/prepare.smk"
-include: "rules/prepared.smk"
-include: "rules/generate.smk"
-include: "rules/tokenize.smk"
-include: "rules/mix.smk"
 
 
-if AS_NEEDED:
+# Each stage the config enables, in the order the data flows: its package declares it
+# (dflash_build/stages/NAME/stage.py) and rules/NAME.smk wires it.
+for enabled_stage in STAGES:
 
-    include: "rules/size.smk"
-
-
-if CONFIG.pack:
-
-    include: "rules/pack.smk"
-
-
-if CONFIG.exports:
-
-    include: "rules/export.smk"
-
-
-if CONFIG.held_out:
-
-    include: "rules/evalset.smk"
-
-
-if CONFIG.accept:
-
-    include: "rules/accept.smk"
-
-
-include: "rules/preflight.smk"
+    include: enabled_stage.rule_file
 
 
 rule all:

@@ -153,7 +153,7 @@ class Plan:
         return None if self.eval_components is None else hashing.content_key(self.eval_components)
 
     # This plan's store paths (from layout, which owns them).
-    def stage_dir(self, stage: layout.Stage, source: str) -> Path:
+    def stage_dir(self, stage: layout.Keyed, source: str) -> Path:
         """A keyed stage's folder of ``source`` under this plan's key."""
         assert stage.key is not None, f"{stage.name} has no key"
         return layout.stage_dir(self.config.store, stage, source, self.sources[source].keys[stage.key])

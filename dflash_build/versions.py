@@ -36,7 +36,7 @@ TOK_VERSION = 4
 MIX_VERSION = 5
 PACK_VERSION = 1
 EXPORT_VERSION = 1
-# The eval split (stages/evalset.py): in its eval_key (Plan.eval_key, the rule's params) and in its
+# The eval split (stages/evalset/): in its eval_key (Plan.eval_key, the rule's params) and in its
 # split_key (the digest of its rows, which each acceptance measurement is keyed by).
 EVAL_VERSION = 1
 # Each drafter's acceptance measurement (keys.accept_key). 2: the engine's calibration, the engine and its

@@ -28,7 +28,7 @@ from dflash_build import engines, keys, running
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.spec import Config, ConfigError, EngineSpec
-from dflash_build.stages.common import job as job_mod
+from dflash_build.stages import registry as stages
 from dflash_build.stages.common.job import Job, StageFailure
 from dflash_build.store import filesystem, layout
 from dflash_build.store.rowindex import RowIndex
@@ -282,8 +282,8 @@ def job_of(smk: Any, stage: str) -> Job:
     return Job(
         stage,
         plan_from(smk.config, source),
-        _paths(smk.input, job_mod.INPUTS[stage]),
-        _paths(smk.output, job_mod.OUTPUTS[stage]),
+        _paths(smk.input, stages.get(stage).inputs),
+        _paths(smk.output, stages.get(stage).outputs),
         source=source,
         shard=getattr(wildcards, "shard", None),
         key=key,

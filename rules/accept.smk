@@ -14,6 +14,6 @@ rule accept:
     resources:
         gpu=1 if dflash_build.engines.uses_gpu(CONFIG.engine) else 0,
     params:
-        accept=get_accept_params(),
+        accept=get_params("accept"),
     script:
         "scripts/accept.py"

@@ -10,8 +10,7 @@ import dflash_build.engines.registry
 import dflash_build.plan
 import dflash_build.stages.prepare.checks
 import dflash_build.stages.common.job
-import dflash_build.stages.size
-import dflash_build.stages.mix
+import dflash_build.stages.registry
 import dflash_build.publish.release
 import dflash_build.snakemake_fixes
 import dflash_build.versions
@@ -19,7 +18,6 @@ import dflash_build.workflow
 from dflash_build.store import layout
 from dflash_build.hashing import canonical_json
 from dflash_build.store.layout import shard_pattern
-from dflash_build.publish.card import summary
 
 # A key given twice in a config file, or one the schema does not know, stops the run in a line that
 # names it and the closest valid key (Snakemake's validate quotes the whole schema); the schema's
@@ -36,18 +34,6 @@ PLAN = dflash_build.workflow.parsed(dflash_build.plan.build, CONFIG)
 
 STORE = str(CONFIG.store)
 LOGS = str(CONFIG.logs)
-DATASET_DIR = str(CONFIG.dataset_dir)
-PACKED_DIR = str(CONFIG.packed_dir) if CONFIG.pack else None
-# What the mix and pack rules output: the build record beside the dataset's versions; dist/NAME itself
-# is a link the stage swaps only when a build passed (dflash_build.publish.release).
-DATASET_RECORD = str(dflash_build.publish.release.record_dir(CONFIG.dataset_dir))
-PACKED_RECORD = (
-    str(dflash_build.publish.release.record_dir(CONFIG.packed_dir))
-    if CONFIG.packed_dir
-    else None
-)
-# Each export's record, by format (rules/export.smk); dist/NAME-FORMAT links to its version.
-EXPORT_RECORD = str(dflash_build.publish.release.record_dir(CONFIG.export_dir("{fmt}")))
 dflash_build.workflow.warn_if_recorded_but_missing(CONFIG)
 # A dry run starts nothing and writes nothing but the store's file-digest cache (derived; see
 # dflash_build.workflow.is_dry_run).
@@ -102,16 +88,26 @@ wildcard_constraints:
     fmt="|".join(CONFIG.exports) or "none",
 
 
+# The stages this config enables (each declared by its package: dflash_build.stages.registry); the
+# Snakefile includes their rule files, in the order the data flows.
+STAGES = dflash_build.stages.registry.enabled(CONFIG)
+
+
 def get_final_targets():
-    exports = [EXPORT_RECORD.format(fmt=fmt) for fmt in CONFIG.exports]
-    split = (
-        [str(dflash_build.publish.release.record_dir(CONFIG.eval_dir))]
-        if CONFIG.held_out
-        else []
-    )
-    return (
-        [DATASET_RECORD] + ([PACKED_RECORD] if PACKED_RECORD else []) + exports + split
-    )
+    # what each enabled stage adds to `snakemake` with no target: the dataset, packed, exports, the split
+    return [str(p) for p in dflash_build.stages.registry.final_targets(PLAN)]
+
+
+def get_params(stage):
+    """A rule's params: its stage's (the descriptor's ``params``), as canonical JSON, so that reordering
+    the config does not rerun it; a function of the wildcards for a stage with a job per format.
+    """
+    declared = dflash_build.stages.registry.get(stage)
+    if declared.per == "format":
+        return lambda wildcards: canonical_json(
+            declared.params(PLAN, dflash_build.stages.registry.Of(fmt=wildcards.fmt))
+        )
+    return canonical_json(declared.params(PLAN, dflash_build.stages.registry.Of()))
 
 
 def planned_input(stage, name, flag=None, sizing=None, **fixed):
@@ -166,51 +162,9 @@ if DRY_RUN and AS_NEEDED:
         print(note, file=sys.stderr)
 
 
-def get_size_params():
-    # a changed share, budget or weight sizes the rounds again (the params trigger); nothing regenerates
-    return canonical_json(dflash_build.stages.size.params(CONFIG))
-
-
-def get_export_params(wildcards):
-    # the export depends on these and on the dataset (the input folder); canonical, as above
-    import dataclasses
-
-    spec = CONFIG.exports[wildcards.fmt]
-    return canonical_json(
-        {**dataclasses.asdict(spec), "scheme": dflash_build.versions.EXPORT_VERSION}
-    )
-
-
 def get_generate_threads():
     backend = dflash_build.engines.registry.get(CONFIG.backend)
     return backend.threads(CONFIG.engine_options)
-
-
-def get_mix_params():
-    # canonical, so that reordering the config does not rerun the mix
-    return canonical_json(dflash_build.stages.mix.params(CONFIG))
-
-
-def get_accept_params():
-    # a drafter added, changed (its files' digests) or re-optioned reruns the rule; the ones measured
-    # before are read from the store (dflash_build.stages.accept)
-    import dataclasses
-
-    return canonical_json(
-        {
-            **dataclasses.asdict(CONFIG.accept),
-            "fingerprints": PLAN.drafter_fingerprints,
-        }
-    )
-
-
-def get_pack_params():
-    # the packed rows depend on these and on the dataset (the input folder); canonical, as above
-    import dataclasses
-
-    return canonical_json(
-        {**dataclasses.asdict(CONFIG.pack), "rows_per_file": CONFIG.rows_per_file}
-    )
 
 
 def register_config():
@@ -240,29 +194,7 @@ def explain_failure():
 
 
 def print_summary():
-    import json
-    from pathlib import Path
-
-    manifest = Path(DATASET_DIR) / layout.MANIFEST
-    if manifest.exists():
-        print(
-            summary(json.loads(manifest.read_text()), Path(DATASET_DIR), sources=True)
-        )
-    packed = Path(PACKED_DIR or "") / layout.MANIFEST
-    if PACKED_DIR and packed.exists():
-        import dflash_build.stages.pack
-
-        print(
-            dflash_build.stages.pack.summary(
-                json.loads(packed.read_text()), Path(PACKED_DIR)
-            )
-        )
-    import dflash_build.stages.export
-
-    for fmt in CONFIG.exports:
-        folder = CONFIG.export_dir(fmt)
-        if (folder / layout.MANIFEST).exists():
-            exported = json.loads((folder / layout.MANIFEST).read_text())
-            print(dflash_build.stages.export.summary(exported, folder))
-            for line in dflash_build.stages.export.warnings(exported):
-                print(f"warning: {line}")
+    # what each enabled stage says of what it built (the dataset's card summary, packed, exports)
+    for declared in STAGES:
+        for line in declared.summary(PLAN):
+            print(line)

@@ -13,4 +13,4 @@ rule evalset:
         # what the split asks the engine (keys.EVAL): an edit of it renders the split again
         key=PLAN.eval_key,
     script:
-        "scripts/evalset.py"
+        "scripts/stage.py"

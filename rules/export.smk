@@ -4,12 +4,15 @@ rule export:
         # a format that reads the store (conversations: messages and answer texts) declares it
         store=planned_input("export", "store"),
     output:
-        record=directory(EXPORT_RECORD),
+        # each format's record; dist/NAME-FORMAT links to its version
+        record=directory(
+            str(dflash_build.publish.release.record_dir(CONFIG.export_dir("{fmt}")))
+        ),
     log:
         layout.dist_log(LOGS, f"{CONFIG.dataset_name}-{{fmt}}"),
     conda:
         "../envs/cpu.yaml"
     params:
-        export=get_export_params,
+        export=get_params("export"),
     script:
-        "scripts/export.py"
+        "scripts/stage.py"

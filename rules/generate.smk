@@ -20,4 +20,4 @@ rule generate:
         gpu=GENERATE_GPU,
         gpu_jobs=GENERATE_GPU_JOBS,
     script:
-        "scripts/generate.py"
+        "scripts/stage.py"

@@ -13,7 +13,9 @@ rule mix:
     output:
         # the card's plots and tables go into `snakemake --report report.html` too
         record=report(
-            directory(DATASET_RECORD),
+            # the build record beside the dataset's versions; dist/NAME is a link the stage swaps only
+            # when a build passed (dflash_build.publish.release)
+            directory(planned_paths("mix", "record", True)[0]),
             patterns=["plots/{name}.png", "tables/{name}.csv"],
             caption="report/dataset.rst",
             category="Dataset",
@@ -23,6 +25,6 @@ rule mix:
     conda:
         "../envs/cpu.yaml"
     params:
-        mix=get_mix_params(),
+        mix=get_params("mix"),
     script:
-        "scripts/mix.py"
+        "scripts/stage.py"

@@ -13,4 +13,4 @@ rule preflight:
     resources:
         gpu=1 if dflash_build.engines.uses_gpu(CONFIG.engine) else 0,
     script:
-        "scripts/preflight.py"
+        "scripts/stage.py"

@@ -37,4 +37,4 @@ for source_name, source_plan in PLAN.sources.items():
             key=source_plan.prompt_key,
             components=get_prompt_components(source_name),
         script:
-            "scripts/prepare.py"
+            "scripts/stage.py"

@@ -12,4 +12,4 @@ rule prepared:
     conda:
         "../envs/cpu.yaml"
     script:
-        "scripts/prepared.py"
+        "scripts/stage.py"

@@ -14,9 +14,9 @@ checkpoint size_pilot:
     conda:
         "../envs/cpu.yaml"
     params:
-        size=get_size_params(),
+        size=get_params("size"),
     script:
-        "scripts/size.py"
+        "scripts/stage.py"
 
 
 checkpoint size_topup:
@@ -29,6 +29,6 @@ checkpoint size_topup:
     conda:
         "../envs/cpu.yaml"
     params:
-        size=get_size_params(),
+        size=get_params("size"),
     script:
-        "scripts/size.py"
+        "scripts/stage.py"

@@ -15,4 +15,4 @@ rule tokenize:
     conda:
         "../envs/cpu.yaml"
     script:
-        "scripts/tokenize.py"
+        "scripts/stage.py"

@@ -16,8 +16,8 @@ from dflash_build import config as cfg
 from dflash_build import configfile, engines, inputs, workflow
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
-from dflash_build.stages import generate, mix, prepare, tokenize
-from dflash_build.stages.common.job import INPUTS, OUTPUTS, Job, planned
+from dflash_build.stages import generate, mix, prepare, registry, tokenize
+from dflash_build.stages.common.job import Job, planned
 from tests.conftest import REPO, write_jsonl
 from tests.test_generate import EchoEngine
 
@@ -102,7 +102,8 @@ def test_a_snakemake_job_becomes_the_job_the_plan_would_make(
         got = workflow.job_of(smk, stage)
         assert (got.stage, got.source, got.shard, got.key) == (want.stage, want.source, want.shard, want.key)
         assert got.inputs == want.inputs and got.outputs == want.outputs, stage
-        assert set(got.inputs) == set(INPUTS[stage]) and set(got.outputs) == set(OUTPUTS[stage])
+        declared = registry.get(stage)
+        assert set(got.inputs) == set(declared.inputs) and set(got.outputs) == set(declared.outputs)
 
 
 def test_a_prompt_shard_missing_beside_its_manifest_names_the_manifest(tmp_path: Path) -> None:

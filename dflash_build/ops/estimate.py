@@ -18,12 +18,13 @@ from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
 from dflash_build.stages import generate, size
 from dflash_build.stages.common import crosssource, neardup
-from dflash_build.stages.common.job import planned, sized_counts
+from dflash_build.stages.common.job import planned
 from dflash_build.stages.generate.reuse import reuse, reuse_conversations
 from dflash_build.stages.generate.work import ShardPaths
 from dflash_build.stages.prepare import checks as prepare_checks
 from dflash_build.stages.prepare.identity import shard_bounds
 from dflash_build.stages.prepare.selection import Selection, select
+from dflash_build.stages.size.stage import sized_counts
 from dflash_build.store import filesystem, layout
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal

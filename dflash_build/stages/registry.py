@@ -40,11 +40,20 @@ class Of:
     sizing: str | Path | None = None
 
 
+def shard_outputs(data: Path) -> Paths:
+    """A shard job's outputs: its data file and its stats sidecar."""
+    return {"data": (data,), "stats": (layout.sidecar(data),)}
+
+
 def always(config: Config) -> bool:
     return True
 
 
 def no_targets(plan: Plan) -> list[Path]:
+    return []
+
+
+def says_nothing(plan: Plan) -> list[str]:
     return []
 
 
@@ -56,7 +65,8 @@ class Stage:
     the order the data flows (``order``). ``paths``: a job's inputs and outputs from the plan;
     ``enabled``: whether the config includes its rule; ``targets``: what it adds to the build's default
     target (``snakemake`` with no target); ``params``: what its rule's params trigger reruns on (None:
-    none); ``store``: a keyed stage's folder in the store (layout.KEYED)."""
+    none); ``store``: a keyed stage's folder in the store (layout.Keyed); ``summary``: the lines a build
+    that ends well prints of what the stage built."""
 
     name: str
     inputs: tuple[str, ...]
@@ -68,6 +78,7 @@ class Stage:
     targets: Callable[[Plan], list[Path]] = no_targets
     params: Callable[..., Any] | None = None
     store: layout.Keyed | None = None
+    summary: Callable[[Plan], list[str]] = says_nothing
 
     def __post_init__(self) -> None:
         if self.per not in PER:
@@ -112,6 +123,14 @@ def get(name: str) -> Stage:
         if stage.name == name:
             return stage
     raise ValueError(f"no stage named {name!r} (stages: {', '.join(s.name for s in stages())})")
+
+
+def of_rule(rule: str) -> str:
+    """The stage a rule runs: its name, or the stage whose name leads it (``prepare_SOURCE``, ``size_pilot``)."""
+    names = [s.name for s in stages() if rule == s.name or rule.startswith(f"{s.name}_")]
+    if not names:
+        raise ValueError(f"rule {rule!r} runs no stage (stages: {', '.join(s.name for s in stages())})")
+    return max(names, key=len)
 
 
 def enabled(config: Config) -> list[Stage]:

@@ -10,9 +10,10 @@ STORE/.cache/{fingerprints.json, components/KEY.json}   (file digests; what each
 LOGS/STAGE_DIR/SOURCE/KEY/SHARD.log              (one log per job, mirroring its store path)
 ```
 
-Each stage has one row of :data:`TABLE`: its name, its rule's named inputs and outputs, what one job is
-for, and for a keyed stage its folder and the key that names its folders. Rules format
-:func:`shard_pattern`; stages, commands and the plan call the functions below.
+A keyed stage's store folder is one :class:`Keyed` (the stage that writes it, its folder, the key that
+names each source's folder there); every stage is declared by its own package
+(:mod:`dflash_build.stages.registry`). Rules format :func:`shard_pattern`; stages, commands and the plan
+call the functions below.
 ``tests/test_layout.py`` fails when a store path is built anywhere else.
 """
 
@@ -29,18 +30,13 @@ from dflash_build.keys import GEN, PROMPT, TOK
 
 
 @dataclass(frozen=True)
-class Stage:
-    """One stage's row of the table: its name (its module ``dflash_build.stages.NAME``, its rule file
-    ``rules/NAME.smk`` and its rule), the names its rule gives its inputs and outputs (what the stage's
-    ``Job`` reads them by), what one of its jobs is for, and, for a keyed stage, its folder in the store
-    (and the logs) and the content key that names each source's folder there."""
+class Keyed:
+    """A keyed stage's folder in the store: the stage (and rule) that writes it, the folder, and the
+    content key that names each source's folder there."""
 
     name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    per: str  # one job per: "source", "shard", "round" (mix.generate: as_needed), "format", or the whole "config"
-    folder: str | None = None
-    key: str | None = None
+    folder: str
+    key: str
 
     @property
     def rule(self) -> str:
@@ -48,24 +44,11 @@ class Stage:
         return self.name
 
 
-# Every stage, in the order the data flows; plan, the stage contract (stages.common.job), the rules and
-# the store's commands read this table. A new stage is a row here, its module, and its rules/NAME.smk.
-TABLE = (
-    Stage("prepare", ("files", "references"), ("manifest", "bands"), "source", "prompts", PROMPT),
-    Stage("prepared", ("manifests",), ("record",), "config"),
-    Stage("generate", ("prompts", "copies_of", "prepared"), ("data", "stats"), "shard", "completions", GEN),
-    Stage("tokenize", ("completions", "prompts"), ("data", "stats"), "shard", "tokens", TOK),
-    Stage("size", ("tokens",), ("sizing",), "round"),
-    Stage("mix", ("tokens", "bands", "manifests"), ("record",), "config"),
-    Stage("pack", ("dataset",), ("record",), "config"),
-    Stage("export", ("dataset", "store"), ("record",), "format"),
-    Stage("evalset", ("manifests",), ("record",), "config"),
-    Stage("accept", ("split", "dataset"), ("record",), "config"),
-    Stage("preflight", ("prepared",), ("summary",), "config"),
-)
-BY_NAME = {s.name: s for s in TABLE}
-PROMPTS, COMPLETIONS, TOKENS = BY_NAME["prepare"], BY_NAME["generate"], BY_NAME["tokenize"]
-STAGES = {s.folder: s for s in TABLE if s.folder is not None}  # the keyed stages, by store folder
+# The keyed stages' folders, in the order the data flows: each key includes the one before.
+PROMPTS = Keyed("prepare", "prompts", PROMPT)
+COMPLETIONS = Keyed("generate", "completions", GEN)
+TOKENS = Keyed("tokenize", "tokens", TOK)
+STAGES = {s.folder: s for s in (PROMPTS, COMPLETIONS, TOKENS)}  # the keyed stages, by store folder
 KEYS = tuple(s.key for s in STAGES.values())  # prompt_key, gen_key, tok_key: each includes the one before
 
 
@@ -106,7 +89,7 @@ def acceptance_entries(store: Path) -> list[Path]:
     return sorted(p for p in (Path(store) / ACCEPTANCE).glob("*") if p.is_dir())
 
 
-def stage_dir(store: Path, stage: Stage, source: str, key: str) -> Path:
+def stage_dir(store: Path, stage: Keyed, source: str, key: str) -> Path:
     assert stage.folder is not None, f"{stage.name} has no folder in the store"
     return Path(store) / stage.folder / source / key
 
@@ -135,7 +118,7 @@ def sidecars(folder: Path) -> list[Path]:
     return sorted(folder.glob(f"*{SIDECAR}"))
 
 
-def store_sidecars(store: Path, stage: Stage) -> Iterator[Path]:
+def store_sidecars(store: Path, stage: Keyed) -> Iterator[Path]:
     """Every stats sidecar of a stage in the store, of every source and key."""
     yield from sorted((Path(store) / stage.folder).glob(f"*/*/*{SIDECAR}"))
 
@@ -146,7 +129,7 @@ def journal_dir(store: Path, gen_key: str, shard: str | None = None) -> Path:
     return folder if shard is None else folder / shard
 
 
-def shard_pattern(root: str | Path, stage: Stage, suffix: str) -> str:
+def shard_pattern(root: str | Path, stage: Keyed, suffix: str) -> str:
     """A rule's path pattern of a stage's shard files under ``root`` (the store or the logs)."""
     return f"{root}/{stage.folder}/{{source}}/{{key}}/{{shard}}{suffix}"
 
@@ -203,17 +186,17 @@ def dist_log(logs: str | Path, name: str) -> str:
     return f"{logs}/dist/{name}{LOG}"
 
 
-def stage_entries(store: Path, stage: Stage) -> list[Path]:
+def stage_entries(store: Path, stage: Keyed) -> list[Path]:
     """Every SOURCE/KEY folder of a stage in the store."""
     return sorted(p for p in (Path(store) / stage.folder).glob("*/*") if p.is_dir())
 
 
-def source_keys(store: Path, stage: Stage, source: str) -> list[Path]:
+def source_keys(store: Path, stage: Keyed, source: str) -> list[Path]:
     """Every KEY folder of one source's stage in the store."""
     return sorted(p for p in (Path(store) / stage.folder / source).glob("*") if p.is_dir())
 
 
-def shard_files(store: Path, stage: Stage, source: str, shard: str) -> list[Path]:
+def shard_files(store: Path, stage: Keyed, source: str, shard: str) -> list[Path]:
     """One shard's data file under every key of a source's stage."""
     return sorted((Path(store) / stage.folder / source).glob(f"*/{shard}{DATA}"))
 

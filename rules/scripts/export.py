@@ -1,3 +1,0 @@
-from dflash_build.workflow import run_rule
-
-run_rule(snakemake, "export")  # noqa: F821 (Snakemake injects `snakemake`)
