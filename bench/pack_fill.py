@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflash_build.config import PackSpec  # noqa: E402
+from dflash_build.spec import PackSpec  # noqa: E402
 from dflash_build.stages.pack import plan_rows  # noqa: E402
 
 MEAN, P90, CAP = 2068, 4200, 8192

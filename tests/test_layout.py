@@ -348,3 +348,34 @@ def test_no_layer_names_a_backend_or_compares_an_exports_name() -> None:
             if isinstance(node, ast.Compare):
                 compared += [(path.name, n, v) for n, v in _literals(node) if v in formats.FORMATS]
     assert not compared, compared
+
+
+def test_the_commands_reach_a_stage_through_its_package_or_its_descriptor_only() -> None:
+    """ops/ and cli import of a stage its package's public names (its entry points: prepare.select,
+    generate.reuse, size.sized_counts, mix.choose) or the registry of descriptors, never a module inside a
+    stage nor a private name, so a change inside a stage is made there once; the stages' shared modules
+    (stages/common) are a library, not a stage."""
+    stage_names = {s.name for s in stage_registry.stages()}
+    found = []
+    for module, tree in _trees().items():
+        if not (module.startswith("dflash_build.ops.") or module == "dflash_build.cli"):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_build.stages")):
+                continue
+            parts = node.module.split(".")  # type: ignore[union-attr]
+            inside_a_stage = len(parts) > 3 and parts[2] in stage_names
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if inside_a_stage or private:
+                found.append(
+                    f"{module}:{node.lineno} from {node.module} import {', '.join(a.name for a in node.names)}"
+                )
+        for node in ast.walk(tree):  # and no private name of a stage package read as an attribute
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in stage_names
+                and node.attr.startswith("_")
+            ):
+                found.append(f"{module}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not found, found

@@ -16,15 +16,9 @@ from dflash_build.ops import forecast, standing
 from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
-from dflash_build.stages import generate, size
+from dflash_build.stages import generate, prepare, size
 from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import planned
-from dflash_build.stages.generate.reuse import reuse, reuse_conversations
-from dflash_build.stages.generate.work import ShardPaths
-from dflash_build.stages.prepare import checks as prepare_checks
-from dflash_build.stages.prepare.identity import shard_bounds
-from dflash_build.stages.prepare.selection import Selection, select
-from dflash_build.stages.size.stage import sized_counts
 from dflash_build.store import filesystem, layout
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
@@ -273,7 +267,7 @@ def estimate_with_disk(
         rate = measured["tokens_per_second"]
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     windows = {w.source: w for w in turn_windows(plan)}
-    selections: dict[str, Selection] = {}
+    selections: dict[str, prepare.Selection] = {}
     cross, copies = _cross_source(plan, selections)
     lost = standing.standing(plan)
     held = frozenset(lost.missing) if lost is not None else frozenset()
@@ -317,7 +311,7 @@ def wanted_shards(plan: Plan) -> dict[str, int]:
 
 def _wanted(plan: Plan, replayed: size.Replayed | None) -> dict[str, int]:
     """The shards per source of the replayed sizing, the pilot's while there is none (as_needed)."""
-    return replayed.shards if replayed is not None else sized_counts(plan, None)
+    return replayed.shards if replayed is not None else size.sized_counts(plan, None)
 
 
 def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
@@ -331,7 +325,7 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
     replayed = size.replay(plan)
     if replayed is None:
         return None
-    listed = sized_counts(plan, None)  # the pilot's jobs are always listed
+    listed = size.sized_counts(plan, None)  # the pilot's jobs are always listed
     for round_ in layout.SIZING_ROUNDS:
         path = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
         reads = [p for n in plan.sources for p in plan.token_shards(n)[: listed[n]]]
@@ -340,7 +334,7 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
             break
         if not all(layout.sidecar(p).exists() for p in reads):
             break
-        listed = sized_counts(plan, path)
+        listed = size.sized_counts(plan, path)
     wanted = replayed.shards
     return [
         f"{name}/{shard}"
@@ -371,7 +365,7 @@ def dry_run_note(plan: Plan) -> str | None:
 
 
 def _cross_source(
-    plan: Plan, selections: dict[str, Selection]
+    plan: Plan, selections: dict[str, prepare.Selection]
 ) -> tuple[crosssource.CrossSource | None, dict[str, set[str]]]:
     """(what the mix will leave out across sources, each source's prompts that its generate jobs skip:
     those a source dedup.prefer ranks above it keeps). Near-copies count once every source is prepared
@@ -389,7 +383,7 @@ def _cross_source(
         elif plan.prompt_manifest(name).exists():
             prompts[name] = crosssource.prompt_ids(plan, name)
         elif sp.spec.hf is None or sp.spec.hf.is_local:
-            selections[name] = selections.get(name) or select(plan, name)
+            selections[name] = selections.get(name) or prepare.select(plan, name)
             prompts[name] = selections[name].selected
     copies = {}
     for name, sp in plan.sources.items():
@@ -415,7 +409,7 @@ def _estimate(
     rate: float | None,
     default_tokens_per_second: float,
     lengths: list[tuple[int, int]],
-    selections: dict[str, Selection],
+    selections: dict[str, prepare.Selection],
     copies: dict[str, set[str]],
     sized: dict[str, int],
     held: frozenset[str],
@@ -466,7 +460,7 @@ class _ShardIds:
     """A shard's prompt ids: from its prompt shard, else from prepare's selection run in memory (once a
     source, CPU only), or None for a hub source (never loaded to plan)."""
 
-    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, Selection]) -> None:
+    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, prepare.Selection]) -> None:
         self.plan, self.source, self.est, self.selections = plan, source, est, selections
         self.by_shard: dict[str, list[str]] | None = None
 
@@ -478,14 +472,14 @@ class _ShardIds:
         if sp.spec.hf is not None and not sp.spec.hf.is_local:
             return None
         if self.by_shard is None:
-            selection = self.selections.get(self.source) or select(plan, self.source)
+            selection = self.selections.get(self.source) or prepare.select(plan, self.source)
             self.selections[self.source] = selection
             self.by_shard = selection.shard_prompt_ids()
             self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
             self.est.drops = dict(sorted(selection.drops.counts.items()))
             try:  # the check its prepare job will make: a lost source is found before generation
-                prepare_checks.check_losses(sp.spec, selection)
-            except prepare_checks.SourceLossError as e:
+                prepare.check_losses(sp.spec, selection)
+            except prepare.SourceLossError as e:
                 self.est.errors.append(str(e))
         return self.by_shard[shard]
 
@@ -504,7 +498,7 @@ def _count_rows(
     sp = plan.sources[source]
     sampling = sp.spec.sampling
     if ids is None:  # a hub source: the upper bound, every row generated, none reused
-        lo, hi = shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+        lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
         est.rows_in_jobs += (hi - lo) * sampling.samples_per_prompt
         est.rows_to_generate += (hi - lo) * sampling.samples_per_prompt
         return
@@ -541,12 +535,14 @@ def _reused(
     found = index.lookup(key, wanted, sp.spec.sampling.max_new_tokens)
     other_settings = any(c.generation_key != sp.generation_key for cands in found.values() for c in cands)
     if found and (other_settings or sp.spec.turns != "first"):  # a conversation's budgets are per turn
-        work = generate.open_shard(plan, source, shard, ShardPaths.of(planned(plan, "generate", source, shard)))
+        work = generate.open_shard(
+            plan, source, shard, generate.ShardPaths.of(planned(plan, "generate", source, shard))
+        )
         work.convs = {k: conv for k, conv in work.convs.items() if k in wanted}
         if sp.spec.turns == "first":
-            reuse(work, None, index)
+            generate.reuse(work, None, index)
         else:
-            reuse_conversations(work, None, index)
+            generate.reuse_conversations(work, None, index)
         done = {k for k, conv in work.convs.items() if conv.turns and conv.finish_reason is not None}
         return done, {k for k, conv in work.convs.items() if conv.prefix}
     limit = sp.spec.sampling.max_new_tokens

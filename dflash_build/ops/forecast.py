@@ -28,8 +28,7 @@ import numpy as np
 
 from dflash_build.plan import Plan
 from dflash_build.stages import size
-from dflash_build.stages.mix import binds, category_targets, choose, take_to_target
-from dflash_build.stages.mix.checks import MixError, missed_shares
+from dflash_build.stages.mix import MixError, binds, category_targets, choose, missed_shares, take_to_target
 from dflash_build.store import layout
 from dflash_build.store import records as R
 

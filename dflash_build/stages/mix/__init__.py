@@ -33,7 +33,9 @@ from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.mix import acceptance as by_acceptance
 from dflash_build.stages.mix import variants
+from dflash_build.stages.mix.checks import MixError as MixError
 from dflash_build.stages.mix.checks import check, deviations, floor_shortfalls, missed_floors
+from dflash_build.stages.mix.checks import missed_shares as missed_shares
 from dflash_build.stages.mix.drafting import DraftTally
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_build.publish import card, release
-from dflash_build.stages import mix
+from dflash_build.stages import mix, size
 from dflash_build.stages.registry import Of, Paths, Stage, always
-from dflash_build.stages.size.stage import sized_shards
 from dflash_build.store import layout
 
 if TYPE_CHECKING:
@@ -23,7 +22,7 @@ def paths(plan: Plan, of: Of) -> tuple[Paths, Paths]:
     if cfg.mix_generate != "as_needed":
         tokens = tuple(sorted(plan.all_token_shards()))
     else:  # the shards the top-up's sizing names; none before it is decided (Snakemake's checkpoint waits)
-        tokens = tuple(Path(p) for p in sized_shards(plan, final)) if Path(final).exists() else ()
+        tokens = tuple(Path(p) for p in size.sized_shards(plan, final)) if Path(final).exists() else ()
     inputs = {
         "tokens": tokens,
         "bands": tuple(plan.prompt_bands(s) for s in sorted(plan.sources)) if across else (),

@@ -21,8 +21,12 @@ from typing import Any
 
 from dflash_build.stages.common import neardup
 from dflash_build.stages.common.job import Job
+from dflash_build.stages.prepare.checks import SourceLossError as SourceLossError
 from dflash_build.stages.prepare.checks import check_losses
+from dflash_build.stages.prepare.identity import shard_bounds as shard_bounds
+from dflash_build.stages.prepare.selection import Selection as Selection
 from dflash_build.stages.prepare.selection import scan
+from dflash_build.stages.prepare.selection import select as select
 from dflash_build.stages.prepare.spill import Spill, bucket_count
 from dflash_build.stages.prepare.write import write_shards
 from dflash_build.store import atomic, layout

@@ -142,6 +142,19 @@ def measured(plan: Plan, shards: Mapping[str, list[Path]], named: Mapping[str, i
     return supplies
 
 
+def sized_counts(plan: Plan, sizing: str | Path | None) -> dict[str, int]:
+    """How many of each source's first shards a sizing file names (none yet: the pilot's, one each)."""
+    if sizing is None:
+        return dict.fromkeys(plan.sources, 1)
+    return dict(json.loads(Path(sizing).read_text())["shards"])
+
+
+def sized_shards(plan: Plan, sizing: str | Path | None) -> list[str]:
+    """The token shards a sizing file names, by source name (:func:`sized_counts`)."""
+    counts = sized_counts(plan, sizing)
+    return [str(p) for name in sorted(plan.sources) for p in plan.token_shards(name)[: counts[name]]]
+
+
 def params(cfg: Config) -> dict[str, Any]:
     """What the sizing depends on besides the shards it measures: the size rules' params (a change sizes the
     rounds again, the params trigger), and recorded in each sizing so that a stale one is known as such."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,19 +14,6 @@ if TYPE_CHECKING:
     from dflash_build.spec import Config
 
 
-def sized_counts(plan: Plan, sizing: str | Path | None) -> dict[str, int]:
-    """How many of each source's first shards a sizing file names (none yet: the pilot's, one each)."""
-    if sizing is None:
-        return dict.fromkeys(plan.sources, 1)
-    return dict(json.loads(Path(sizing).read_text())["shards"])
-
-
-def sized_shards(plan: Plan, sizing: str | Path | None) -> list[str]:
-    """The token shards a sizing file names, by source name (:func:`sized_counts`)."""
-    counts = sized_counts(plan, sizing)
-    return [str(p) for name in sorted(plan.sources) for p in plan.token_shards(name)[: counts[name]]]
-
-
 def paths(plan: Plan, of: Of) -> tuple[Paths, Paths]:
     cfg = plan.config
     assert of.round_ in layout.SIZING_ROUNDS, f"size: a round of {layout.SIZING_ROUNDS}"
@@ -35,7 +21,7 @@ def paths(plan: Plan, of: Of) -> tuple[Paths, Paths]:
     earlier = of.sizing or (None if first else layout.sizing_file(cfg.logs, cfg.dataset_name, of.round_ - 1))
     sizing = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, of.round_))
     decided = earlier is None or Path(earlier).exists()  # none before the round it measures is sized
-    tokens = tuple(Path(p) for p in sized_shards(plan, earlier)) if decided else ()
+    tokens = tuple(Path(p) for p in size.sized_shards(plan, earlier)) if decided else ()
     return {"tokens": tokens}, {"sizing": (sizing,)}
 
 
