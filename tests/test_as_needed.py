@@ -190,3 +190,32 @@ def test_a_raised_share_is_listed_by_plan_and_the_dry_run_before_the_build_gener
     assert list(unread) == ["long"] and unread["long"]["shards"] == len(jobs) and unread["long"]["tokens"] > 0
     card = (wf.workdir / "dist" / "test-mix" / "README.md").read_text()
     assert f"also generated: {unread['long']['tokens']} tokens in {len(jobs)} shards the current sizing" in card
+
+
+def test_an_oversampled_category_generates_its_factor_for_the_mix_to_choose_from(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """mix.by_acceptance.CATEGORY.oversample (issue 70): plan prices it, the size jobs run again and name
+    that much more of the category, only the shards it adds are generated, and the mix's targets stay."""
+    config = _config(tmp_path, tiny_model, "as_needed")
+    wf = Workflow.at(tmp_path / "work", config)
+    wf.build()
+    before = _generated_shards(wf.workdir, "long")
+    targets = {c: v["target_tokens"] for c, v in _manifest(wf.workdir)["mix"]["categories"].items()}
+    config["mix"]["by_acceptance"] = {"coding": {"fraction": 0.5, "oversample": 1.5}}
+    wf.write_config(config)
+    planned = wf.cli("plan", "--jobs").stdout
+    line = next(li for li in planned.splitlines() if li.startswith("oversampling (mix.by_acceptance.coding.oversample"))
+    jobs = sorted(li.split()[1] for li in planned.splitlines() if li.startswith("generate "))
+    assert jobs and all(j.startswith("long/") for j in jobs), planned
+    assert "GPU-hours, for the mix to choose from" in line, line
+    wf.build()
+    added = sorted(f"long/{s}" for s in _generated_shards(wf.workdir, "long") - before)
+    assert added == jobs, (added, jobs)
+    sizing = json.loads((wf.workdir / layout.sizing_file("logs", "test-mix", 2)).read_text())
+    assert sizing["params"]["oversample"] == {"coding": 1.5} and sizing["shards"]["long"] == len(before) + len(jobs)
+    manifest = _manifest(wf.workdir)
+    coding = manifest["mix"]["categories"]["coding"]
+    assert coding["available_tokens"] >= 1.3 * coding["target_tokens"], "a choice: more generated than taken"
+    assert {c: v["target_tokens"] for c, v in manifest["mix"]["categories"].items()} == targets, "the targets stay"
+    assert "total: 0 generate jobs" in wf.cli("plan").stdout
