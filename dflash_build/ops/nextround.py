@@ -6,8 +6,9 @@ A category slice (and a source slice, through its category) is a set of prompts 
 the change raises the category's weight in ``mix.categories`` until the mix takes the category whole (it
 binds), and lifts ``max_samples`` of each of the slice's sources that cut prompts. The cost is the plan's
 own estimate of the edited config (:func:`dflash_build.config.edited`, then
-:func:`~dflash_build.ops.estimate.estimate_with_disk`), summed over the slice's sources, so applying the
-change makes `plan` print the same rows, answer tokens and GPU-hours. Prompts already generated and left
+:func:`~dflash_build.ops.estimate.estimate_with_disk`), summed over the sources of the category the change
+grows (a source slice's change grows its whole category), so applying the change makes `plan` print the
+same rows, answer tokens and GPU-hours for those sources. Prompts already generated and left
 out by the mix cost nothing; rows tokenize dropped as degenerate are counted apart (no change takes
 them). A language, variant, turn or context slice is no set of prompts one edit takes: it is listed
 without a change. What the table assumes (that τ rises where the data grows) is not measured, and the
@@ -144,8 +145,9 @@ def _cost(plan: Plan, entry: NextRound, category: str) -> None:
     estimates, _, after = estimate.estimate_with_disk(changed)
     if not next(c for c in after.categories if c.category == category).binds:
         entry.note = f"the forecast under the change still leaves part of {category} out"
+    grown = set(_members(changed, category))  # the change grows its whole category: every source of it costs
     for e in estimates:
-        if e.source in entry.sources:
+        if e.source in grown:
             entry.rows += e.rows_to_generate
             entry.answer_tokens += e.output_tokens
             entry.gpu_hours += e.gpu_hours
