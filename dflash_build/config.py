@@ -229,9 +229,9 @@ def _exports(raw: Mapping[str, Any]) -> dict[str, ExportSpec]:
         settings = {name: given[name] for name in schema["properties"]}
         for name, sub in schema["properties"].items():
             if sub.get("x-default-from") and settings.get(name) is None:
-                settings[name] = _config_value(raw, sub["x-default-from"])
+                settings[name] = value_at(raw, sub["x-default-from"])
         for name, path in (schema.get("x-derived") or {}).items():
-            settings[name] = _config_value(raw, path)
+            settings[name] = value_at(raw, path)
         if "think" in settings:
             settings["think"] = tuple(settings["think"])
         spec = ExportSpec(format=fmt, **settings)
@@ -241,7 +241,7 @@ def _exports(raw: Mapping[str, Any]) -> dict[str, ExportSpec]:
     return exports
 
 
-def _config_value(raw: Mapping[str, Any], dotted: str) -> Any:
+def value_at(raw: Mapping[str, Any], dotted: str) -> Any:
     """The value at a dotted key of a filled config (``trainer.max_length``)."""
     value: Any = raw
     for part in dotted.split("."):

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_build import config as config_mod
@@ -61,20 +61,19 @@ def used_prompts(dataset: Path) -> dict[str, int]:
     """Prompts per source the dataset in place holds (distinct prompt ids)."""
     if release.current(dataset) is None and not dataset.is_dir():
         return {}
-    seen: dict[str, set[str]] = defaultdict(set)
-    for path in release.in_place(dataset).files:
-        table = pq.read_table(path, columns=["source", "prompt_id"])
-        for source, prompt in zip(
-            table.column("source").to_pylist(), table.column("prompt_id").to_pylist(), strict=True
-        ):
-            seen[source].add(prompt)
-    return {s: len(p) for s, p in seen.items()}
+    files = release.in_place(dataset).files
+    if not files:
+        return {}
+    table = pa.concat_tables([pq.read_table(f, columns=["source", "prompt_id"]) for f in files])
+    counted = table.group_by("source").aggregate([("prompt_id", "count_distinct")])
+    return dict(zip(counted["source"].to_pylist(), counted["prompt_id_count_distinct"].to_pylist(), strict=True))
 
 
 def next_round(plan: Plan, weak: list[tuple[str, str]], dataset: Path) -> list[NextRound]:
     """The next round for each weak slice ``(column, value)`` (each once, in order)."""
     used = used_prompts(dataset)
     dropped = forecast.degenerate_drops(plan)
+    estimated: Estimated = {}
     out = []
     for column, value in dict.fromkeys(weak):
         entry = NextRound(f"{column}={value}", column, value)
@@ -96,8 +95,24 @@ def next_round(plan: Plan, weak: list[tuple[str, str]], dataset: Path) -> list[N
                 entry.over_max_samples[name] = over
             if degenerate := sum(dropped[name][1].values()):
                 entry.degenerate[name] = degenerate
-        _cost(plan, entry, category)
+        _cost(plan, entry, category, estimated)
     return out
+
+
+Estimated = dict[tuple[tuple[str, Any], ...], tuple[Plan, list[estimate.SourceEstimate], forecast.MixForecast]]
+
+
+def _estimate(
+    plan: Plan, edits: dict[str, Any], estimated: Estimated
+) -> tuple[Plan, list[estimate.SourceEstimate], forecast.MixForecast]:
+    """The plan of ``plan``'s config with ``edits`` and `plan`'s estimate of it, each distinct edit once (a
+    category slice and its sources' slices often ask for the same change)."""
+    key = tuple(sorted(edits.items()))
+    if key not in estimated:
+        changed = plan_mod.build(config_mod.edited(plan.config, edits)) if edits else plan
+        estimates, _, mix = estimate.estimate_with_disk(changed)
+        estimated[key] = (changed, estimates, mix)
+    return estimated[key]
 
 
 def _category(plan: Plan, column: str, value: str) -> str | None:
@@ -117,32 +132,30 @@ def _manifest(plan: Plan, source: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _cost(plan: Plan, entry: NextRound, category: str) -> None:
+def _cost(plan: Plan, entry: NextRound, category: str, estimated: Estimated) -> None:
     """The change that takes the slice's category whole (and its sources' prompts past max_samples), and
-    the plan's estimate of the edited config for the slice's sources."""
+    the plan's estimate of the edited config for the sources of the category it grows."""
     cfg = plan.config
     edits: dict[str, Any] = {}
     for name in entry.over_max_samples:
         spec_name = plan.sources[name].spec.parent or name  # a variant's max_samples is its parent's
         edits[f"sources.{spec_name}.max_samples"] = None
     try:
-        widened = config_mod.edited(cfg, edits) if edits else cfg
-        _, _, mix = estimate.estimate_with_disk(_plan(widened))
+        _, _, widened = _estimate(plan, edits, estimated)
         weights = {str(c): float(w) for c, w in cfg.raw["mix"]["categories"].items()}  # as written: weights
-        supply = {c.category: c.expected_tokens for c in mix.categories}
+        supply = {c.category: c.expected_tokens for c in widened.categories}
         weight = _whole(weights, cfg.mix_budget_tokens, supply, category)
         if weight is None:
             entry.note = f"mix.budget_tokens {cfg.mix_budget_tokens} is below {category}'s supply: raise it first"
             return
         if weight > weights[category]:
             edits[f"mix.categories.{category}"] = weight
-        changed = _plan(config_mod.edited(cfg, edits)) if edits else plan
+        changed, estimates, after = _estimate(plan, edits, estimated)
     except ConfigError as e:
         entry.note = f"the change does not load: {e}"
         return
     entry.change = edits
-    entry.was = {key: _current(cfg.raw, key) for key in edits}
-    estimates, _, after = estimate.estimate_with_disk(changed)
+    entry.was = {key: config_mod.value_at(cfg.raw, key) for key in edits}
     if not next(c for c in after.categories if c.category == category).binds:
         entry.note = f"the forecast under the change still leaves part of {category} out"
     grown = set(_members(changed, category))  # the change grows its whole category: every source of it costs
@@ -151,10 +164,6 @@ def _cost(plan: Plan, entry: NextRound, category: str) -> None:
             entry.rows += e.rows_to_generate
             entry.answer_tokens += e.output_tokens
             entry.gpu_hours += e.gpu_hours
-
-
-def _plan(config: config_mod.Config) -> Plan:
-    return plan_mod.build(config)
 
 
 def _whole(weights: dict[str, float], budget: int | None, supply: dict[str, float], category: str) -> float | None:
@@ -184,15 +193,6 @@ def _round_up(value: float, digits: int = 3) -> float:
         return value
     scale = 10 ** (digits - 1 - math.floor(math.log10(value)))
     return math.ceil(value * scale) / scale
-
-
-def _current(raw: Any, dotted: str) -> Any:
-    node = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def rows(rounds: list[NextRound]) -> list[dict[str, Any]]:
