@@ -33,6 +33,7 @@ def concurrency(engine: EngineSpec) -> int:
 
 STALLED_STOP_SECONDS = 20.0  # a stalled server is SIGKILLed by its host at once; then the host itself
 EXIT_WAIT_SECONDS = 10.0  # the host notices its server's exit within its poll
+DYING_EXIT_WAIT_SECONDS = 60.0  # once its log shows the error: vLLM's shutdown is slower on a loaded machine
 
 
 class ServedEngine:
@@ -50,6 +51,7 @@ class ServedEngine:
         self.died: EngineDied | None = None  # a server that exited on its own error: not replaced
         # where each server's log stood when the job attached: an error before it was another job's
         self._log_sizes = {e["url"]: _size(e.get("log")) for e in attached.engines}
+        self._left: dict[str, dict[str, Any]] = {}  # members a refresh saw go, until the backend says so
         self._lock = threading.Lock()  # the pool's changes come from threads of their own
         self.identity: dict[str, Any] = {
             "identity_key": spec.identity_key,
@@ -84,12 +86,13 @@ class ServedEngine:
         answering), and replace our own slot's once."""
         with self._lock:
             state = self.attached.leave(url)
-        if state is None:
+            left = self._left.pop(url, None)
+        if (seen := state or left) is None:
             return PoolChange()
-        self.identity.setdefault("lost", []).append({**described(state), "stalled": stalled, "why": why[:300]})
-        if not stalled and (error := self._died_of(state)) is not None:
-            log.error("%s", error)
-            self.died = self.died or error
+        self.identity.setdefault("lost", []).append({**described(seen), "stalled": stalled, "why": why[:300]})
+        if not stalled and self._note_died(seen):
+            return PoolChange()
+        if state is None:  # a refresh saw its host go first: a replacement another job starts joins by refresh
             return PoolChange()
         # nobody replaced it yet: a stalled server is stopped, and so is one that does not answer when we are
         # about to replace it (a stall, as far as this job can tell; else the replacement would find its
@@ -120,15 +123,25 @@ class ServedEngine:
                 self.identity["engines"].append(described(joined))
         return PoolChange(joined=attached.urls)
 
+    def _note_died(self, state: dict[str, Any]) -> bool:
+        """Whether the server exited on its engine's own error; if so it is logged, and the job raises it."""
+        if (error := self._died_of(state)) is None:
+            return False
+        log.error("%s", error)
+        self.died = self.died or error
+        return True
+
     def _died_of(self, state: dict[str, Any]) -> EngineDied | None:
         """The engine's own error, when its server exited on one while this job used it (a killed server
         leaves none, and is replaced): replacing it would only fail the same requests again."""
         if not state.get("log"):
             return None
         since = self._log_sizes.get(state["url"], 0)
-        deadline = time.monotonic() + EXIT_WAIT_SECONDS
+        deadline, dying = time.monotonic() + EXIT_WAIT_SECONDS, time.monotonic() + DYING_EXIT_WAIT_SECONDS
         while (code := exit_code(state["log"], since)) is None and time.monotonic() < deadline:
             time.sleep(0.2)  # the server logs its error, then exits; its host says so within a poll
+            if time.monotonic() >= deadline and deadline < dying and engine_error(state["log"], since):
+                deadline = dying  # it logged an error: a loaded machine may take longer to shut it down
         if code is None or code < 0:  # still up, or killed by a signal (kill -9): replaced as before
             return None
         error = engine_error(state["log"], since)
@@ -156,7 +169,8 @@ class ServedEngine:
                 if read_state(self.spec.lock_dir, state["slot"]) != state
             ]
             for url in gone:
-                self.attached.leave(url)
+                if (state := self.attached.leave(url)) is not None:
+                    self._left[url] = state  # so the backend's word that it left can still tell why
             joined = join_others(self.spec, self.attached) if self.pool else []
             self.identity["engines"] += [described(self.attached.members[url][0]) for url in joined]
         return PoolChange(joined=joined, gone=gone)
