@@ -110,7 +110,7 @@ def measure_prepare(root: str, rows: int, filters: str, corpus: str = "english")
     from dflash_build import lsh
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
 
     base = Path(root)
     extra: dict[str, Any] = {"store": str(base / f"store-{filters}")}

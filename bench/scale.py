@@ -114,7 +114,7 @@ def write_sharegpt(path: Path, rows: int) -> None:
 def measure_prepare(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
 
     base = Path(root)
     config = _config(
@@ -204,7 +204,7 @@ def write_token_shards(root: str, rows: int) -> None:
 def measure_mix(root: str, rows: int) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import mix
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
 
     plan = plan_mod.build(_mix_config(Path(root), rows))
     start = time.perf_counter()

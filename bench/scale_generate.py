@@ -25,7 +25,7 @@ def build_model(root: str) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import prepare
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
 
     sys.path.insert(0, str(REPO))
     from tests.conftest import smollm2_gguf
@@ -109,7 +109,7 @@ def measure_generate_driver(root: str, round_: int) -> dict[str, Any]:
 
     from dflash_build import plan as plan_mod
     from dflash_build.stages import generate
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))
@@ -174,7 +174,7 @@ def measure_tokenize(root: str) -> dict[str, Any]:
     from dflash_build import plan as plan_mod
     from dflash_build.stages import tokenize
     from dflash_build.stages.common import chat
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
 
     base = Path(root)
     plan = plan_mod.build(_gen_config(base))

@@ -112,7 +112,7 @@ def get_params(stage):
 
 def planned_input(stage, name, flag=None, sizing=None, **fixed):
     """The input function of a rule's input ``name``: what the planner declares for the job
-    (dflash_build.stages.common.job.planned, which tests/test_rules.py holds the rules to), each path
+    (dflash_build.stages.registry.planned, which tests/test_rules.py holds the rules to), each path
     with ``flag`` (ancient); ``sizing``: the name of the checkpoint whose sizing file names the shards
     (as_needed; by name: rules/size.smk is read after the rules that name it); ``fixed``: more of what
     the job is for (a size job's round).
@@ -124,7 +124,7 @@ def planned_input(stage, name, flag=None, sizing=None, **fixed):
         }
         if sizing is not None:
             of["sizing"] = getattr(checkpoints, sizing).get().output.sizing
-        job = dflash_build.stages.common.job.planned(PLAN, stage, **of, **fixed)
+        job = dflash_build.stages.registry.planned(PLAN, stage, **of, **fixed)
         return [flag(str(p)) if flag else str(p) for p in job.inputs[name]]
 
     return paths
@@ -132,7 +132,7 @@ def planned_input(stage, name, flag=None, sizing=None, **fixed):
 
 def planned_paths(stage, name, of_outputs=False, **of):
     """A rule's input (or output) ``name`` of a job the plan alone decides (a source's prepare, the mix)."""
-    job = dflash_build.stages.common.job.planned(PLAN, stage, **of)
+    job = dflash_build.stages.registry.planned(PLAN, stage, **of)
     return [str(p) for p in (job.outputs if of_outputs else job.inputs)[name]]
 
 

@@ -243,8 +243,8 @@ def test_no_copy_or_near_copy_of_a_held_out_prompt_is_left_to_train_on(tmp_path:
     import pyarrow.parquet as pq
 
     from dflash_build.stages import prepare
-    from dflash_build.stages.common.job import planned
     from dflash_build.stages.mix import held_out_ids
+    from dflash_build.stages.registry import planned
     from tests.test_dedup import _plan, _texts
 
     texts = _texts(40, seed=3)

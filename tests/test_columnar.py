@@ -24,8 +24,8 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build.stages import prepare
-from dflash_build.stages.common.job import planned
 from dflash_build.stages.prepare import columnar
+from dflash_build.stages.registry import planned
 from tests.conftest import write_jsonl
 
 TEXTS = [

@@ -22,7 +22,7 @@ from dflash_build.stages import prepare
 from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common import words as W
 from dflash_build.stages.common.decontaminate import ReferenceError
-from dflash_build.stages.common.job import planned
+from dflash_build.stages.registry import planned
 from tests.conftest import Workflow, base_config, write_jsonl
 from tests.multilingual import ASK, GSM8K_QUESTION, MGSM_ITEM_0, PARAGRAPH, SAME_TOPIC
 

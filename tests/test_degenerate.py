@@ -323,8 +323,8 @@ def test_a_degenerate_row_is_asked_again_with_the_next_seed_up_to_the_bound(
 
     from dflash_build import engines
     from dflash_build.stages import generate, prepare
-    from dflash_build.stages.common.job import planned
     from dflash_build.stages.generate import row_seed
+    from dflash_build.stages.registry import planned
 
     plan = _regenerating(tmp_path, tiny_model, 200, retries=retries)
     engine = _LoopsOnItsFirstSeeds(5, loops)

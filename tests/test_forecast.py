@@ -123,7 +123,7 @@ def test_oversampling_is_refused_where_every_prompt_is_generated(tmp_path: Path,
 def test_the_size_stage_sizes_each_round_from_the_shards_its_job_declares(tmp_path: Path, tiny_model: Path) -> None:
     """size.run on the pilot's token sidecars, then on the first round's: the rule's two checkpoints."""
     from dflash_build.stages import size
-    from dflash_build.stages.common.job import planned
+    from dflash_build.stages.registry import planned
     from dflash_build.store import atomic, layout
 
     plan = _plan(tmp_path, tiny_model, generate="as_needed")  # long: 8 shards of 4 prompts, short: 3

@@ -17,7 +17,7 @@ from dflash_build import engines
 from dflash_build import plan as plan_mod
 from dflash_build.engines import Request, Result
 from dflash_build.stages import generate, prepare
-from dflash_build.stages.common.job import planned
+from dflash_build.stages.registry import planned
 from tests.conftest import TOOLS_TEMPLATE, write_jsonl
 
 

@@ -17,7 +17,8 @@ from dflash_build import configfile, engines, inputs, workflow
 from dflash_build import plan as plan_mod
 from dflash_build.publish import release
 from dflash_build.stages import generate, mix, prepare, registry, tokenize
-from dflash_build.stages.common.job import Job, planned
+from dflash_build.stages.common.job import Job
+from dflash_build.stages.registry import planned
 from tests.conftest import REPO, write_jsonl
 from tests.test_generate import EchoEngine
 

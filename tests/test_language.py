@@ -16,7 +16,7 @@ from dflash_build import language
 from dflash_build import plan as plan_mod
 from dflash_build.spec import Config, ConfigError
 from dflash_build.stages import generate, mix, prepare, tokenize
-from dflash_build.stages.common.job import planned
+from dflash_build.stages.registry import planned
 from tests.conftest import base_config, write_jsonl
 from tests.multilingual import GSM8K_QUESTION, MGSM_ITEM_0, PARAGRAPH, SAME_TOPIC
 

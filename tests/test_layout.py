@@ -350,32 +350,59 @@ def test_no_layer_names_a_backend_or_compares_an_exports_name() -> None:
     assert not compared, compared
 
 
-def test_the_commands_reach_a_stage_through_its_package_or_its_descriptor_only() -> None:
-    """ops/ and cli import of a stage its package's public names (its entry points: prepare.select,
-    generate.reuse, size.sized_counts, mix.choose) or the registry of descriptors, never a module inside a
-    stage nor a private name, so a change inside a stage is made there once; the stages' shared modules
-    (stages/common) are a library, not a stage."""
-    stage_names = {s.name for s in stage_registry.stages()}
+REGISTRY = "dflash_build.stages.registry"
+
+
+def _private_of_stages(node: ast.AST) -> bool:
+    """A private name read from the registry, as ops/ name it (``stages``)."""
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "stages"
+        and node.attr.startswith("_")
+    )
+
+
+def _past_the_registry(trees: dict[str, ast.Module]) -> list[str]:
+    """Where ops/ or the cli reach into stages/ other than through the registry, or read a private name."""
     found = []
-    for module, tree in _trees().items():
+    for module, tree in trees.items():
         if not (module.startswith("dflash_build.ops.") or module == "dflash_build.cli"):
             continue
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_build.stages")):
-                continue
-            parts = node.module.split(".")  # type: ignore[union-attr]
-            inside_a_stage = len(parts) > 3 and parts[2] in stage_names
-            private = [a.name for a in node.names if a.name.startswith("_")]
-            if inside_a_stage or private:
-                found.append(
-                    f"{module}:{node.lineno} from {node.module} import {', '.join(a.name for a in node.names)}"
-                )
-        for node in ast.walk(tree):  # and no private name of a stage package read as an attribute
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in stage_names
-                and node.attr.startswith("_")
-            ):
-                found.append(f"{module}:{node.lineno} {node.value.id}.{node.attr}")
-    assert not found, found
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_build.stages"):
+                names = [a.name for a in node.names]
+                through = node.module == REGISTRY or (node.module == "dflash_build.stages" and names == ["registry"])
+                if not through or any(n.startswith("_") for n in names):
+                    found.append(f"{module}:{node.lineno} from {node.module} import {', '.join(names)}")
+            elif isinstance(node, ast.Import):
+                found += [
+                    f"{module}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("dflash_build.stages") and a.name != REGISTRY
+                ]
+            elif _private_of_stages(node):
+                found.append(f"{module}:{node.lineno} stages.{node.attr}")  # type: ignore[attr-defined]
+    return found
+
+
+def test_the_commands_reach_the_stages_through_the_registry_only() -> None:
+    """ops/ and the cli import of stages/ the registry alone: the descriptors, and the stages' public entry
+    points it lists (prepare's select, generate's reuse, the sizing, the mix's choice), so a change inside a
+    stage is made there once; a planted import past it is found."""
+    trees = _trees()
+    assert not _past_the_registry(trees), _past_the_registry(trees)
+    assert any(f"import {REGISTRY}" in ast.unparse(t) or "import registry" in ast.unparse(t) for t in trees.values())
+    planted = {
+        "dflash_build.ops.planted": ast.parse(
+            "from dflash_build.stages import prepare\n"
+            "from dflash_build.stages.mix.choose import rank\n"
+            "from dflash_build.stages.registry import _one\n"
+            "import dflash_build.stages.common.chat\n"
+            "from dflash_build.stages import registry as stages\n"
+            "stages._private\n"
+        )
+    }
+    assert len(_past_the_registry(planted)) == 5, _past_the_registry(planted)
+    exported = stage_registry.__all__
+    assert all(not n.startswith("_") and callable(getattr(stage_registry, n)) for n in exported), exported

@@ -30,8 +30,8 @@ from dflash_build.killpoints import KILL_AT_ENV
 from dflash_build.ops import window as turn_window
 from dflash_build.spec import ConfigError
 from dflash_build.stages import generate, mix, prepare, tokenize
-from dflash_build.stages.common.job import planned
 from dflash_build.stages.export import conversations, jsonl
+from dflash_build.stages.registry import planned
 from dflash_build.store import records as R
 from tests.conftest import REPO, TOOLS_TEMPLATE, Workflow, base_config, shared_engine, write_jsonl
 

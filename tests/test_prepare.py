@@ -19,8 +19,8 @@ from dflash_build import inputs
 from dflash_build import plan as plan_mod
 from dflash_build.spec import Sampling, SourceSpec
 from dflash_build.stages import prepare
-from dflash_build.stages.common.job import planned
 from dflash_build.stages.prepare import drops as D
+from dflash_build.stages.registry import planned
 from tests.conftest import write_jsonl
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}

@@ -1,5 +1,5 @@
 """The rules declare what the planner plans: every job a dry run lists has exactly the inputs and outputs
-``stages.common.job.planned`` gives for it (the rules' input functions call the planner; this holds them
+``stages.registry.planned`` gives for it (the rules' input functions call the planner; this holds them
 to it), on the production config (pilot round and every shard) and the demo's (pack and exports)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
-from dflash_build.stages.common.job import planned
+from dflash_build.stages.registry import planned
 from dflash_build.store import layout
 from tests.conftest import REPO, Workflow, smollm2_gguf
 from tests.test_production_rehearsal import PINNED, production_config

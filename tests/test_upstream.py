@@ -16,7 +16,7 @@ from dflash_build import inputs
 from dflash_build import plan as plan_mod
 from dflash_build.spec import ConfigError, Sampling, SourceSpec
 from dflash_build.stages import prepare
-from dflash_build.stages.common.job import planned
+from dflash_build.stages.registry import planned
 from tests.conftest import write_jsonl
 
 UPSTREAM = Path(__file__).resolve().parent / "data" / "upstream"

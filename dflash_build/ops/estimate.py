@@ -16,9 +16,7 @@ from dflash_build.ops import forecast, standing
 from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
-from dflash_build.stages import generate, prepare, size
-from dflash_build.stages.common import crosssource, neardup
-from dflash_build.stages.common.job import planned
+from dflash_build.stages import registry as stages
 from dflash_build.store import filesystem, layout
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal
@@ -267,12 +265,12 @@ def estimate_with_disk(
         rate = measured["tokens_per_second"]
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     windows = {w.source: w for w in turn_windows(plan)}
-    selections: dict[str, prepare.Selection] = {}
+    selections: dict[str, stages.Selection] = {}
     cross, copies = _cross_source(plan, selections)
     lost = standing.standing(plan)
     held = frozenset(lost.missing) if lost is not None else frozenset()
     as_needed = plan.config.mix_generate == "as_needed"
-    replayed = size.replay(plan) if as_needed else None  # once: it reads every sized shard's sidecar
+    replayed = stages.replay_sizing(plan) if as_needed else None  # once: it reads every sized shard's sidecar
     sized = _wanted(plan, replayed) if as_needed else {}
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         means = {None: mean_tokens, **_variant_means(sidecars)}
@@ -306,12 +304,12 @@ def wanted_shards(plan: Plan) -> dict[str, int]:
     not built; empty under all."""
     if plan.config.mix_generate != "as_needed":
         return {}
-    return _wanted(plan, size.replay(plan))
+    return _wanted(plan, stages.replay_sizing(plan))
 
 
-def _wanted(plan: Plan, replayed: size.Replayed | None) -> dict[str, int]:
+def _wanted(plan: Plan, replayed: stages.Replayed | None) -> dict[str, int]:
     """The shards per source of the replayed sizing, the pilot's while there is none (as_needed)."""
-    return replayed.shards if replayed is not None else size.sized_counts(plan, None)
+    return replayed.shards if replayed is not None else stages.sized_counts(plan, None)
 
 
 def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
@@ -322,19 +320,20 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
     cfg = plan.config
     if cfg.mix_generate != "as_needed":
         return []
-    replayed = size.replay(plan)
+    replayed = stages.replay_sizing(plan)
     if replayed is None:
         return None
-    listed = size.sized_counts(plan, None)  # the pilot's jobs are always listed
+    listed = stages.sized_counts(plan, None)  # the pilot's jobs are always listed
+    params = json.loads(canonical_json(stages.get("size").params(plan, stages.Of())))  # what its rule triggers on
     for round_ in layout.SIZING_ROUNDS:
         path = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
         reads = [p for n in plan.sources for p in plan.token_shards(n)[: listed[n]]]
         record = json.loads(path.read_text()) if path.exists() else None
-        if record is None or record.get("params") != json.loads(canonical_json(size.params(cfg))):
+        if record is None or record.get("params") != params:
             break
         if not all(layout.sidecar(p).exists() for p in reads):
             break
-        listed = size.sized_counts(plan, path)
+        listed = stages.sized_counts(plan, path)
     wanted = replayed.shards
     return [
         f"{name}/{shard}"
@@ -365,8 +364,8 @@ def dry_run_note(plan: Plan) -> str | None:
 
 
 def _cross_source(
-    plan: Plan, selections: dict[str, prepare.Selection]
-) -> tuple[crosssource.CrossSource | None, dict[str, set[str]]]:
+    plan: Plan, selections: dict[str, stages.Selection]
+) -> tuple[stages.CrossSource | None, dict[str, set[str]]]:
     """(what the mix will leave out across sources, each source's prompts that its generate jobs skip:
     those a source dedup.prefer ranks above it keeps). Near-copies count once every source is prepared
     (their band keys are written then); before, exact copies only. ``selections``: filled with the
@@ -379,21 +378,21 @@ def _cross_source(
     prompts: dict[str, Any] = {}
     for name, sp in plan.sources.items():
         if bands is not None:
-            prompts[name], bands[name] = neardup.read_bands(plan.prompt_bands(name))
+            prompts[name], bands[name] = stages.read_bands(plan.prompt_bands(name))
         elif plan.prompt_manifest(name).exists():
-            prompts[name] = crosssource.prompt_ids(plan, name)
+            prompts[name] = stages.prompt_ids(plan, name)
         elif sp.spec.hf is None or sp.spec.hf.is_local:
-            selections[name] = selections.get(name) or prepare.select(plan, name)
+            selections[name] = selections.get(name) or stages.select(plan, name)
             prompts[name] = selections[name].selected
     copies = {}
     for name, sp in plan.sources.items():
         if name in prompts and any(a in prompts for a in sp.above):
-            skipped = crosssource.against_ranked(plan, name, prompts, bands).dropped[name]
+            skipped = stages.against_ranked(plan, name, prompts, bands).dropped[name]
             copies[name] = {f"{int(i):016x}" for i in skipped}
-    return crosssource.resolve_within_variants(plan, prompts, bands), copies
+    return stages.resolve_within_variants(plan, prompts, bands), copies
 
 
-def _cross_source_cost(estimates: list[SourceEstimate], cross: crosssource.CrossSource | None) -> None:
+def _cross_source_cost(estimates: list[SourceEstimate], cross: stages.CrossSource | None) -> None:
     """Each source's copies the mix leaves out, and the GPU-hours its skipped rows save."""
     rows = sum(e.rows_to_generate for e in estimates)
     hours_per_row = sum(e.gpu_hours for e in estimates) / rows if rows else 0.0
@@ -409,7 +408,7 @@ def _estimate(
     rate: float | None,
     default_tokens_per_second: float,
     lengths: list[tuple[int, int]],
-    selections: dict[str, prepare.Selection],
+    selections: dict[str, stages.Selection],
     copies: dict[str, set[str]],
     sized: dict[str, int],
     held: frozenset[str],
@@ -460,7 +459,7 @@ class _ShardIds:
     """A shard's prompt ids: from its prompt shard, else from prepare's selection run in memory (once a
     source, CPU only), or None for a hub source (never loaded to plan)."""
 
-    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, prepare.Selection]) -> None:
+    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, stages.Selection]) -> None:
         self.plan, self.source, self.est, self.selections = plan, source, est, selections
         self.by_shard: dict[str, list[str]] | None = None
 
@@ -472,14 +471,14 @@ class _ShardIds:
         if sp.spec.hf is not None and not sp.spec.hf.is_local:
             return None
         if self.by_shard is None:
-            selection = self.selections.get(self.source) or prepare.select(plan, self.source)
+            selection = self.selections.get(self.source) or stages.select(plan, self.source)
             self.selections[self.source] = selection
             self.by_shard = selection.shard_prompt_ids()
             self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
             self.est.drops = dict(sorted(selection.drops.counts.items()))
             try:  # the check its prepare job will make: a lost source is found before generation
-                prepare.check_losses(sp.spec, selection)
-            except prepare.SourceLossError as e:
+                stages.check_losses(sp.spec, selection)
+            except stages.SourceLossError as e:
                 self.est.errors.append(str(e))
         return self.by_shard[shard]
 
@@ -498,7 +497,7 @@ def _count_rows(
     sp = plan.sources[source]
     sampling = sp.spec.sampling
     if ids is None:  # a hub source: the upper bound, every row generated, none reused
-        lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+        lo, hi = stages.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
         est.rows_in_jobs += (hi - lo) * sampling.samples_per_prompt
         est.rows_to_generate += (hi - lo) * sampling.samples_per_prompt
         return
@@ -535,14 +534,14 @@ def _reused(
     found = index.lookup(key, wanted, sp.spec.sampling.max_new_tokens)
     other_settings = any(c.generation_key != sp.generation_key for cands in found.values() for c in cands)
     if found and (other_settings or sp.spec.turns != "first"):  # a conversation's budgets are per turn
-        work = generate.open_shard(
-            plan, source, shard, generate.ShardPaths.of(planned(plan, "generate", source, shard))
+        work = stages.open_shard(
+            plan, source, shard, stages.ShardPaths.of(stages.planned(plan, "generate", source, shard))
         )
         work.convs = {k: conv for k, conv in work.convs.items() if k in wanted}
         if sp.spec.turns == "first":
-            generate.reuse(work, None, index)
+            stages.reuse(work, None, index)
         else:
-            generate.reuse_conversations(work, None, index)
+            stages.reuse_conversations(work, None, index)
         done = {k for k, conv in work.convs.items() if conv.turns and conv.finish_reason is not None}
         return done, {k for k, conv in work.convs.items() if conv.prefix}
     limit = sp.spec.sampling.max_new_tokens

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from dflash_build.plan import Plan
-from dflash_build.stages import size
-from dflash_build.stages.mix import MixError, binds, category_targets, choose, missed_shares, take_to_target
+from dflash_build.stages import registry as stages
+from dflash_build.stages.registry import MixError, binds, category_targets, choose, missed_shares, take_to_target
 from dflash_build.store import layout
 from dflash_build.store import records as R
 
@@ -80,7 +80,7 @@ class MixForecast:
     tokens_per_second: float
     # mix.generate as_needed: the shards each source would be generated to, of its shards (else empty)
     as_needed: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # once every pilot is built, the sizing replayed on the store (size.replay): each source's shards built
+    # once every pilot is built, the sizing replayed on the store (stages.replay_sizing): each source's shards built
     # of those it names, and the rounds estimated (measured on fewer shards than they name)
     replayed_built: dict[str, int] | None = None
     replayed_estimated: tuple[int, ...] = ()
@@ -249,7 +249,7 @@ def forecast(
     oversampled: dict[str, Oversampled] = {}
     if cfg.mix_generate == "as_needed":
         supplies = [
-            size.Supply(
+            stages.Supply(
                 name,
                 sp.spec.category,
                 sp.n_shards,
@@ -260,7 +260,7 @@ def forecast(
             )
             for name, sp in plan.sources.items()
         ]
-        shards, _ = size.shards_needed(shares, cfg.mix_budget_tokens, supplies, oversample=size.oversample(cfg))
+        shards, _ = stages.shards_needed(shares, cfg.mix_budget_tokens, supplies, oversample=stages.oversample(cfg))
         sized = {name: (max(1, shards[name]), plan.sources[name].n_shards) for name in plan.sources}
         oversampled = _oversampled(plan, supplies, shards, samples, lengths)
     generated = {
@@ -283,17 +283,17 @@ def forecast(
 
 def _oversampled(
     plan: Plan,
-    supplies: list[size.Supply],
+    supplies: list[stages.Supply],
     shards: dict[str, int],
     samples: dict[str, float],
     lengths: dict[str, Lengths],
 ) -> dict[str, Oversampled]:
     """Per oversampled category, what the sizing asks for beyond the same sizing without the factor."""
     cfg = plan.config
-    factors = size.oversample(cfg)
+    factors = stages.oversample(cfg)
     if not factors:
         return {}
-    plain, _ = size.shards_needed(dict(cfg.mix_categories), cfg.mix_budget_tokens, supplies)
+    plain, _ = stages.shards_needed(dict(cfg.mix_categories), cfg.mix_budget_tokens, supplies)
     out = {}
     for category, factor in factors.items():
         extra = {

@@ -21,8 +21,7 @@ from pathlib import Path
 from dflash_build.hashing import canonical_json
 from dflash_build.plan import Plan
 from dflash_build.publish import release
-from dflash_build.stages import mix
-from dflash_build.stages.common.job import planned
+from dflash_build.stages import registry as stages
 from dflash_build.store import layout
 
 # Snakemake's record of the jobs it ran (persistence: one JSON file per output, named by its path)
@@ -87,9 +86,9 @@ def standing(plan: Plan, workdir: Path | None = None) -> Standing | None:
     def where(paths: object) -> list[str]:  # Snakemake records paths as the rule gave them
         return sorted(os.path.normpath(workdir / str(p)) for p in paths) if isinstance(paths, list) else []
 
-    job = planned(plan, "mix")
+    job = stages.planned(plan, "mix")
     inputs = where([p for paths in job.inputs.values() for p in paths])
-    params = [repr(canonical_json(mix.params(plan.config)))]
+    params = [repr(canonical_json(stages.get("mix").params(plan, stages.Of())))]
     if where(recorded.get("input")) != inputs or recorded.get("params") != params:
         return None
     return Standing(folder, len(built_from), missing)

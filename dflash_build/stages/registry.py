@@ -3,7 +3,8 @@ its descriptor (name, what its rule declares, the paths of a job from the plan, 
 it, what it adds to the build's final targets, its params, and for a keyed stage its store folder).
 
 The Snakefile includes ``rules/NAME.smk`` of every enabled stage, the final targets and the rules' params
-come from here, and :func:`dflash_build.stages.common.job.planned` makes a job from its ``paths``.
+come from here, and :func:`planned` makes a job from its ``paths``. It is also the stages' one door for
+``ops/`` and the cli: the entry points they call are imported from here (``__all__``).
 Descriptors are found by package, so adding a stage touches no list elsewhere (docs/architecture.md,
 "Where the system grows"). Finding them imports every stage package (Python imports a package before its
 ``stage`` module); no stage package imports an engine library at the top, so parsing the workflow loads
@@ -21,11 +22,56 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_build.stages.common.chat import answer_slots, load_tokenizer, render
+from dflash_build.stages.common.crosssource import CrossSource, against_ranked, prompt_ids, resolve_within_variants
+from dflash_build.stages.common.job import Job
+from dflash_build.stages.common.neardup import read_bands
+from dflash_build.stages.generate import ShardPaths, open_shard, reuse, reuse_conversations
+from dflash_build.stages.mix import MixError, binds, category_targets, choose, missed_shares, take_to_target
+from dflash_build.stages.prepare import Selection, SourceLossError, check_losses, select, shard_bounds
+from dflash_build.stages.size import Replayed, Supply, oversample, shards_needed, sized_counts
+from dflash_build.stages.size import replay as replay_sizing
 from dflash_build.store import layout
 
 if TYPE_CHECKING:
     from dflash_build.plan import Plan
     from dflash_build.spec import Config
+
+# What ops/ and the cli may call of the stages: each stage's public entry points, and the stages' shared
+# modules they read through (chat rendering, cross-source ranking, near-dup bands). The one door from
+# outside: a change inside a stage is made there once (tests/test_layout.py holds ops/ and the cli to it).
+__all__ = [
+    "CrossSource",
+    "Job",
+    "MixError",
+    "Replayed",
+    "Selection",
+    "ShardPaths",
+    "SourceLossError",
+    "Supply",
+    "against_ranked",
+    "answer_slots",
+    "binds",
+    "category_targets",
+    "check_losses",
+    "choose",
+    "load_tokenizer",
+    "missed_shares",
+    "open_shard",
+    "oversample",
+    "prompt_ids",
+    "read_bands",
+    "render",
+    "replay_sizing",
+    "resolve_within_variants",
+    "reuse",
+    "reuse_conversations",
+    "select",
+    "shard_bounds",
+    "shards_needed",
+    "sized_counts",
+    "take_to_target",
+]
 
 Paths = Mapping[str, tuple[Path, ...]]
 PER = ("source", "shard", "round", "format", "config")
@@ -143,3 +189,22 @@ def enabled(config: Config) -> list[Stage]:
 def final_targets(plan: Plan) -> list[Path]:
     """What ``snakemake`` with no target builds: each enabled stage's targets, in order."""
     return [p for s in enabled(plan.config) for p in s.targets(plan)]
+
+
+def planned(
+    plan: Plan,
+    stage: str,
+    source: str | None = None,
+    shard: str | None = None,
+    fmt: str | None = None,
+    round_: int | None = None,
+    sizing: str | Path | None = None,
+) -> Job:
+    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile declares: the rules'
+    input functions call this); ``round_``: the sizing round of a ``size`` job (1: on the pilot, 2: the
+    top-up); ``sizing``: the sizing file a size or mix job reads its shards from (mix.generate:
+    as_needed; the checkpoint's output under Snakemake, else the one in the logs folder)."""
+    descriptor = get(stage)
+    inputs, outputs = descriptor.paths(plan, Of(source, shard, fmt, round_, sizing))
+    key = plan.sources[source].keys[descriptor.key] if descriptor.key is not None and source is not None else None
+    return Job(stage, plan, inputs, outputs, source=source, shard=shard, key=key, fmt=fmt)

@@ -3,9 +3,8 @@
 A :class:`Job` carries the plan, the paths its rule declares (inputs and outputs by name, as Snakemake
 passed them) and, for a keyed stage, the key Snakemake asked for. A stage reads no input its rule does
 not declare: what it reads beside a declared file (a prompt shard beside its source's manifest, a
-dataset version behind its build record) is found from that file. :func:`planned` makes the job a rule
-would make from the plan alone, for tests, benchmarks and ``dflash-build`` commands that run a stage
-without Snakemake, from the stage's own descriptor (:mod:`dflash_build.stages.registry`).
+dataset version behind its build record) is found from that file. :func:`dflash_build.stages.registry.planned`
+makes the job a rule would make from the plan alone, from the stage's own descriptor.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any
 
 from dflash_build.plan import Plan
 from dflash_build.publish import release
-from dflash_build.stages import registry
 from dflash_build.stages.common.failure import StageFailure as StageFailure
 from dflash_build.store import layout
 
@@ -89,22 +87,3 @@ def _one(paths: Mapping[str, tuple[Path, ...]], name: str, stage: str) -> Path:
     if len(found) != 1:
         raise KeyError(f"{stage}: expected one path named {name!r}, got {len(found)}")
     return found[0]
-
-
-def planned(
-    plan: Plan,
-    stage: str,
-    source: str | None = None,
-    shard: str | None = None,
-    fmt: str | None = None,
-    round_: int | None = None,
-    sizing: str | Path | None = None,
-) -> Job:
-    """The job ``stage``'s rule makes, from the plan alone (the paths the Snakefile declares: the rules'
-    input functions call this); ``round_``: the sizing round of a ``size`` job (1: on the pilot, 2: the
-    top-up); ``sizing``: the sizing file a size or mix job reads its shards from (mix.generate:
-    as_needed; the checkpoint's output under Snakemake, else the one in the logs folder)."""
-    descriptor = registry.get(stage)
-    inputs, outputs = descriptor.paths(plan, registry.Of(source, shard, fmt, round_, sizing))
-    key = plan.sources[source].keys[descriptor.key] if descriptor.key is not None and source is not None else None
-    return Job(stage, plan, inputs, outputs, source=source, shard=shard, key=key, fmt=fmt)

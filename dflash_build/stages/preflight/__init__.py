@@ -42,10 +42,11 @@ from dflash_build.plan import Plan
 from dflash_build.spec import ConfigError
 from dflash_build.stages import generate
 from dflash_build.stages.common import chat, crosssource
-from dflash_build.stages.common.job import Job, planned
+from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.work import ShardPaths, ShardWork
 from dflash_build.stages.preflight import checks
 from dflash_build.stages.preflight.checks import FAIL, Problem
+from dflash_build.stages.registry import planned
 from dflash_build.store import atomic, layout
 from dflash_build.store.journal import Journal
 
