@@ -7,8 +7,9 @@ come from here, and :func:`planned` makes a job from its ``paths``. It is also t
 ``ops/`` and the cli: the entry points they call are imported from here (``__all__``).
 Descriptors are found by package, so adding a stage touches no list elsewhere (docs/architecture.md,
 "Where the system grows"). Finding them imports every stage package (Python imports a package before its
-``stage`` module); no stage package imports an engine library at the top, so parsing the workflow loads
-none (0.4 s for all of them on this machine).
+``stage`` module), and importing this module already imports the four whose entry points it lists; no stage
+package imports an engine library at the top, so parsing the workflow loads none (0.4 s for all of them on
+this machine).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 # outside: a change inside a stage is made there once (tests/test_layout.py holds ops/ and the cli to it).
 __all__ = [
     "CrossSource",
-    "Job",
     "MixError",
     "Replayed",
     "Selection",
