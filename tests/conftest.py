@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 TOOLS_TEMPLATE = REPO / "config" / "templates" / "chatml-tools.jinja"
 # Whether the test being set up or run carries the workflow marker: the unit tier runs no Snakemake.
 _IN_WORKFLOW_TIER = {"now": True}
+WAITS = "waits.jsonl"  # once_per_session's folder: how long a worker waited for another's build
+pytest_plugins = ["tests.budget"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -43,12 +45,16 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, build:
     root.mkdir(exist_ok=True)
     folder, done = root / name, root / f"{name}.done"
     with open(root / f"{name}.lock", "w") as lock:
+        asked = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():  # a failed build leaves no mark: the next worker tries again, and says why
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             build(folder)
             done.touch()
+        elif (waited := time.monotonic() - asked) > 1:  # a worker idle behind another's build: the budget says so
+            with open(root / WAITS, "a") as f:
+                f.write(json.dumps({"fixture": name, "waited": round(waited, 1)}) + "\n")
     return folder
 
 

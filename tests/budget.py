@@ -1,0 +1,135 @@
+"""The suite's budget (a pytest plugin, loaded by conftest): what each test module cost in this run against
+the table of docs/development.md (its last clean-clone run), printed at the end of the tier, and written
+to .test-times/TIER.json for the next table (``python -m tests.budget``).
+
+A report, not a timed test: a slow machine fails nothing here. With pytest-xdist the controller sees every
+worker's reports, so the figures are the whole tier's; the workers' busy share shows a worker left waiting
+(on a fixture another worker builds, say)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUDGET_DOC = REPO / "docs" / "development.md"
+TIMES = REPO / ".test-times"
+# A row of the budget table: | tests/test_x.py | 123 |
+_ROW = re.compile(r"^\| (tests/[\w/]+\.py) \| ([\d,]+) \|")
+GREW_MOST = 5
+
+
+def budget(doc: Path = BUDGET_DOC) -> dict[str, float]:
+    """Test-seconds per module from the budget table of ``doc``."""
+    found = {}
+    for line in doc.read_text().splitlines() if doc.exists() else ():
+        match = _ROW.match(line)
+        if match:
+            found[match.group(1)] = float(match.group(2).replace(",", ""))
+    return found
+
+
+def tier(config: pytest.Config) -> str:
+    expr = (config.option.markexpr or "").strip()
+    return {"workflow": "workflow", "not workflow": "unit"}.get(expr, expr.replace(" ", "-") or "all")
+
+
+class Budget:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.by_test: dict[str, float] = defaultdict(float)
+        self.busy: dict[str, float] = defaultdict(float)
+        self.timeline: list[tuple[str, str, float]] = []  # worker, test, when its last phase ended (s)
+        self.started = time.monotonic()
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.by_test[report.nodeid] += report.duration
+        node = getattr(report, "node", None)  # xdist: the worker that ran it
+        worker = getattr(getattr(node, "gateway", None), "id", "main")
+        self.busy[worker] += report.duration
+        if report.when == "teardown":
+            self.timeline.append((worker, report.nodeid, round(time.monotonic() - self.started, 1)))
+
+    def by_module(self) -> dict[str, float]:
+        modules: dict[str, float] = defaultdict(float)
+        for nodeid, seconds in self.by_test.items():
+            modules[nodeid.split("::", 1)[0]] += seconds
+        return dict(modules)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.by_test:
+            return
+        wall = time.monotonic() - self.started
+        name = tier(self.config)
+        modules = self.by_module()
+        TIMES.mkdir(exist_ok=True)
+        record = {"tier": name, "wall": round(wall, 1), "workers": dict(self.busy), "modules": modules,
+                  "tests": dict(self.by_test), "timeline": self.timeline}  # fmt: skip
+        waits = self.waits()
+        record["waited"] = waits
+        (TIMES / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+        for line in report_lines(name, modules, budget(), wall, dict(self.busy), waits):
+            terminalreporter.write_line(line)
+
+    def waits(self) -> dict[str, float]:
+        """Seconds workers waited for a shared fixture another worker built (conftest.once_per_session)."""
+        from tests.conftest import WAITS
+
+        path = self.config._tmp_path_factory.getbasetemp() / "once" / WAITS  # type: ignore[attr-defined]
+        waited: dict[str, float] = defaultdict(float)
+        for line in path.read_text().splitlines() if path.exists() else ():
+            entry = json.loads(line)
+            waited[entry["fixture"]] += entry["waited"]
+        return dict(waited)
+
+
+def report_lines(
+    name: str,
+    modules: dict[str, float],
+    planned: dict[str, float],
+    wall: float,
+    busy: dict[str, float],
+    waits: dict[str, float],
+) -> list[str]:
+    """What the end of a tier prints: its test-seconds against the budget, the workers' busy share and the
+    modules that grew most since the budget's run."""
+    total = sum(modules.values())
+    budgeted = sum(planned.get(m, 0.0) for m in modules)
+    share = total / (wall * max(len(busy), 1)) if wall else 0.0
+    lines = [
+        f"budget ({name} tier): {total:,.0f} test-seconds in {wall:,.0f} s of wall on {len(busy)} workers "
+        f"({share:.0%} busy); the budget of docs/development.md for these modules: {budgeted:,.0f}"
+    ]
+    if waits:
+        each = ", ".join(f"{k} {v:,.0f} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  of which waiting for a shared fixture another worker built: {each}")
+    grown = sorted(modules, key=lambda m: modules[m] - planned.get(m, 0.0), reverse=True)[:GREW_MOST]
+    for module in grown:
+        before = planned.get(module)
+        since = "new: not in the budget" if before is None else f"{modules[module] - before:+,.0f} s on {before:,.0f}"
+        lines.append(f"  {module}: {modules[module]:,.0f} s ({since})")
+    return lines
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) reports; workers run
+        config.pluginmanager.register(Budget(config), "dflash-build-budget")
+
+
+def table(tier_name: str = "workflow") -> str:
+    """The budget table's rows from the last run of ``tier_name`` (.test-times/TIER.json), slowest first."""
+    modules = json.loads((TIMES / f"{tier_name}.json").read_text())["modules"]
+    return "\n".join(f"| {m} | {s:,.0f} |" for m, s in sorted(modules.items(), key=lambda kv: -kv[1]))
+
+
+if __name__ == "__main__":
+    print(table(*sys.argv[1:]))
