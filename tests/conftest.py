@@ -163,6 +163,13 @@ def build_smollm2_model(out: Path, gguf: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> Path:
+    """SmolLM2-135M-Instruct dequantized once per test run, for every test that serves it on vLLM (one
+    folder: a worker's shared engine for it serves them all)."""
+    return once_per_session(tmp_path_factory, "smollm2", lambda root: build_smollm2_model(root, gguf_path))
+
+
 def build_dflash_drafter(out: Path, target: Path, seed: int, layers: int = 1) -> Path:
     """A random-weight drafter of vLLM's DFlash architecture for ``target``: the checkpoint layout of
     z-lab's DFlash drafters (config ``architectures: [DFlashDraftModel]``, ``dflash_config`` with

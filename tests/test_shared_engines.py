@@ -38,6 +38,7 @@ from tests.conftest import (
     lock_free,
     once_per_session,
     own_engines,
+    own_ports,
     wait_until,
     write_jsonl,
 )
@@ -195,7 +196,7 @@ def _host_config(root: Path, model: Path, idle_timeout: float = 600, **options: 
                 "shared": True,
                 "idle_timeout": idle_timeout,
                 "start_timeout": 120,
-                "base_port": 32000 + os.getpid() % 1000 * 10,
+                "base_port": own_ports(),
             },
         },
     )
@@ -426,7 +427,7 @@ def test_llamacpp_engines_start_per_job_or_once(tmp_path: Path, gguf_path: Path,
         "options": {"threads": 2},
         "lock_dir": str(tmp_path / "locks"),
         "shared": shared,
-        "base_port": 33000 + os.getpid() % 1000 * 10,
+        "base_port": own_ports(),
     }
     config["sampling"]["max_new_tokens"] = 4
     wf = Workflow(tmp_path / "work")
@@ -528,7 +529,9 @@ def test_a_killed_servers_workers_are_stopped_by_its_host_and_a_killed_hosts_by_
     the end of a workflow (stop_idle) stops it where no host comes."""
     script, pids = tmp_path / "server.py", tmp_path / "workers"
     script.write_text(SERVER_WITH_A_WORKER)
-    port = 33000 + os.getpid() % 1000 * 10
+    # this worker's own ports, below the ephemeral range (32768-60999 here): a port there can be taken by a
+    # client socket of the other worker's tests between the second server's death and the third's start
+    port = own_ports()
 
     def spec(slot: str) -> engine_host.LaunchSpec:
         return engine_host.LaunchSpec(

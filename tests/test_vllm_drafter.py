@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_build.store import layout
-from tests.conftest import Workflow, base_config, build_smollm2_model, completion_rows, served_url, shared_engine
+from tests.conftest import Workflow, base_config, completion_rows, shared_engine
 from tests.test_vllm import vllm_config
 
 pytestmark = pytest.mark.workflow
@@ -115,103 +112,12 @@ def test_switching_the_drafter_on_off_or_to_another_generates_nothing(
         assert "generate" not in copy_.dry_run(), drafter
 
 
-# The distribution test: the target's answers at a sampling, over many seeds, with and without the drafter.
-# The tiny random Qwen3's next token is near-uniform; its final norm scaled by 5 makes each token after the
-# first most likely at about 0.75 at T 0.6 (measured with transformers), so a sampler that turns the target's
-# own likely tokens down shows in a few hundred seeds.
-SEEDS = 400
-ALPHA = 1e-3  # the significance level: a distribution called different at p below it
-
-
-@pytest.fixture(scope="module")
-def peaked_model(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("peaked-model")
-    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
-    model.model.norm.weight.data *= 5
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (vllm_model / name).exists():
-            shutil.copy(vllm_model / name, out / name)
-    return out
-
-
-def _answers(url: str, model: str, prompt: list[int], seeds: range, sampling: dict[str, Any]) -> list[tuple[int, ...]]:
-    import httpx
-
-    def ask(seed: int) -> tuple[int, ...]:
-        body = {"model": model, "prompt": prompt, "max_tokens": 3, "seed": seed, "return_token_ids": True,
-                "ignore_eos": True, **sampling}  # fmt: skip
-        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-        return tuple(answer["choices"][0]["token_ids"])
-
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(ask, seeds))
-
-
-def _different(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> float:
-    """The p-value of a chi-square test that two samples of answers come from one distribution (answers
-    expected fewer than 5 times pooled into one category)."""
-    from scipy.stats import chi2_contingency
-
-    counts_a, counts_b = Counter(a), Counter(b)
-    n = len(a) + len(b)
-    kept = [k for k in counts_a.keys() | counts_b.keys() if (counts_a[k] + counts_b[k]) * min(len(a), len(b)) / n >= 5]
-    table = [[counts_a[k] for k in kept], [counts_b[k] for k in kept]]
-    rest = [len(a) - sum(table[0]), len(b) - sum(table[1])]
-    if sum(rest):
-        table = [[*row, r] for row, r in zip(table, rest, strict=True)]
-    return float(chi2_contingency(table).pvalue)
-
-
-def test_the_pinned_cpu_build_keeps_the_distribution_greedy_only_as_the_refusal_says(
-    peaked_model: Path, tmp_path: Path
-) -> None:
-    """At T 0.6 / top_p 0.95 (the production sampling but top_k, which kills this build's engine core), the
-    answers of the target drafting for itself are not the plain server's (p < ALPHA) while two sets of seeds
-    on the plain server are alike: the refusal of engine.drafter at that sampling on CPU stands on this. At
-    temperature 0 the answers are the same. If this build is fixed, the first assertion fails: lift the
-    refusal (engines/backends/vllm.py ``_known_broken``)."""
-    from dflash_build.engines.backends import vllm
-
-    data = tmp_path / "data"
-    model = str(peaked_model)
-    sampled = {"temperature": 0.6, "top_p": 0.95, "top_k": -1}
-    greedy = {"temperature": 0.0, "top_k": -1}
-    with (
-        served_url(_greedy(peaked_model, data), tmp_path / "plain") as plain,
-        served_url(_drafted(peaked_model, data, _self_drafter(peaked_model)), tmp_path / "drafted") as drafted,
-    ):
-        # a user turn, then the target's own greedy first token: its first sampled token is peaked too
-        prompt = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198]
-        prompt += _answers(plain, model, prompt, range(1), greedy)[0][:1]
-        base, again, with_drafter = (
-            _answers(plain, model, prompt, range(SEEDS), sampled),
-            _answers(plain, model, prompt, range(SEEDS, 2 * SEEDS), sampled),
-            _answers(drafted, model, prompt, range(SEEDS), sampled),
-        )
-        same_greedy = _answers(plain, model, prompt, range(16), greedy) == _answers(
-            drafted, model, prompt, range(16), greedy
-        )
-    control, tested = _different(base, again), _different(base, with_drafter)
-    tops = [Counter(answers).most_common(1)[0][1] for answers in (base, again, with_drafter)]
-    print(f"T 0.6: control p {control:.3g}, with the drafter p {tested:.3g}; the top answer's count {tops}")
-    assert control > ALPHA, "the test calls two seed sets of one server different: it cannot judge a drafter"
-    assert tested < ALPHA, "the drafter kept the distribution at T 0.6: the pinned build is fixed, lift the refusal"
-    assert vllm.BACKEND.speculative is not None
-    assert vllm.BACKEND.speculative.known_broken({"device": "cpu"}, {"temperature": 0.6, "top_k": 0}) is not None
-    assert same_greedy, "at temperature 0 the drafter's answers are the plain server's"
-
-
-def test_ngram_accepts_more_on_repetitive_code_than_on_prose(tmp_path: Path, gguf_path: Path) -> None:
+def test_ngram_accepts_more_on_repetitive_code_than_on_prose(tmp_path: Path, smollm2: Path) -> None:
     """SmolLM2-135M-Instruct on vLLM's CPU server, greedy, served with ngram (prompt lookup): the code rows
     (asked to repeat code) accept more drafts than the prose rows, per row and in the card's slices."""
     from tests.test_accept import NGRAM, accept_config
 
-    target = build_smollm2_model(tmp_path / "smollm2", gguf_path)
-    config = accept_config(target, tmp_path / "data", None)
+    config = accept_config(smollm2, tmp_path / "data", None)
     config["sampling"]["max_new_tokens"] = 48
     config["sources"]["code"]["max_samples"] = config["sources"]["prose"]["max_samples"] = 4
     config["engine"] = {**config["engine"], "drafter": NGRAM}
@@ -236,13 +142,13 @@ def _dataset_taus(wf: Workflow) -> list[float]:
     return [1 + r["spec_accepted"] / r["spec_steps"] if r["spec_steps"] else 1.0 for r in rows]
 
 
-def test_the_mix_chooses_the_rows_the_drafter_accepted_least(tmp_path: Path, gguf_path: Path) -> None:
+def test_the_mix_chooses_the_rows_the_drafter_accepted_least(tmp_path: Path, smollm2: Path) -> None:
     """One category of code and prose prompts, generated with ngram on SmolLM2, then mixed to half its tokens:
     by acceptance the dataset's rows accept less than the seeded rank's choice of the same budget, the share
     and the language floor met, the manifest's counts those of the dataset, and nothing generated again."""
     from tests.test_accept import CODE, NGRAM, PROSE
 
-    target = build_smollm2_model(tmp_path / "smollm2", gguf_path)
+    target = smollm2
     data = tmp_path / "data"
     data.mkdir()
     (data / "mixed.jsonl").write_text("".join(json.dumps({"instruction": p}) + "\n" for p in CODE[:4] + PROSE[:4]))
