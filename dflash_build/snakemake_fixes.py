@@ -31,6 +31,11 @@ _MASK_ALL = "masked.update(self.bfs(self.depending, job))"
 _MASK_FRESH = "masked.update(await _downstream_through_fresh_inputs(self, job))"
 
 
+# What PersistenceBase._input does in the pinned release, which record_order_only_inputs_apart relies on: it
+# records each input of the job, a plain file as itself (order-only inputs are plain files), sorted.
+_RECORDED_INPUTS = ("for f in job.input:", "else f", "return sorted(get_paths())")
+
+
 # The Snakemake releases these changes were written for and tested on (pyproject.toml pins the same range).
 TESTED = ("9.27.1",)
 # Set to 1, a build runs on a Snakemake whose code a fix does not find, without that fix (docs/snakemake.md
@@ -197,6 +202,10 @@ def record_order_only_inputs_apart() -> bool:
     recorded = PersistenceBase._input
     if getattr(recorded, "dflash_fixed", False):
         return True
+    # the recorded list holds each plain input as itself, sorted: what the filter below compares with
+    source = inspect.getsource(recorded)
+    if any(line not in source for line in _RECORDED_INPUTS):
+        return False
 
     def _input(self: Any, job: Any) -> list[str]:
         skipped = {str(f) for f in job.input if is_flagged(f, ORDER_ONLY)}

@@ -21,18 +21,21 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_DOC = REPO / "docs" / "development.md"
 TIMES = REPO / ".test-times"
-# A row of the budget table: | tests/test_x.py | 123 |
+# The budget tables: a header row names the tier (| workflow test module | test-seconds |), then a row a
+# module: | tests/test_x.py | 123 |
+_HEADER = re.compile(r"^\| (\S+) test module \| test-seconds")
 _ROW = re.compile(r"^\| (tests/[\w/]+\.py) \| ([\d,]+) \|")
 GREW_MOST = 5
 
 
-def budget(doc: Path = BUDGET_DOC) -> dict[str, float]:
-    """Test-seconds per module from the budget table of ``doc``."""
-    found = {}
+def budget(tier_name: str, doc: Path = BUDGET_DOC) -> dict[str, float]:
+    """Test-seconds per module of ``tier_name`` from the budget tables of ``doc``."""
+    found, current = {}, None
     for line in doc.read_text().splitlines() if doc.exists() else ():
-        match = _ROW.match(line)
-        if match:
-            found[match.group(1)] = float(match.group(2).replace(",", ""))
+        if header := _HEADER.match(line):
+            current = header.group(1)
+        elif (row := _ROW.match(line)) and current == tier_name:
+            found[row.group(1)] = float(row.group(2).replace(",", ""))
     return found
 
 
@@ -78,7 +81,7 @@ class Budget:
         waits = self.waits()
         record["waited"] = waits
         (TIMES / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
-        for line in report_lines(name, modules, budget(), wall, dict(self.busy), waits):
+        for line in report_lines(name, modules, budget(name), wall, dict(self.busy), waits):
             terminalreporter.write_line(line)
 
     def waits(self) -> dict[str, float]:
@@ -134,15 +137,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The costliest modules of the budget first (each module's tests stay together and in order): with
     ``--dist loadfile`` a worker takes a whole module, so the longest start first and none is left to run alone
     at the end (the longest-processing-time rule). Every worker collects in this same order."""
-    planned = budget()
+    planned = budget(tier(config))
     if planned:
         items.sort(key=lambda item: -planned.get(item.nodeid.split("::", 1)[0], UNBUDGETED))
 
 
 def table(tier_name: str = "workflow") -> str:
-    """The budget table's rows from the last run of ``tier_name`` (.test-times/TIER.json), slowest first."""
+    """The budget table of ``tier_name`` from its last run (.test-times/TIER.json), slowest first."""
     modules = json.loads((TIMES / f"{tier_name}.json").read_text())["modules"]
-    return "\n".join(f"| {m} | {s:,.0f} |" for m, s in sorted(modules.items(), key=lambda kv: -kv[1]))
+    rows = [f"| {m} | {s:,.0f} |" for m, s in sorted(modules.items(), key=lambda kv: -kv[1])]
+    return "\n".join([f"| {tier_name} test module | test-seconds |", "|---|---|", *rows])
 
 
 if __name__ == "__main__":

@@ -94,7 +94,6 @@ def accept_config(
     data: Path,
     drafters: dict[str, Any] | None,
     sampling: dict[str, Any] = GREEDY,
-    source_sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     write_jsonl(data / "code.jsonl", [{"instruction": p} for p in CODE])
     write_jsonl(data / "prose.jsonl", [{"instruction": p} for p in PROSE])
@@ -105,8 +104,6 @@ def accept_config(
     config = base_config(model, sources, engine=shared_engine(model, "vllm"))
     config["model"].pop("chat_template")  # SmolLM2's own
     config["sampling"] = dict(sampling)
-    for source in sources.values() if source_sampling else ():  # the sources' own: only benchmark rows use the top's
-        source["sampling"] = dict(source_sampling or {})
     config["checks"]["allow_shortfall"] = True
     write_jsonl(data / "gsm8k.jsonl", GSM8K)
     config["decontaminate"] = {"references": {"gsm8k": {"files": [str(data / "gsm8k.jsonl")], "field": "question"}}}

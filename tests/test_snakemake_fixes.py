@@ -126,12 +126,20 @@ def __init__(self, *args, **kwargs):  # a release that took another lock
 job_scheduler.JobScheduler.__init__ = __init__
 """
 
+STUB_RECORDED_INPUTS = """
+from snakemake import persistence
+def _input(self, job):  # a release that records its inputs another way
+    return sorted(str(f) for f in job.input)
+persistence.PersistenceBase._input = _input
+"""
+
 
 @pytest.mark.parametrize(
     ("stub", "said"),
     [
         (STUB_VERSION, "Snakemake 9.31.0: it is not tested (tested: 9.27.1)"),
         (STUB_SCHEDULER, "its code is not what fix_sigterm_during_job_selection was written for"),
+        (STUB_RECORDED_INPUTS, "its code is not what record_order_only_inputs_apart was written for"),
     ],
 )
 def test_a_snakemake_the_fixes_were_not_written_for_stops_the_workflow_in_one_line(
