@@ -20,6 +20,24 @@ def longest_span(rule: LoopRule) -> int:
     return max(rule.min_span, rule.min_repeats * rule.max_period)
 
 
+def engine_check(rule: LoopRule) -> dict[str, int]:
+    """vLLM's per-request ``repetition_detection`` that stops a row in the engine's scheduler (after every
+    step, with no client in the loop) only where the loop rule has fired: the engine's first stop on a loop.
+
+    vLLM stops when its output's last ``c`` x ``m`` tokens repeat one ``m``-token pattern ``c`` times, for
+    some m in [low, max_period] (``v1/core/sched/utils.py``: ``check_sequence_repetition``). That tail is
+    m-periodic, m <= max_period, and m x c >= max(min_span, min_repeats x m) (c >= min_repeats and
+    c >= min_span / low): the rule has fired on it, so the engine never ends a row the rule would let run.
+    Every period p <= max_period has a multiple in [low, max_period] (low = ceil(max_period / 2)), so every
+    loop the rule sees is also stopped by the engine, at most about twice as far in as the rule fires
+    (p-periodic over low x c tokens where the rule needs max(min_span, min_repeats x p)). The job still cuts
+    the row where the rule first fired (:func:`loop_end`): the engine's check only ends the generating.
+    """
+    low = max(1, -(-rule.max_period // 2))
+    count = max(2, rule.min_repeats, -(-rule.min_span // low))
+    return {"max_pattern_size": rule.max_period, "min_pattern_size": low, "min_count": count}
+
+
 def loop_end(ids: Sequence[int] | np.ndarray, rule: LoopRule, clear: int = 0) -> int | None:
     """The length of the shortest prefix of ``ids`` on which the loop rule fires, or None.
 

@@ -5,17 +5,19 @@ in its own environment (tests/vllm_probe.py)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 
 import pytest
 import yaml
 
+from dflash_build import loops
 from dflash_build.engines import registry, vllm_fields
 from dflash_build.engines.backends import vllm
 from dflash_build.engines.base import Request, SamplingParams
 from dflash_build.engines.openai_http import completions_body
-from dflash_build.spec import ConfigError, DrafterSpec, ModelSpec
+from dflash_build.spec import ConfigError, DrafterSpec, LoopRule, ModelSpec
 from dflash_build.stages.generate import row_seed
 from tests.conftest import REPO, vllm_python
 
@@ -70,8 +72,10 @@ def test_an_unknown_or_driver_owned_option_is_refused_by_name(option: str, messa
     assert message in str(refused.value)
 
 
-def _probe(argv: list[str], bodies: list[dict], dests: list[str], params: list[str]) -> dict:
-    asked = json.dumps({"argv": argv, "bodies": bodies, "dests": dests, "params": params})
+def _probe(
+    argv: list[str], bodies: list[dict], dests: list[str], params: list[str], outputs: list | None = None
+) -> dict:
+    asked = json.dumps({"argv": argv, "bodies": bodies, "dests": dests, "params": params, "outputs": outputs or []})
     done = subprocess.run(
         [str(vllm_python()), str(REPO / "tests" / "vllm_probe.py")], input=asked, capture_output=True, text=True
     )
@@ -114,3 +118,34 @@ def test_vllms_own_parser_and_request_models_read_what_we_send() -> None:
         assert got["stop_token_ids"] == [2, 7] and got["max_tokens"] == 64
         assert got["skip_special_tokens"] is False and got["repetition_penalty"] == 1.0
     assert greedy["params"]["top_k"] in (-1, 0), "no top-k: vLLM's own 'disabled'"
+
+
+def _looping(rng: random.Random, period: int, head: int, length: int) -> list[int]:
+    """``head`` random tokens, then one ``period``-token pattern repeated to ``length`` tokens in all."""
+    pattern = [rng.randrange(50, 60) for _ in range(period)]
+    return [rng.randrange(100, 10_000) for _ in range(head)] + [pattern[i % period] for i in range(length - head)]
+
+
+@pytest.mark.parametrize("rule", [LoopRule(), LoopRule(16, 3, 32), LoopRule(5, 4, 12), LoopRule(1, 2, 2)])
+def test_vllms_repetition_check_stops_a_row_only_where_the_loop_rule_fired_and_stops_every_loop(
+    rule: LoopRule,
+) -> None:
+    """loops.engine_check as vLLM's own scheduler check reads it (its CompletionRequest, then
+    check_sequence_repetition on each prefix of an output): on random answers and answers that loop at every
+    period the rule covers, the engine's first stop comes at or after the rule's (never a row the rule lets
+    run), and on every loop it comes, within twice the span the rule needs (plus the pattern's length)."""
+    rng = random.Random(rule.max_period)
+    outputs: list[list[int]] = [[rng.randrange(100, 10_000) for _ in range(300)] for _ in range(3)]
+    for period in range(1, rule.max_period + 1):
+        for head in (0, 7):
+            outputs.append(_looping(rng, period, head, head + 3 * loops.longest_span(rule) + 2 * rule.max_period))
+    request = Request("a", 0, [3], SamplingParams(0.0, 1.0, 0, 0.0, 8), 0, rule)
+    body = {**completions_body(request, "m", [3], [2]), "repetition_detection": loops.engine_check(rule)}
+    found = _probe([], [body], [], [], [[0, output] for output in outputs])
+    for output, stop in zip(outputs, found["stops"], strict=True):
+        fired = loops.loop_end(output, rule)
+        if stop is not None:
+            assert fired is not None and fired <= stop, (output[:40], fired, stop)
+        if fired is not None:  # a loop: the engine stops it too, not far past the rule
+            assert stop is not None and stop - fired <= loops.longest_span(rule) + rule.max_period, (fired, stop)
+    assert None in found["stops"][:3], "a random answer runs on"

@@ -15,7 +15,7 @@ def main() -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    parsed = vars(parser.parse_args(asked["argv"]))
+    parsed = vars(parser.parse_args(asked["argv"])) if asked["argv"] else {}
     requests = []
     for body in asked["bodies"]:
         request = CompletionRequest.model_validate(body)
@@ -28,9 +28,24 @@ def main() -> None:
                 "prompt_is_ids": request.prompt == body["prompt"],
             }
         )
+    # vLLM's scheduler check of a request's repetition_detection on the given outputs: where it first stops
+    stops = []
+    if asked.get("outputs"):
+        from vllm.v1.core.sched.utils import check_sequence_repetition
+
+        checks = [CompletionRequest.model_validate(b).to_sampling_params(8, {}) for b in asked["bodies"]]
+        for index, output in asked["outputs"]:
+            check = checks[index].repetition_detection
+            stopped = (n for n in range(1, len(output) + 1) if check_sequence_repetition(output[:n], check))
+            stops.append(next(stopped, None))
     print(
         json.dumps(
-            {"version": vllm.__version__, "parsed": {k: parsed[k] for k in asked["dests"]}, "requests": requests},
+            {
+                "version": vllm.__version__,
+                "parsed": {k: parsed[k] for k in asked["dests"]},
+                "requests": requests,
+                "stops": stops,
+            },
             default=str,
         )
     )

@@ -374,6 +374,10 @@ class ServerClient:
             return self._parse_completion(request, out)
 
         watch = request.stop_loops  # set only for a backend that stops loops (Backend.stops_loops)
+        if watch is not None:
+            # the engine's own first stop (vLLM's scheduler, every step): a closed stream alone reaches a
+            # loaded server after it has generated on, up to the whole budget (loops.engine_check)
+            body["repetition_detection"] = loops.engine_check(watch)
         try:
             return await self._call(url, "/v1/completions", body, retries, parse, watch=watch)  # type: ignore[no-any-return]
         except HTTPFailure as e:
@@ -414,6 +418,9 @@ class ServerClient:
             result = Result(request.prompt_id, request.sample_idx, ids, "length", None, None, retokenized, server_count)
         elif reason == "loop":  # ours: the stream was closed where the loop rule fired (_streamed)
             result = Result(request.prompt_id, request.sample_idx, ids, "loop")
+        elif reason == "repetition":  # vLLM's check (loops.engine_check) unseen by the rule: not by its design
+            why = "the engine stopped the row on its repetition check where the loop rule does not fire"
+            result = Result(request.prompt_id, request.sample_idx, ids, "abort", error=why)
         else:
             result = Result(request.prompt_id, request.sample_idx, ids, "abort", error=f"finish_reason {reason!r}")
         counted = completion_acceptance(out)
