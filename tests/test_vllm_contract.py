@@ -126,26 +126,32 @@ def _looping(rng: random.Random, period: int, head: int, length: int) -> list[in
     return [rng.randrange(100, 10_000) for _ in range(head)] + [pattern[i % period] for i in range(length - head)]
 
 
-@pytest.mark.parametrize("rule", [LoopRule(), LoopRule(16, 3, 32), LoopRule(5, 4, 12), LoopRule(1, 2, 2)])
-def test_vllms_repetition_check_stops_a_row_only_where_the_loop_rule_fired_and_stops_every_loop(
-    rule: LoopRule,
-) -> None:
+RULES = [LoopRule(), LoopRule(16, 3, 32), LoopRule(5, 4, 12), LoopRule(1, 2, 2)]
+
+
+def test_vllms_repetition_check_stops_a_row_only_where_the_loop_rule_fired_and_stops_every_loop() -> None:
     """loops.engine_check as vLLM's own scheduler check reads it (its CompletionRequest, then
-    check_sequence_repetition on each prefix of an output): on random answers and answers that loop at every
-    period the rule covers, the engine's first stop comes at or after the rule's (never a row the rule lets
-    run), and on every loop it comes, within twice the span the rule needs (plus the pattern's length)."""
-    rng = random.Random(rule.max_period)
-    outputs: list[list[int]] = [[rng.randrange(100, 10_000) for _ in range(300)] for _ in range(3)]
-    for period in range(1, rule.max_period + 1):
-        for head in (0, 7):
-            outputs.append(_looping(rng, period, head, head + 3 * loops.longest_span(rule) + 2 * rule.max_period))
-    request = Request("a", 0, [3], SamplingParams(0.0, 1.0, 0, 0.0, 8), 0, rule)
-    body = {**completions_body(request, "m", [3], [2]), "repetition_detection": loops.engine_check(rule)}
-    found = _probe([], [body], [], [], [[0, output] for output in outputs])
-    for output, stop in zip(outputs, found["stops"], strict=True):
+    check_sequence_repetition on each prefix of an output), for the default rule and three others: on random
+    answers and answers that loop at every period the rule covers, the engine's first stop comes at or after
+    the rule's (never a row the rule lets run), and on every loop it comes, within a firing's span (plus the
+    pattern's length) of the rule's. One probe of vLLM's environment for all of them."""
+    bodies, outputs, owner = [], [], []
+    for index, rule in enumerate(RULES):
+        rng = random.Random(rule.max_period)
+        request = Request("a", 0, [3], SamplingParams(0.0, 1.0, 0, 0.0, 8), 0, rule)
+        bodies.append({**completions_body(request, "m", [3], [2]), "repetition_detection": loops.engine_check(rule)})
+        mine = [[rng.randrange(100, 10_000) for _ in range(300)] for _ in range(3)]
+        for period in range(1, rule.max_period + 1):
+            for head in (0, 7):
+                mine.append(_looping(rng, period, head, head + 3 * loops.longest_span(rule) + 2 * rule.max_period))
+        outputs += [[index, output] for output in mine]
+        owner += [rule] * len(mine)
+    found = _probe([], bodies, [], [], outputs)
+    for rule, (_, output), stop in zip(owner, outputs, found["stops"], strict=True):
         fired = loops.loop_end(output, rule)
         if stop is not None:
-            assert fired is not None and fired <= stop, (output[:40], fired, stop)
+            assert fired is not None and fired <= stop, (rule, output[:40], fired, stop)
         if fired is not None:  # a loop: the engine stops it too, not far past the rule
-            assert stop is not None and stop - fired <= loops.longest_span(rule) + rule.max_period, (fired, stop)
-    assert None in found["stops"][:3], "a random answer runs on"
+            assert stop is not None and stop - fired <= loops.longest_span(rule) + rule.max_period, (rule, fired, stop)
+    random_answers = [stop for (index, _), stop in zip(outputs, found["stops"], strict=True) if index == 0][:3]
+    assert random_answers == [None, None, None], "random answers run on"
