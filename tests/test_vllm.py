@@ -21,6 +21,7 @@ import yaml
 from dflash_build import loops
 from dflash_build.engines import host as engine_host
 from dflash_build.engines import openai_backend
+from dflash_build.engines.registry import gauges
 from dflash_build.spec import LoopRule
 from dflash_build.stages.generate import row_seed
 from dflash_build.store import layout
@@ -258,14 +259,17 @@ def test_a_misspelled_vllm_option_stops_the_build_in_one_line_naming_the_closest
     assert not list(tmp_path.glob("work/store/**/*.parquet")), "no job ran"
 
 
+def _metrics(url: str, **names: str) -> dict[str, float]:
+    """The server's Prometheus samples (``names``: ours -> vLLM's), as the engines read them (``gauges``)."""
+    import urllib.request
+
+    return gauges(urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode(), names)
+
+
 def _generated_tokens(url: str) -> float:
     """The tokens the server has generated, as its Prometheus counter says (a client's abort counts none
     after it)."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return sum(float(n) for n in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+    return _metrics(url, generated="vllm:generation_tokens_total").get("generated", 0.0)
 
 
 LAG = 3.0  # seconds the client reads nothing once the server has a request running
@@ -275,13 +279,10 @@ def _build_with_a_lagging_client(wf: Workflow, url: str) -> None:
     """``--until generate``, with Snakemake and its jobs (their process group) stopped for LAG seconds once
     the server runs a request: a client that reads nothing for a while, as a loaded machine makes it. The
     server goes on meanwhile; only a stop in the engine itself ends a looping row then."""
-    import re
     import subprocess
-    import urllib.request
 
     def running() -> float:
-        text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-        return sum(float(n) for n in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+        return _metrics(url, running="vllm:num_requests_running").get("running", 0.0)
 
     cmd, env = wf.command("--until", "generate")
     build = subprocess.Popen(cmd, cwd=wf.workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -16,10 +16,11 @@ def main() -> None:
 
     parser = make_arg_parser(FlexibleArgumentParser())
     parsed = vars(parser.parse_args(asked["argv"])) if asked["argv"] else {}
-    requests = []
+    requests, checks = [], []
     for body in asked["bodies"]:
         request = CompletionRequest.model_validate(body)
         params = request.to_sampling_params(body["max_tokens"], default_sampling_params={"temperature": 99.0})
+        checks.append(params.repetition_detection)
         requests.append(
             {
                 "unsent_defaults": sorted(k for k in request._DEFAULT_SAMPLING_PARAMS if body.get(k) is None),
@@ -33,9 +34,8 @@ def main() -> None:
     if asked.get("outputs"):
         from vllm.v1.core.sched.utils import check_sequence_repetition
 
-        checks = [CompletionRequest.model_validate(b).to_sampling_params(8, {}) for b in asked["bodies"]]
         for index, output in asked["outputs"]:
-            check = checks[index].repetition_detection
+            check = checks[index]
             stopped = (n for n in range(1, len(output) + 1) if check_sequence_repetition(output[:n], check))
             stops.append(next(stopped, None))
     print(
