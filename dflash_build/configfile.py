@@ -65,8 +65,8 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 @functools.cache
 def schema() -> dict[str, Any]:
-    with open(SCHEMA_PATH, encoding="utf-8") as f:
-        return dict(yaml.safe_load(f))
+    with open(SCHEMA_PATH, encoding="utf-8") as f:  # libyaml's loader: every job reads the schema
+        return dict(yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
 
 
 def _known_keys(schema: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

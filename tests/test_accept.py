@@ -264,6 +264,8 @@ def test_a_rerun_measures_nothing_and_a_new_drafter_only_itself(measured: dict[s
     assert "Nothing to be done" in measured["again_output"], measured["again_output"][-2000:]
     assert "| source=prose |" in measured["again_output"], "dflash-build accept prints the report's table"
     assert "self measured before" in measured["second_output"] or "measured before" in _accept_log(measured)
+    # the calibration's drafter is the target itself with self's draft length: one server served both
+    assert measured["engines_before_second"] == 1, "the first accept started one server"
     assert measured["engines_after_second"] == measured["engines_before_second"] + 1, "one server: ngram's"
     assert len(_summaries(measured["workdir"], "self")) == 1, "self was measured once"
     assert measured["engines_after_third"] == measured["engines_after_second"] + 1, "dflash only: self renamed is read"

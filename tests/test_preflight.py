@@ -107,13 +107,45 @@ def test_the_vllm_servers_own_report_is_read_from_its_log() -> None:
     report = vllm.BACKEND.preflight.report((DATA / "vllm_cpu_server_start.log").read_text())  # type: ignore[union-attr]
     assert report["kv_tokens"] == 1_048_576
     assert report["lines"][-1] == "Maximum concurrency for 2,048 tokens per request: 512.00x"
-    problem = checks.engine_memory(report, 512 * 2, 1500.0, "engine.options.cpu_kvcache_space (GiB)", "cpu")
-    assert problem is not None and "its KV cache holds 1,048,576 tokens" in problem.line
+    # a build that reaches 1,024 requests in flight (512 a job, two jobs per engine, shards of 2,000 rows)
+    reached = checks.in_flight(512, 2, 2000, 100_000, None, "engine.options.max_num_seqs")
+    problem = checks.engine_memory(report, reached, 1500.0, "engine.options.cpu_kvcache_space (GiB)", "cpu")
+    assert (
+        problem is not None and problem.level == checks.FAIL and "its KV cache holds 1,048,576 tokens" in problem.line
+    )
     assert (
         "699 requests at the pilot's mean of 1500 tokens" in problem.line
+        and "the build keeps 1024 in flight on it (max_inflight 512 x 2 job(s) per engine)" in problem.line
         and "raise engine.options.cpu_kvcache_space" in problem.line
     )
-    assert checks.engine_memory(report, 512, 1500.0, "knob", "cpu") is None
+    assert checks.engine_memory(report, checks.in_flight(512, 1, 2000, 100_000, None, ""), 1500.0, "k", "cpu") is None
+
+
+def test_the_kv_check_judges_the_requests_the_build_reaches_not_its_in_flight_setting() -> None:
+    """A build of 40 rows never has 512 requests in flight whatever max_inflight says (issue 79): a cache that
+    holds 91 of them passes; one that holds 30 fails; where the engine's own cap runs fewer at once than the
+    build sends and the cache holds that many, the rest only queue: a warning."""
+    report = {"kv_tokens": 46_592, "lines": []}
+    forty = checks.in_flight(256, 2, 40, 40, None, "engine.options.max_num_seqs")
+    assert forty.reached == 40 and "the build's 40 requests" in forty.why
+    assert checks.engine_memory(report, forty, 512.0, "knob", "cpu") is None, "91 held, 40 reached"
+    short = checks.engine_memory(report, forty, 1500.0, "knob", "cpu")  # 31 held
+    assert short is not None and short.level == checks.FAIL and "caps the batch at 31" in short.line
+    # shards of 16 rows, two jobs per engine: 32 reached, however many rows the build has
+    assert checks.in_flight(256, 2, 16, 10_000, None, "").reached == 32
+    queued = checks.engine_memory(
+        report, checks.in_flight(256, 2, 2000, 10_000, 24, "engine.options.max_num_seqs"), 1500.0, "knob", "cpu"
+    )
+    assert queued is not None and queued.level == checks.WARN, "the engine runs 24 at once: the cache holds them"
+    assert "the engine runs 24 at once (engine.options.max_num_seqs)" in queued.line and "488 wait" in queued.line
+    assert (
+        checks.engine_memory(  # the engine's cap above what the cache holds: the cache is what caps it
+            report, checks.in_flight(256, 2, 2000, 10_000, 64, "engine.options.max_num_seqs"), 1500.0, "knob", "cpu"
+        ).level
+        == checks.FAIL
+    )  # type: ignore[union-attr]
+    assert vllm.BACKEND.preflight.batch_cap({"max_num_seqs": 24}) == 24  # type: ignore[union-attr]
+    assert vllm.BACKEND.preflight.batch_cap({}) is None  # type: ignore[union-attr]
 
 
 def test_the_pilots_answers_are_judged() -> None:
@@ -237,7 +269,10 @@ def test_a_small_kv_cache_a_template_that_ignores_the_switch_and_answers_at_the_
     cache cannot hold (vLLM's CPU build: cpu_kvcache_space), a template that renders enable_thinking the
     same either way for the variants that set it, a budget every answer runs into, tools the template drops."""
     config = vllm_config(vllm_model, tmp_path / "data")
-    config["engine"]["options"] = {**config["engine"]["options"], "max_inflight": 100_000}
+    # a KV cache of 2 blocks (256 tokens on the CPU build): 12 requests of the pilot's 20 tokens, fewer than
+    # this small build keeps in flight (its every row at once: 6 prompts x 4 samples, 2 chats)
+    config["engine"]["options"] = {**config["engine"]["options"], "num_gpu_blocks_override": 2, "max_model_len": 128}
+    config["sources"]["questions"]["sampling"]["samples_per_prompt"] = 4
     template = tmp_path / "plain.jinja"
     template.write_text(IGNORES_THINKING)
     config["model"]["chat_template"] = str(template)
@@ -252,8 +287,13 @@ def test_a_small_kv_cache_a_template_that_ignores_the_switch_and_answers_at_the_
     proc = wf.cli("preflight", check=False)
     assert proc.returncode == 1 and "# preflight: FAIL" in proc.stdout, proc.stdout + proc.stderr
     lines = {p["line"] for p in _summary(wf)["problems"] if p["level"] == "fail"}
-    [memory] = [x for x in lines if "KV cache holds 1,048,576 tokens" in x]
-    assert "the build keeps 200000 in flight on it" in memory and "raise engine.options.cpu_kvcache_space" in memory
+    [memory] = [x for x in lines if "its KV cache holds" in x]
+    # each variant holds half the 6 prompts, in one shard: 12 requests; two jobs per engine keep 24 in flight
+    shard = sum(1 for _ in (tmp_path / "data" / "questions.jsonl").open()) // 2 * 4
+    assert "its KV cache holds 256 tokens" in memory and "12 requests at the pilot's mean of 20 tokens" in memory
+    held = f"the build keeps {2 * shard} in flight on it (2 job(s) per engine of at most {shard} requests a shard)"
+    assert held in memory, memory
+    assert "raise engine.options.cpu_kvcache_space" in memory
     for variant, value in (("think", True), ("direct", False)):
         same = f"source questions@{variant}: its chat template renders the same with enable_thinking {value} "
         assert any(x.startswith(same) for x in lines), lines

@@ -107,6 +107,8 @@ class Preflight:
     # The server's load from its /metrics text: requests ``running`` and ``waiting``, ``kv_usage`` (0-1);
     # None: it exposes none
     load: Callable[[str], dict[str, float]] | None = None
+    # the requests the engine runs at once at most, where its options set it (None: its own default, unknown)
+    batch_cap: Callable[[Mapping[str, Any]], int | None] = lambda options: None
 
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)")

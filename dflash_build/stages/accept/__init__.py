@@ -27,7 +27,6 @@ import json
 import logging
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +97,17 @@ def run(job: Job) -> dict[str, Any]:
     folders, calibration_folder = measurements.folders(plan, split_key)
     summaries = {name: measurements.kept(folder) for name, folder in folders.items()}
     todo = [name for name, summary in summaries.items() if summary is None]
-    verdict = calibrated(plan, split, calibration_folder, measure_now=bool(todo))
     measured = {}
-    for i, (name, drafter) in enumerate(accept.drafters.items()):
-        running.progress(drafters_done=f"{i}/{len(folders)}", to_measure=len(todo))
-        summary = summaries[name]
-        if summary is None:
-            summary = measure(plan, drafter, split, folders[name], verdict)
-        else:
-            log.info("accept: %s measured before (%s): nothing to run", name, folders[name])
-        measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
+    with Servers(plan) as servers:
+        verdict = calibrated(plan, split, calibration_folder, measure_now=bool(todo), servers=servers)
+        for i, (name, drafter) in enumerate(accept.drafters.items()):
+            running.progress(drafters_done=f"{i}/{len(folders)}", to_measure=len(todo))
+            summary = summaries[name]
+            if summary is None:
+                summary = measure(plan, drafter, split, folders[name], verdict, servers)
+            else:
+                log.info("accept: %s measured before (%s): nothing to run", name, folders[name])
+            measured[name] = {**summary, "drafter": {**summary["drafter"], "name": name}}  # as the config names it
     training = report_mod.training_shares(release.folder_of(job.input("dataset")))
     report = report_mod.build_report(measured, training, accept.weakest, split_key)
     if (next_round := job.given.get("next_round")) is not None:
@@ -138,7 +138,9 @@ def run(job: Job) -> dict[str, Any]:
     return report
 
 
-def calibrated(plan: Plan, split: pa.Table, folder: Path | None, measure_now: bool) -> dict[str, Any] | None:
+def calibrated(
+    plan: Plan, split: pa.Table, folder: Path | None, measure_now: bool, servers: Servers
+) -> dict[str, Any] | None:
     """The engine's calibration on this split, kept in ``folder``: kept, or run now when a drafter is to be
     measured (None with accept.calibration.rows 0, or none kept and nothing to measure)."""
     accept = plan.config.accept
@@ -153,10 +155,10 @@ def calibrated(plan: Plan, split: pa.Table, folder: Path | None, measure_now: bo
     rows = calibration.rows(split.to_pylist(), accept.calibration.rows)
     log.info("accept: calibrating the engine: the target drafting for itself on %d eval rows", len(rows))
     running.progress(drafter=drafter.name, step="calibration: starting its server")
-    with serving(plan, drafter) as served:
-        requests = [_request(i, row, accept.calibration.max_new_tokens) for i, row in enumerate(rows)]
-        results = served.generate(requests, "calibration")
-        oracle = served.generate(calibration.oracle_requests(requests, results), "calibration's argmax")
+    served = servers.serving(drafter)
+    requests = [_request(i, row, accept.calibration.max_new_tokens) for i, row in enumerate(rows)]
+    results = served.generate(requests, "calibration")
+    oracle = served.generate(calibration.oracle_requests(requests, results), "calibration's argmax")
     verdict = {**calibration.verdict(rows, requests, results, oracle, folder.name), "engine": served.engine}
     folder.mkdir(parents=True, exist_ok=True)
     atomic.write_json(folder / measurements.SUMMARY_FILE, verdict)
@@ -185,28 +187,54 @@ class Served:
         return list(self._served.attached.urls)
 
 
-@contextlib.contextmanager
-def serving(plan: Plan, drafter: DrafterSpec) -> Iterator[Served]:
-    """The target served with ``drafter`` on an engine of its own, stopped when done (the next drafter is
-    another server)."""
-    cfg = plan.config
-    assert cfg.accept is not None
-    engine = registry.with_drafter(cfg.engine, drafter, cfg.accept.engine_options)
-    tokenizer = chat.load_tokenizer(cfg.model, plan.tokenizer_cache())
-    stop_ids = chat.stop_token_ids(tokenizer, cfg.model.path)
-    with gpus.pinned(engine) if uses_gpu(engine) else contextlib.nullcontext() as lease:
-        served = engine_host.open_engine(
-            cfg, stop_ids, lease, tokenizer, plan.model_fingerprint, chat.context_length(cfg.model), engine
-        )
-        try:
-            urls = list(served.attached.urls)
-            yield Served({"backend": cfg.engine.backend, "version": _version(urls), "urls": urls}, served, drafter.name)
-        finally:
-            served.close()
+class Servers:
+    """The target served with one drafter at a time, on an engine of its own: a use that wants the engine
+    already running (the calibration's drafter is often the target itself, as a drafter measured next may
+    be) is served by it; another drafter stops it and starts its own. Everything is stopped at the end."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._open: tuple[Any, Any, contextlib.ExitStack] | None = None  # (engine, Served, what closes it)
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._open is not None:
+            _, _, stack = self._open
+            self._open = None
+            stack.close()
+
+    def serving(self, drafter: DrafterSpec) -> Served:
+        cfg = self.plan.config
+        assert cfg.accept is not None
+        engine = registry.with_drafter(cfg.engine, drafter, cfg.accept.engine_options)
+        if self._open is not None and self._open[0] == engine:
+            served: Served = self._open[1]
+            log.info("accept: %s is served by the server already running for %s", drafter.name, served.label)
+            served.label = drafter.name
+            return served
+        self._close()
+        tokenizer = chat.load_tokenizer(cfg.model, self.plan.tokenizer_cache())
+        stop_ids = chat.stop_token_ids(tokenizer, cfg.model.path)
+        with contextlib.ExitStack() as stack:
+            lease = stack.enter_context(gpus.pinned(engine)) if uses_gpu(engine) else None
+            opened = engine_host.open_engine(
+                cfg, stop_ids, lease, tokenizer, self.plan.model_fingerprint, chat.context_length(cfg.model), engine
+            )
+            stack.callback(opened.close)
+            urls = list(opened.attached.urls)
+            engine_line = {"backend": cfg.engine.backend, "version": _version(urls), "urls": urls}
+            served = Served(engine_line, opened, drafter.name)
+            self._open = (engine, served, stack.pop_all())
+        return served
 
 
 def measure(
-    plan: Plan, drafter: DrafterSpec, split: pa.Table, folder: Path, verdict: dict[str, Any] | None
+    plan: Plan, drafter: DrafterSpec, split: pa.Table, folder: Path, verdict: dict[str, Any] | None, servers: Servers
 ) -> dict[str, Any]:
     """Serve the target with ``drafter``, generate every row of the split, and keep each request's counts
     and the summary in ``folder`` (the summary last: it marks the measurement done)."""
@@ -217,10 +245,10 @@ def measure(
     requests = [_request(i, row, accept.max_new_tokens) for i, row in enumerate(rows)]
     log.info("accept: %s (%s) on %d eval requests", drafter.name, drafter.method, len(requests))
     running.progress(drafter=drafter.name, step="starting its server")
-    with serving(plan, drafter) as served:
-        before = _totals(backend, served.urls)
-        results = served.generate(requests, "eval requests")
-        after = _totals(backend, served.urls)
+    served = servers.serving(drafter)
+    before = _totals(backend, served.urls)  # the server's totals over this drafter's requests only
+    results = served.generate(requests, "eval requests")
+    after = _totals(backend, served.urls)
     detector = degenerate.Detector(plan.config.degenerate)  # on token ids: loops, repetition, empty answers
     out = [_request_row(row, requests[i], results.get(str(i)), detector) for i, row in enumerate(rows)]
     table = pa.Table.from_pylist(out, schema=REQUEST_SCHEMA)

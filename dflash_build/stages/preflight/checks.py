@@ -131,25 +131,61 @@ def model_folder(path: str, hybrid_needs: str | None) -> tuple[dict[str, Any], l
 
 
 def engine_memory(
-    report: dict[str, Any], in_flight: int, tokens_per_request: float, knob: str, slot: str
+    report: dict[str, Any], in_flight: InFlight, tokens_per_request: float, knob: str, slot: str
 ) -> Problem | None:
-    """Whether the engine's KV cache holds the requests the build keeps in flight at the pilot's mean lengths;
-    else the batch the memory caps it at, with the knob to raise and the in-flight setting to lower."""
+    """Whether the engine's KV cache holds the requests the build can keep in flight on it at the pilot's mean
+    lengths. A failure where the cache caps the batch below what the engine would otherwise run (the
+    requests the build reaches, within the engine's own cap); a warning where the rest only wait in its queue."""
     kv = report.get("kv_tokens")
     if kv is None or tokens_per_request <= 0:
         return None
     holds = int(kv // tokens_per_request)
-    if holds >= in_flight:
+    if holds >= in_flight.reached:
         return None
     said = f" (its log: {'; '.join(report['lines'])})" if report.get("lines") else ""
+    would_run = in_flight.reached if in_flight.engine_cap is None else min(in_flight.reached, in_flight.engine_cap)
+    held = f"engine {slot}: its KV cache holds {kv:,} tokens{said}, {holds} requests at the pilot's mean of "
+    held += f"{tokens_per_request:.0f} tokens each, and the build keeps {in_flight.reached} in flight on it"
+    if holds >= would_run:
+        return Problem(
+            WARN,
+            "engine",
+            f"{held}: the engine runs {in_flight.engine_cap} at once ({in_flight.cap_key}), which the cache "
+            f"holds; the other {in_flight.reached - would_run} wait in its queue",
+        )
     return Problem(
         FAIL,
         "engine",
-        f"engine {slot}: its KV cache holds {kv:,} tokens{said}, {holds} requests at the pilot's mean of "
-        f"{tokens_per_request:.0f} tokens each, and the build keeps {in_flight} in flight on it: the engine caps "
-        f"the batch at {holds}; raise {knob}, or lower engine.options.max_inflight (x engine.jobs_per_engine) to "
-        f"at most {holds}",
+        f"{held} ({in_flight.why}): the engine caps the batch at {holds}; raise {knob}, or lower "
+        f"engine.options.max_inflight (x engine.jobs_per_engine) to at most {holds}",
     )
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The requests a build can keep in flight on one engine: its in-flight setting, but never more than its
+    jobs' shards hold nor its whole build; and the engine's own cap on running requests, where set."""
+
+    reached: int
+    why: str
+    engine_cap: int | None = None
+    cap_key: str = ""
+
+
+def in_flight(
+    per_job: int, jobs_per_engine: int, shard_requests: int, build_requests: int, engine_cap: int | None, cap_key: str
+) -> InFlight:
+    """``per_job``: the requests one job keeps in flight (max_inflight); ``shard_requests``: the most requests
+    one shard holds (shard_size prompts x samples); ``build_requests``: every request of the build."""
+    setting = per_job * jobs_per_engine
+    reached = min(setting, min(per_job, shard_requests) * jobs_per_engine, build_requests)
+    if reached == setting:
+        why = f"max_inflight {per_job} x {jobs_per_engine} job(s) per engine"
+    elif reached == build_requests:
+        why = f"the build's {build_requests} requests, fewer than max_inflight {per_job} x {jobs_per_engine} job(s)"
+    else:
+        why = f"{jobs_per_engine} job(s) per engine of at most {shard_requests} requests a shard"
+    return InFlight(reached, why, engine_cap, cap_key)
 
 
 def length_share(
