@@ -35,7 +35,9 @@ TOK_VERSION = 4
 # target).
 MIX_VERSION = 5
 PACK_VERSION = 1
-EXPORT_VERSION = 1
+# 2: the conversations export writes only answers the dataset trains on (a per-turn sample the dataset
+# lacks is left out, a conversation on the regenerated history ends before it).
+EXPORT_VERSION = 2
 # The eval split (stages/evalset/): in its eval_key (Plan.eval_key, the rule's params) and in its
 # split_key (the digest of its rows, which each acceptance measurement is keyed by).
 EVAL_VERSION = 1

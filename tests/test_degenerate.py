@@ -353,6 +353,86 @@ def test_a_degenerate_row_is_asked_again_with_the_next_seed_up_to_the_bound(
         assert [r["seed"] for r in reused] == [r["seed"] for r in rows]
 
 
+class _DiesAfter(_LoopsOnItsFirstSeeds):
+    """The stand-in, killed mid-shard: it raises once it has answered ``answers`` requests (the next one
+    in flight is lost, as a crash loses it)."""
+
+    def __init__(self, base_seed: int, loops: int, answers: int) -> None:
+        super().__init__(base_seed, loops)
+        self.answers = answers
+
+    def generate(self, requests: Any) -> Any:
+        for result in super().generate(requests):
+            if len(self.requests) > self.answers:
+                raise RuntimeError("the job dies")
+            yield result
+
+
+def _regenerate_job(root: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, reused: bool) -> Any:
+    """Shard 00000's generate job under policy regenerate (retries 2), its prompts prepared; ``reused``: a
+    build under policy drop generated every row's first attempt before (a loop), so this one takes those
+    from the store and asks from the second attempt on."""
+    from dflash_build import engines
+    from dflash_build.stages import generate, prepare
+    from dflash_build.stages.registry import planned
+
+    root.mkdir()
+    if reused:
+        before = _regenerating(root, tiny_model, 200, loop={"policy": "drop"})
+        monkeypatch.setattr(engines, "load", lambda *a, **k: _LoopsOnItsFirstSeeds(5, 2))
+        prepare.run(planned(before, "prepare", "s"))
+        generate.run(planned(before, "generate", "s", "00000"))
+    plan = _regenerating(root, tiny_model, 200, retries=2)
+    if not reused:
+        prepare.run(planned(plan, "prepare", "s"))
+    return planned(plan, "generate", "s", "00000")
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_resumed_job_never_asks_an_attempt_it_rejected_again(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, reused: bool
+) -> None:
+    """Issue 79: policy regenerate journals every attempt it rejects, so a job that dies after rejecting
+    attempts resumes from each row's next attempt: no seed is asked twice (the GPU time of a rejected
+    attempt is spent once), and the shard is the one a job that never died writes. With the first
+    attempts reused from an earlier build, the resumed job's reuse does not take them back either."""
+    import pyarrow.parquet as pq
+
+    from dflash_build import engines
+    from dflash_build.ops import estimate, status
+    from dflash_build.stages import generate
+    from dflash_build.stages.generate import row_seed
+
+    def run_on(engine: Any, job: Any) -> dict[str, Any]:
+        monkeypatch.setattr(engines, "load", lambda *a, **k: engine)
+        return generate.run(job)
+
+    job = _regenerate_job(tmp_path / "whole", tiny_model, monkeypatch, reused)
+    run_on(_LoopsOnItsFirstSeeds(5, 2), job)
+    whole = pq.read_table(job.output("data")).to_pylist()
+
+    asked = 4 if reused else 8  # the attempts it rejects before it dies: the second only, or the first two
+    dying = _DiesAfter(5, 2, asked)
+    job = _regenerate_job(tmp_path / "dies", tiny_model, monkeypatch, reused)
+    with pytest.raises(RuntimeError, match="the job dies"):
+        run_on(dying, job)
+    rejected = {r.seed for r in dying.requests[:asked]}
+    assert len(rejected) == asked
+    # `plan` and `status` read the journal too: a rejected attempt leaves its row to do
+    (planned,), _, _ = estimate.estimate_with_disk(job.plan)
+    assert (planned.rows_journaled, planned.rows_to_generate) == (0, 4)
+    assert status.collect(job.plan).sources[0].rows_done == 0
+
+    resumed = _LoopsOnItsFirstSeeds(5, 2)
+    stats = run_on(resumed, job)
+    seeds = [r.seed for r in resumed.requests]
+    assert not rejected & set(seeds), "a rejected attempt is asked again"
+    prompts = sorted({r.prompt_id for r in dying.requests})
+    assert sorted(seeds) == sorted(row_seed(5, pid, 0, 0, 2) for pid in prompts), "each row's third attempt, once"
+    assert pq.read_table(job.output("data")).to_pylist() == whole, "the shard a job that never died writes"
+    assert stats["regenerated_rows"] == 4
+
+
 def test_regenerate_under_greedy_sampling_is_refused_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
     from dflash_build.spec import ConfigError
 

@@ -84,10 +84,18 @@ SHAREGPT_ROWS = [
 
 class ThinkingEngine:
     """Stand-in: answers turn k with reasoning, ``</think>`` and an answer, then the stop token. The
-    turn is read from the prompt (its assistant headers), so a new instance answers a resumed job alike."""
+    turn is read from the prompt (its assistant headers), so a new instance answers a resumed job alike;
+    at ``loop_at_turn`` the answer is a loop (one word over and over), which still stops."""
 
-    def __init__(self, tokenizer: Any, length_at_turn: int | None = None, fail_after: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        length_at_turn: int | None = None,
+        fail_after: int | None = None,
+        loop_at_turn: int | None = None,
+    ) -> None:
         self.tokenizer, self.length_at_turn, self.fail_after = tokenizer, length_at_turn, fail_after
+        self.loop_at_turn = loop_at_turn
         self.requests: list[Request] = []
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
@@ -97,6 +105,8 @@ class ThinkingEngine:
             self.requests.append(r)
             turn = self.tokenizer.decode(r.prompt_ids).count("<|im_start|>assistant") - 1
             text = f"reasoning {turn} of {r.prompt_id[:6]}\n</think>\n\nanswer {turn} of {r.prompt_id[:6]}"
+            if turn == self.loop_at_turn:
+                text = f"reasoning {turn}\n</think>\n\n" + "again " * 150
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if turn == self.length_at_turn:  # runs out: the whole budget, as an engine does
                 yield Result(
@@ -301,6 +311,54 @@ def test_a_truncated_turn_ends_its_conversation_and_is_counted(
     assert per_turn == {rows[7]: False, rows[4]: True}
     shard = tokenize.run(planned(plan, "tokenize", "s", "00000"))
     assert shard["rows_out"] == 1 and shard["dropped"] == {"truncated": 2} and shard["per_turn_samples"] == 1
+
+
+@pytest.mark.parametrize("history", ["regenerated", "source"])
+def test_the_conversations_export_holds_no_turn_that_tokenize_dropped(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, history: str
+) -> None:
+    """Issue 79: a turn of a ``turns: all`` conversation that tokenize drops as degenerate (a loop at turn 1
+    of each conversation, every turn a sample of its own) is no answer of the conversations export either:
+    on the dataset's history the export's turns are the dataset's samples, one for one; on the regenerated
+    history a conversation ends before its dropped turn (the turn after it was asked on the loop). The
+    tokenize shard stands for the dataset (the mix's samples have its columns)."""
+    from dflash_build.spec import ExportSpec
+    from dflash_build.stages.export.formats import Written
+
+    write_jsonl(tmp_path / "chat.jsonl", MESSAGES_ROWS)
+    source = {"format": "messages", "files": [str(tmp_path / "chat.jsonl")], "turn_samples": "per_turn"}
+    sampling = {"max_new_tokens": 300, "temperature": 0.8, "seed": 3}  # room for the loop to be one
+    plan = _plan(tmp_path, tiny_model, {**source, "history": history}, sampling=sampling)
+    monkeypatch.setattr(engines, "load", lambda *a, **k: ThinkingEngine(_tokenizer(tiny_model), loop_at_turn=1))
+    generate.run(planned(plan, "generate", "s", "00000"))
+    rows = _completions(plan)
+    assert sorted(len(r["turns"]) for r in rows) == [2, 3] and all(r["per_turn"] for r in rows)
+    assert tokenize.run(planned(plan, "tokenize", "s", "00000"))["dropped"] == {"loop": 2}
+    dataset = plan.token_dir("s") / "00000.parquet"
+    trained = {(r["prompt_id"], r["turn"]) for r in pq.read_table(dataset).to_pylist()}
+    assert trained == {(r["prompt_id"], k) for r in rows for k in range(len(r["turns"])) if k != 1}
+
+    stores = {"s": [(plan.prompt_dir("s") / "00000.parquet", plan.completion_dir("s") / "00000.parquet")]}
+    out = jsonl.JsonlShards(tmp_path / "export", 100)
+    counts = conversations.write(
+        Written([dataset], stores, ExportSpec("conversations"), out, {"s": plan.sources["s"].spec})
+    )
+    files = out.close(tmp_path / "export")
+    exported = [json.loads(line) for f in files for line in (tmp_path / "export" / f["path"]).read_text().splitlines()]
+    assert "again again" not in json.dumps(exported), "the loop tokenize dropped is exported"
+
+    def regenerated(record: dict[str, Any]) -> list[str]:
+        """A record's answers from the target: every one on the regenerated history, the last on the dataset's."""
+        said = [m["content"].strip() for m in record["conversations"] if m["role"] == "assistant"]
+        return said[-1:] if history == "source" else said
+
+    answers = {r["id"]: regenerated(r) for r in exported}
+    if history == "source":
+        assert set(answers) == {jsonl.sample_id(pid, 0, k) for pid, k in trained}, "the dataset's samples"
+        assert all(a == [f"answer {i.split(':')[2]} of {i[:6]}"] for i, a in answers.items())
+    else:
+        assert answers == {jsonl.sample_id(r["prompt_id"], 0): [f"answer 0 of {r['prompt_id'][:6]}"] for r in rows}
+    assert counts["regenerated_turns"] == sum(map(len, answers.values()))
 
 
 def test_a_killed_job_resumes_at_the_next_unfinished_turn(

@@ -39,6 +39,9 @@ LOCK_FILE = layout.JOURNAL_LOCK
 PUBLISHED_DATA = layout.PUBLISHED_DATA
 PUBLISHED_STATS = layout.PUBLISHED_STATS
 LOCK_REPORT_SECONDS = 60.0
+# A row's field naming why the degenerate policy regenerate rejected its answer (asked again with the next
+# attempt's seed): journaled so a resumed job goes on from that next attempt; never the row's answer.
+REJECTED = "rejected"
 
 
 class Journal:

@@ -1,7 +1,8 @@
 """``conversations``: ``{id, conversations: [{role, content, reasoning_content?}], tools}``, the source's
 messages with every regenerated answer as text (its reasoning, between the template's think markers, in
 ``reasoning_content``; with ``model.tool_call_parser`` its calls as structured ``tool_calls``), for
-trainers that render and mask themselves. It reads each source's prompt and completion shards.
+trainers that render and mask themselves. It reads each source's prompt and completion shards, and writes
+only the answers the dataset trains on (:func:`trained_answers`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -90,25 +92,57 @@ def _as_sent(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def trained_answers(done: dict[str, Any], trained: set[int | None], on_history: bool) -> list[tuple[int, str]]:
+    """(turn, text) of each answer of a completion row that the export writes: those the dataset trains on.
+
+    ``trained``: the dataset's samples of the row by turn; {None} for a row that is one sample, trained on
+    whole. A row whose turns are samples of their own has only some in the dataset when tokenize dropped
+    a turn (degenerate, truncated) or the mix took some: on the dataset's history (``history: source``)
+    each turn stands alone, so the export writes those turns. On the regenerated history the conversation
+    ends before the first turn the dataset leaves out, as one that ended early does: every later answer
+    was asked on that one, and a trainer of this format trains on every answer a conversation holds, so
+    keeping them would train on the answer the dataset dropped.
+    """
+    answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
+    if None in trained:
+        return list(enumerate(answers))
+    if on_history:
+        return [(k, answer) for k, answer in enumerate(answers) if k in trained]
+    return list(takewhile(lambda turn: turn[0] in trained, enumerate(answers)))
+
+
 def _records(
     messages: list[dict[str, Any]],
     done: dict[str, Any],
+    answers: list[tuple[int, str]],
     tools: toolcalls.Tools,
     spec: ExportSpec,
     on_history: bool,
     variant: str | None = None,
 ) -> list[tuple[str, list[dict[str, Any]]]]:
-    """A completion row's export records, (id, conversation): its conversation, or under ``history:
-    source`` each turn on the history it was asked on."""
+    """A completion row's export records of ``answers`` (:func:`trained_answers`), (id, conversation): its
+    conversation (none without an answer), or under ``history: source`` each turn on the history it was
+    asked on."""
     key = (done["prompt_id"], done["sample_idx"])
     parser = spec.tool_call_parser
-    answers = [t["text"] for t in done["turns"]] if done["turns"] else [done["text"]]
     if on_history:
         return [
             (sample_id(*key, k, variant), turn_on_history(messages, k, answer, spec.think, parser, tools))
-            for k, answer in enumerate(answers)
+            for k, answer in answers
         ]
-    return [(sample_id(*key, variant=variant), conversation(messages, answers, spec.think, parser, tools))]
+    if not answers:
+        return []
+    texts = [answer for _, answer in answers]
+    return [(sample_id(*key, variant=variant), conversation(messages, texts, spec.think, parser, tools))]
+
+
+def _trained(files: Sequence[Path]) -> dict[str, dict[tuple[str, int], set[int | None]]]:
+    """Each source's rows in the dataset, each with its samples' turns (None: the row is one sample)."""
+    wanted: dict[str, dict[tuple[str, int], set[int | None]]] = {}
+    for row in samples(files, ["source", "prompt_id", "sample_idx", "turn"]):
+        key = (row["prompt_id"], row["sample_idx"])
+        wanted.setdefault(row["source"], {}).setdefault(key, set()).add(row["turn"])
+    return wanted
 
 
 def _conversations(
@@ -120,10 +154,9 @@ def _conversations(
 ) -> dict[str, Any]:
     """Shard by shard of each source's prompts and completions (memory holds one shard), the rows of the
     dataset they hold: a conversation each, or, for a ``history: source`` source, each turn on the
-    history it was asked on; a sampling variant's ids end with it."""
-    wanted: dict[str, set[tuple[str, int]]] = {}
-    for row in samples(files, ["source", "prompt_id", "sample_idx"]):
-        wanted.setdefault(row["source"], set()).add((row["prompt_id"], row["sample_idx"]))
+    history it was asked on; a sampling variant's ids end with it. Only answers the dataset trains on
+    are written (:func:`trained_answers`)."""
+    wanted = _trained(files)
     counts: Counter[str] = Counter()
     for source in sorted(wanted):
         paths = stores.get(source)
@@ -140,13 +173,14 @@ def _conversations(
                 key = (done["prompt_id"], done["sample_idx"])
                 if key not in todo:
                     continue
-                todo.discard(key)
+                trained = todo.pop(key)
                 prompt = prompts[done["prompt_id"]]
                 tools = json.loads(prompt["tools"]) if prompt["tools"] else None
                 on_history = sources[source].history == "source" and bool(done["turns"])
                 variant = sources[source].variant
-                records = _records(json.loads(prompt["messages"]), done, tools, spec, on_history, variant)
-                counts["turns"] += len(done["turns"] or [None])
+                answers = trained_answers(done, trained, on_history)
+                records = _records(json.loads(prompt["messages"]), done, answers, tools, spec, on_history, variant)
+                counts["turns"] += len(answers)
                 for record_id, turns in records:
                     out.write({"id": record_id, "conversations": turns, "tools": tools})
                     counts["rows"] += 1

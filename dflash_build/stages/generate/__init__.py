@@ -70,7 +70,7 @@ from dflash_build.stages.generate.work import (
 )
 from dflash_build.store import atomic
 from dflash_build.store import records as R
-from dflash_build.store.journal import Journal
+from dflash_build.store.journal import REJECTED, Journal
 from dflash_build.store.rowindex import RowIndex
 
 log = logging.getLogger(__name__)
@@ -209,11 +209,12 @@ def replay(work: ShardWork, journal: Journal) -> int:
 
     A row that does not fit (a repeated turn, a turn after a gap, a prompt not in this shard, missing
     fields: damage, or two writers before shards had locks) is skipped with a warning and its turn is
-    generated again; the first copy of a turn wins. A turn the engine refused or aborted has no answer
+    generated again; the first copy of a turn wins. An answer journaled as rejected (degenerate policy
+    regenerate) only moves its row on to the next attempt. A turn the engine refused or aborted has no answer
     to resume: it is asked again, so that a rerun after the cause is fixed (the server's options, a
     passing fault) heals the shard instead of failing on the same rows.
     """
-    applied, skipped, failed = 0, 0, 0
+    applied, skipped, failed, rejected = 0, 0, 0, 0
     for row in journal.load():
         conv = work.convs.get((row.get("prompt_id"), row.get("sample_idx")))  # type: ignore[arg-type]
         if conv is None or any(k not in row for k in _JOURNAL_FIELDS) or row["turn"] != len(conv.turns):
@@ -221,6 +222,10 @@ def replay(work: ShardWork, journal: Journal) -> int:
             continue
         if conv.finish_reason is not None:
             skipped += 1
+            continue
+        if row.get(REJECTED):  # an attempt the degenerate policy asked again: resume from the next one
+            conv.attempt = row.get("attempt", 0) + 1
+            rejected += 1
             continue
         if row["finish_reason"] in R.NO_ANSWER:
             failed += 1
@@ -234,6 +239,8 @@ def replay(work: ShardWork, journal: Journal) -> int:
         log.warning("%s: %d journal rows in %s do not fit the shard and are skipped", work.label, skipped, journal.path)
     if failed:
         log.info("%s: %d journaled turns failed (refused or aborted) and are asked again", work.label, failed)
+    if rejected:
+        log.info("%s: %d degenerate attempts journaled: their rows go on from the next attempt", work.label, rejected)
     if applied:
         log.info("%s: resuming, %d turns already journaled", work.label, applied)
     return applied
@@ -397,10 +404,14 @@ def generate_rest(work: ShardWork, journal: Journal, lease: gpus.GpuLease | None
                     counts.engine_tokens += len(generated.output_ids)
                     turn = take_result(work, generated, contexts.pop((generated.prompt_id, generated.sample_idx)))
                     conv = work.convs[(generated.prompt_id, generated.sample_idx)]
-                    if work.retry(conv):  # degenerate: asked again next round with the next seed, unjournaled
+                    row = journal_row(conv, turn)  # before retry moves the conversation to its next attempt
+                    if rejected := work.retry(conv):  # degenerate: asked again next round with the next seed
+                        # journaled as rejected: a resumed job goes on from the next attempt, never asking
+                        # this one again (the GPU time it cost is spent once)
+                        journal.append({**row, REJECTED: rejected})
                         counts.regenerated += 1
                         continue
-                    journal.append(journal_row(conv, turn))
+                    journal.append(row)
                     counts.journaled += 1
                     progress.update(
                         dataclasses.replace(generated, finish_reason=turn.finish_reason), conv.finish_reason is not None

@@ -78,6 +78,8 @@ def _answers(work: ShardWork, conv: Conversation, old: Earlier) -> str | None:
     attempt = _attempt(work, conv, old)
     if ids != row["prompt_ids"] or attempt is None:
         return None  # rendered or seeded otherwise: another request
+    if attempt < conv.attempt:
+        return None  # an attempt this shard's journal already rejected (replay): the row is past it
     budget = work.budget(len(ids))
     if not fits_context(len(ids), budget, work.context) or work.plan.config.trainer.leaves_too_little(budget):
         return None  # a fresh build skips it, so reuse does too (next_requests records the skip)

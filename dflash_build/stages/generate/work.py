@@ -117,22 +117,23 @@ class ShardWork:
     def detector(self) -> degenerate.Detector:
         return degenerate.Detector.for_tokenizer(self.plan.config.degenerate, self.tokenizer)
 
-    def retry(self, conv: Conversation) -> bool:
+    def retry(self, conv: Conversation) -> str | None:
         """Under a degenerate policy regenerate, ask a finished one-turn row again with the next attempt's
         seed when its answer is degenerate for a reason of that policy and attempts are left: the row is
-        pending again (True). Conversations of several turns are judged by tokenize alone."""
+        pending again, and the reason is returned (else None). Conversations of several turns are judged
+        by tokenize alone."""
         policy = self.plan.config.degenerate
         if not self.regenerating or len(conv.slots) != 1 or len(conv.turns) != 1 or conv.attempt >= policy.retries:
-            return False
+            return None
         turn = conv.turns[0]
         why = self.detector.reason(turn.context_ids, turn.output_ids, turn.finish_reason)
         if why is None or policy.policy(why) != "regenerate":
-            return False
+            return None
         conv.attempt += 1
         conv.turns.clear()
         conv.prefix, conv.prefix_from, conv.prefix_across = [], None, False
         conv.finish_reason = conv.error = None
-        return True
+        return why
 
     @functools.cached_property
     def stop_loops(self) -> LoopRule | None:
