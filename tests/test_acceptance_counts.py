@@ -199,6 +199,16 @@ def _with_accept(raw: dict[str, Any], **drafter: Any) -> dict[str, Any]:  # noqa
             "accept.drafters.d.options.rejection_sample_method",
             "not by the target's probabilities",
         ),
+        (
+            {"options": {"num_speculative_tokens": 3, "rejection_sample_method": "fly"}},
+            "accept.drafters.d.options.rejection_sample_method",
+            "'fly' accepts drafts the target's probabilities would reject",
+        ),
+        (
+            {"options": {"num_speculative_tokens": 3, "rejection_sample_method": "strict"}},
+            "accept.drafters.d.options.rejection_sample_method",
+            "no rejection sampling method 'strict'; use 'standard' or 'block'",
+        ),
     ],
 )
 def test_a_drafter_the_pinned_vllm_does_not_know_is_refused_by_name(

@@ -95,6 +95,9 @@ def _with_drafter(raw: dict[str, Any], device: str = "cpu", **drafter: Any) -> d
     ("edit", "key", "message"),
     [
         (lambda c: c["engine"]["drafter"].update(method="ngrm"), "engine.drafter.method", "did you mean 'ngram'"),
+        # a lossy rejection would write answers that are not the target's into the training rows
+        (lambda c: c["engine"]["drafter"]["options"].update(rejection_sample_method="fly"),
+         "engine.drafter.options.rejection_sample_method", "'fly' accepts drafts the target's probabilities"),
         (lambda c: c["engine"].update(backend="transformers", options={}), "engine.drafter", "use sglang or vllm"),
         (lambda c: c["engine"]["options"].update(speculative_config={}), "engine.options.speculative_config",
          "engine.drafter sets it"),

@@ -151,6 +151,18 @@ _SPECULATIVE_OWN = frozenset(
 )
 
 
+# vLLM's rejection sampling methods that keep the target's distribution (config/speculative.py); the others
+# write answers and figures that are not the target's and the drafter's (issue 79: a drafter in generation
+# writes the training rows)
+_LOSSLESS_REJECTION = ("standard", "block")
+_LOSSY_REJECTION = {
+    "synthetic": "'synthetic' accepts drafts at the configured rates, not by the target's probabilities: its "
+    "figures are not the drafter's and its answers not the target's",
+    "fly": "'fly' accepts drafts the target's probabilities would reject (lossy, by vLLM's own account in later "
+    "releases; the pinned one has no such method)",
+}
+
+
 def _check_drafter(key: str, drafter: DrafterSpec) -> None:
     if drafter.method not in vllm_fields.SPECULATIVE_METHODS:
         raise ConfigError(
@@ -171,11 +183,12 @@ def _check_drafter(key: str, drafter: DrafterSpec) -> None:
             )
     if "num_speculative_tokens" not in drafter.options:
         raise ConfigError(f"{key}.options.num_speculative_tokens", "required: the draft length of each step")
-    if drafter.options.get("rejection_sample_method") == "synthetic":
+    method = drafter.options.get("rejection_sample_method")
+    if method is not None and method not in _LOSSLESS_REJECTION:
         raise ConfigError(
             f"{key}.options.rejection_sample_method",
-            "'synthetic' accepts drafts at the configured rates, not by the target's probabilities: its figures "
-            "are not the drafter's and its answers not the target's; use 'standard' (the default) or 'block'",
+            _LOSSY_REJECTION.get(method, f"vLLM {VLLM_VERSION} has no rejection sampling method {method!r}")
+            + f"; use {' or '.join(repr(m) for m in _LOSSLESS_REJECTION)} (the target's distribution kept)",
         )
 
 
