@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash_build.engines import host as engine_host
 from dflash_build.store import layout, records
-from dflash_build.store.journal import LOCK_FILE, REJECTED, ROWS_FILE, Journal
+from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal, answers
 from tests.conftest import lock_free
 
 _HOLDER = re.compile(r"pid (\d+) on ")
@@ -39,11 +39,11 @@ def journaled(store: Path) -> dict[str, int]:
     durable); a refused or aborted row is asked again by the rerun."""
     out = {}
     for rows_file in store.glob(f"journal/*/*/{ROWS_FILE}"):
-        rows = Journal.read(rows_file)
+        rows = answers(Journal.read(rows_file))
         answered = {
             (r["prompt_id"], r["sample_idx"])
             for r in rows
-            if r.get("turn") == 0 and r.get("finish_reason") not in records.NO_ANSWER and not r.get(REJECTED)
+            if r.get("turn") == 0 and r.get("finish_reason") not in records.NO_ANSWER
         }
         out[f"{rows_file.parent.parent.name}/{rows_file.parent.name}"] = len(answered)
     return out

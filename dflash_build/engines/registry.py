@@ -107,8 +107,13 @@ class Preflight:
     # The server's load from its /metrics text: requests ``running`` and ``waiting``, ``kv_usage`` (0-1);
     # None: it exposes none
     load: Callable[[str], dict[str, float]] | None = None
-    # the requests the engine runs at once at most, where its options set it (None: its own default, unknown)
-    batch_cap: Callable[[Mapping[str, Any]], int | None] = lambda options: None
+    # the engine option that caps the requests it runs at once (vLLM max_num_seqs); None: it has none
+    batch_cap_option: str | None = None
+
+    def batch_cap(self, options: Mapping[str, Any]) -> int | None:
+        """The requests the engine runs at once at most, where its options set it (None: its own default)."""
+        value = options.get(self.batch_cap_option) if self.batch_cap_option else None
+        return None if value is None else int(value)
 
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)")

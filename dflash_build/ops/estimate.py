@@ -19,7 +19,7 @@ from dflash_build.spec import TrainerSpec
 from dflash_build.stages import registry as stages
 from dflash_build.store import filesystem, layout
 from dflash_build.store import records as R
-from dflash_build.store.journal import PUBLISHED_DATA, REJECTED, ROWS_FILE, Journal
+from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal, answers
 from dflash_build.store.rowindex import RowIndex
 
 log = logging.getLogger(__name__)
@@ -510,9 +510,9 @@ def _count_rows(
     if (journal_dir / PUBLISHED_DATA).exists():  # published before: the job restores it
         est.rows_journaled += len(wanted)
         return
-    journaled = Journal.read(journal_dir / ROWS_FILE)
+    journaled = answers(Journal.read(journal_dir / ROWS_FILE))  # a rejected attempt's row is asked again
     if journaled:
-        done = {(r["prompt_id"], r["sample_idx"]) for r in journaled if not r.get(REJECTED)}  # rejected: asked again
+        done = {(r["prompt_id"], r["sample_idx"]) for r in journaled}
         est.rows_journaled += len(wanted & done)
         wanted -= done
     taken, continued = _reused(plan, index, source, shard, wanted)

@@ -33,7 +33,7 @@ from dflash_build.ops import estimate, standing
 from dflash_build.plan import Plan
 from dflash_build.store import layout
 from dflash_build.store import records as R
-from dflash_build.store.journal import LOCK_FILE, REJECTED, ROWS_FILE, Journal
+from dflash_build.store.journal import LOCK_FILE, ROWS_FILE, Journal, answers
 
 WINDOW_SECONDS = 600.0
 _HOLDER = re.compile(r"pid (\d+) on (\S+), working directory .*, since (.+)$")
@@ -220,9 +220,8 @@ def _journaled(
 ) -> Job | None:
     """Count a shard's journaled rows (read, never locked); the job holding it, if one does."""
     finished: dict[tuple[str, int], dict[str, Any]] = {}
-    for row in Journal.read(folder / ROWS_FILE):
-        if row.get(REJECTED):
-            continue  # a degenerate attempt, asked again: no row's answer (the sidecar counts it as regenerated)
+    # a degenerate attempt asked again is no row's answer (the sidecar counts it as regenerated)
+    for row in answers(Journal.read(folder / ROWS_FILE)):
         finished[(row["prompt_id"], row["sample_idx"])] = row
         recent.add_row(row.get("at"), len(row.get("output_ids") or []))
         if counted := row.get("acceptance"):  # each answer (turn) a drafter served, as the engine counted it

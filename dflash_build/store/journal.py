@@ -44,6 +44,12 @@ LOCK_REPORT_SECONDS = 60.0
 REJECTED = "rejected"
 
 
+def answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The journaled rows that hold an answer: all but the attempts the degenerate policy rejected (only
+    the driver's replay reads those, to resume from the next attempt)."""
+    return [row for row in rows if not row.get(REJECTED)]
+
+
 class Journal:
     def __init__(self, folder: Path, flush_rows: int, flush_seconds: float) -> None:
         self.folder = folder

@@ -234,9 +234,7 @@ BACKEND = Backend(
         lambda options: "engine.options.mem_fraction_static",
         # its /metrics, with enable_metrics: true
         load=lambda metrics: gauges(metrics, _LOAD),
-        batch_cap=lambda options: (
-            None if options.get("max_running_requests") is None else int(options["max_running_requests"])
-        ),
+        batch_cap_option="max_running_requests",
     ),
     conda_env="sglang",
     env_only=("dflash_build.engines.sglang_backend",),

@@ -274,10 +274,6 @@ _LOAD = {
 }
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
 def _memory_knob(options: Mapping[str, Any]) -> str:
     if BACKEND.value(options, "device") == "cpu":
         return "engine.options.cpu_kvcache_space (GiB)"
@@ -458,6 +454,6 @@ BACKEND = Backend(
         _memory_knob,
         _hybrid,
         lambda metrics: gauges(metrics, _LOAD),
-        batch_cap=lambda options: _int_or_none(options.get("max_num_seqs")),
+        batch_cap_option="max_num_seqs",
     ),
 )

@@ -322,7 +322,7 @@ def engine_reports(
         logs = [(p.stem, p, None) for p in sorted((cfg.logs / "engines").glob("*.log")) if p.stat().st_mtime >= since]
     sizes = [s["mean_request_tokens"] for s in pilot_figures["sources"].values() if s["mean_request_tokens"]]
     per_request = sum(sizes) / len(sizes) if sizes else 0.0
-    in_flight = _in_flight(plan, described.batch_cap(cfg.engine.options))
+    in_flight = _in_flight(plan, described)
     reports, problems = [], []
     for slot, path, ready in logs:
         report = described.report("\n".join(engine_logs.tail(path, limit=LOG_TAIL_BYTES) or []))
@@ -334,17 +334,17 @@ def engine_reports(
     return reports, problems
 
 
-def _in_flight(plan: Plan, engine_cap: int | None) -> checks.InFlight:
+def _in_flight(plan: Plan, described: registry.Preflight) -> checks.InFlight:
     """The requests this build can keep in flight on one engine (upper bounds: rows before prepare's drops)."""
     cfg = plan.config
-    requests = {name: sp.planned_rows * sp.spec.sampling.samples_per_prompt for name, sp in plan.sources.items()}
-    per_shard = max(
-        (min(sp.planned_rows, cfg.shard_size) * sp.spec.sampling.samples_per_prompt for sp in plan.sources.values()),
-        default=0,
-    )
+    # (rows, samples per prompt) of each source
+    sources = [(sp.planned_rows, sp.spec.sampling.samples_per_prompt) for sp in plan.sources.values()]
+    requests = sum(rows * samples for rows, samples in sources)
+    per_shard = max((min(rows, cfg.shard_size) * samples for rows, samples in sources), default=0)
     jobs = cfg.engine.jobs_per_engine if cfg.engine.shared else 1
-    cap_key = "engine.options." + ("max_num_seqs" if cfg.engine.backend == "vllm" else "max_running_requests")
-    return checks.in_flight(concurrency(cfg.engine), jobs, per_shard, sum(requests.values()), engine_cap, cap_key)
+    option = f"engine.options.{described.batch_cap_option}" if described.batch_cap_option else ""
+    cap = described.batch_cap(cfg.engine.options)
+    return checks.in_flight(concurrency(cfg.engine), jobs, per_shard, requests, cap, option)
 
 
 def write(path: Path, summary: dict[str, Any]) -> None:
