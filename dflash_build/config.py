@@ -41,9 +41,12 @@ from dflash_build.spec import (
     ReferenceSpec,
     SourceSpec,
     TrainerSpec,
+    TrainSpec,
     parent_name,
+    trained_drafter_of,
 )
 from dflash_build.store import layout
+from dflash_build.trainers import registry as trainers
 
 
 def _mix_languages(raw: Mapping[str, Any], categories: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -137,7 +140,9 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
         return None
     if "eval" not in raw:
         raise ConfigError("accept", "measures the eval split: set `eval` (a held-out share, benchmarks) too")
-    drafters = {name: _drafter(name, d) for name, d in accept["drafters"].items()}
+    dataset = Path(raw["dataset"]["out"]) / raw["dataset"]["name"]
+    trained_at = trained_drafter_of(dataset) if raw.get("train") else None
+    drafters = {name: _drafter(name, d, trained_at) for name, d in accept["drafters"].items()}
     return AcceptSpec(
         drafters=drafters,
         max_new_tokens=int(accept["max_new_tokens"]),
@@ -334,6 +339,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         eval_benchmarks=_eval_benchmarks(raw),
         sampling=configsources.sampling(raw["sampling"], {}, "sampling"),
         accept=_accept(raw),
+        train=_train(raw),
         raw=copy.deepcopy(dict(raw)),
     )
     _check_dataset_dir(config)
@@ -424,8 +430,35 @@ def _engine(engine: Mapping[str, Any]) -> EngineSpec:
     return spec
 
 
-def _drafter(name: str, raw: Mapping[str, Any]) -> DrafterSpec:
-    return DrafterSpec(name, raw["method"], raw.get("path"), dict(raw.get("options") or {}))
+def _drafter(name: str, raw: Mapping[str, Any], trained_at: Path | None = None) -> DrafterSpec:
+    """``trained_at``: where the train stage publishes its drafter (for accept's drafters; None where a
+    trained drafter cannot be named, engine.drafter)."""
+    if not raw.get("trained"):
+        return DrafterSpec(name, raw["method"], raw.get("path"), dict(raw.get("options") or {}))
+    key = f"accept.drafters.{name}"
+    if trained_at is None:
+        raise ConfigError(f"{key}.trained", "the `train` stage's drafter needs a `train` section: add one")
+    if raw.get("path") is not None:
+        raise ConfigError(f"{key}.path", f"a trained drafter is the train stage's ({trained_at}): leave path out")
+    return DrafterSpec(name, raw["method"], str(trained_at), dict(raw.get("options") or {}), trained=True)
+
+
+def _train(raw: Mapping[str, Any]) -> TrainSpec | None:
+    """Config key `train`: the trainer, its recipe and settings checked against the pinned trainer's own
+    keys (defaults filled in), before any job."""
+    train = raw.get("train")
+    if train is None:
+        return None
+    trainer = trainers.get(train["trainer"])
+    settings = trainer.settings(train["recipe"], train["settings"])
+    return TrainSpec(
+        trainer=trainer.name,
+        recipe=train["recipe"],
+        target=train["target"] or raw["model"]["path"],
+        python=train["python"],
+        gpus=int(train["gpus"]),
+        settings=settings,
+    )
 
 
 def load(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Config:

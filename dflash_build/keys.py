@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_build import hashing
-from dflash_build.versions import ACCEPT_VERSION, CALIBRATION_VERSION
+from dflash_build.versions import ACCEPT_VERSION, CALIBRATION_VERSION, TRAIN_VERSION
 
 # The keys, one per keyed stage (store.layout's table names each stage's): each includes the one before.
 PROMPT = "prompt_key"
@@ -117,6 +117,15 @@ def accept_key(
     )
 
 
+def train_key(dataset: str, target: str, trainer: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
+    """A drafter trained on a dataset: the dataset version (its manifest's digest, which lists every file's),
+    the target's fingerprint, the trainer (name, pinned release, recipe) and the settings that change the
+    weights (the trainer's descriptor says which)."""
+    return hashing.content_key(
+        {"scheme": TRAIN_VERSION, "dataset": dataset, "target": target, **trainer, "settings": dict(settings)}
+    )
+
+
 def calibration_key(engine: Mapping[str, Any], calibration: Mapping[str, Any], split_key: str) -> str:
     """The engine's calibration on a split (``calibration``: its rows, budget and draft tokens)."""
     return hashing.content_key(
@@ -148,6 +157,7 @@ _WHERE = "where files go or how jobs are scheduled, not what they hold"
 _EXPORT = "only that export's folder: the params trigger reruns it, export_key names it"
 _SAMPLING = "changes the distribution of answers"
 _PREFLIGHT = "how many rows a check before the build generates (the build's own, under its keys) and when it fails"
+_TRAIN = "only the trained drafter: keyed by its own train_key (keys.train_key)"
 _ACCEPT = "only the acceptance report: each drafter's result is keyed by its own accept_key (keys.accept_key)"
 
 _DEGENERATE = (
@@ -207,6 +217,12 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "sampling.max_new_tokens": _d(GEN, "the answer limit (rows reuse across it by prefix, see rowindex)"),
     "sampling.seed": _d(GEN, "every row's seed derives from it"),
     "sampling.samples_per_prompt": _d(GEN, "how many answers each prompt gets"),
+    "train.trainer": _d(None, _TRAIN),
+    "train.recipe": _d(None, _TRAIN),
+    "train.target": _d(None, _TRAIN + " (by the target's content)"),
+    "train.settings": _d(None, _TRAIN + " (those that change the weights, by the trainer's descriptor)"),
+    "train.python": _d(None, "where the trainer runs: its pinned release is checked there, and keyed"),
+    "train.gpus": _d(None, _WHERE),
     "trainer.max_length": _d(GEN, "each row's budget: no token past the window (rows reuse across it by prefix)"),
     "trainer.min_new_tokens": _d(GEN, "decides which prompts the window skips (keyed with the window only)"),
     "variants": _d(

@@ -230,11 +230,8 @@ def _model_files(path: Path) -> list[Path]:
     """The files of a model (or tokenizer) folder that decide its answers; a file path is itself."""
     if path.is_file():
         return [path]
-    return sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file() and is_model_file(p.name) and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    hidden = (p for p in path.rglob("*") if any(part.startswith(".") for part in p.relative_to(path).parts))
+    return sorted(set(p for p in path.rglob("*") if p.is_file() and is_model_file(p.name)) - set(hidden))
 
 
 def fingerprint_model(config: Config, cache: fingerprints.FingerprintCache) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -535,6 +532,8 @@ def fingerprint_drafters(config: Config, cache: fingerprints.FingerprintCache) -
             continue
         root = Path(drafter.path)
         files = _model_files(root)
+        if not files and drafter.trained:  # the train stage has not published it yet
+            continue
         if not files:
             raise ConfigError(key, f"'{root}' holds no model files (weights, config.json)")
         if key.startswith("accept."):

@@ -91,6 +91,11 @@ def parent_name(source: str) -> str:
     return source.split(VARIANT_SEPARATOR)[0]
 
 
+def trained_drafter_of(dataset_dir: Path) -> Path:
+    """The drafter the train stage trains on a dataset folder: beside it."""
+    return dataset_dir.with_name(f"{dataset_dir.name}-drafter")
+
+
 def acceptance_report_of(dataset_dir: Path) -> Path:
     """The acceptance report of a dataset folder: beside it (a registered dataset's, too)."""
     return dataset_dir.with_name(f"{dataset_dir.name}-acceptance")
@@ -391,6 +396,22 @@ class DrafterSpec:
     method: str
     path: str | None
     options: Mapping[str, Any]
+    # the train stage's drafter (`trained: true`): its path is the build's published drafter, written by
+    # `train`, which accept runs after (stages.train)
+    trained: bool = False
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Config key `train` (dflash_build.stages.train): a drafter trained on the dataset by a trainer backend
+    (dflash_build.trainers), its settings by the trainer's own sections, defaults filled in."""
+
+    trainer: str
+    recipe: str
+    target: str  # the model folder the trainer loads as its target (model.path unless set)
+    python: str | None  # the interpreter with the trainer (None: this one)
+    gpus: int
+    settings: Mapping[str, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -459,6 +480,7 @@ class Config:
     eval_benchmarks: tuple[str, ...] = ()  # decontaminate.references in the eval split, a slice each
     sampling: Sampling | None = None  # the top-level sampling (each source's holds it merged)
     accept: AcceptSpec | None = None
+    train: TrainSpec | None = None
     degenerate: Degenerate = field(default_factory=Degenerate)
     # the validated dict it was built from (config.edited applies an edit through the same parser)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -476,6 +498,11 @@ class Config:
     def acceptance_dir(self) -> Path:
         """The acceptance report, beside the dataset (config key `accept`)."""
         return acceptance_report_of(self.dataset_dir)
+
+    @property
+    def drafter_dir(self) -> Path:
+        """The drafter the train stage trains on the dataset, beside it (config key `train`)."""
+        return trained_drafter_of(self.dataset_dir)
 
     @property
     def packed_dir(self) -> Path | None:

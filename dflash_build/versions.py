@@ -47,3 +47,5 @@ EVAL_VERSION = 1
 ACCEPT_VERSION = 3
 # The engine's calibration before the drafters (stages/accept/calibration.py, keys.calibration_key).
 CALIBRATION_VERSION = 1
+# The train stage's key (keys.train_key): what a trained drafter is made of.
+TRAIN_VERSION = 1

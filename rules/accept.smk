@@ -5,6 +5,7 @@ rule accept:
     input:
         split=planned_paths("accept", "split"),
         dataset=planned_paths("accept", "dataset"),
+        drafter=planned_paths("accept", "drafter"),
     output:
         record=directory(planned_paths("accept", "record", True)[0]),
     log:

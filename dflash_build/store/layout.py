@@ -6,6 +6,7 @@ STORE/completions/SOURCE/GEN_KEY/{SHARD.parquet, SHARD.stats.json}
 STORE/tokens/SOURCE/TOK_KEY/{SHARD.parquet, SHARD.stats.json}
 STORE/journal/GEN_KEY/SHARD/{rows.jsonl, published.parquet, published.stats.json, lock}
 STORE/index/rows.sqlite      STORE/configs/      (the row index; the configs registered on the store)
+STORE/drafters/TRAIN_KEY/{checkpoint files, trained.json}   (the train stage's drafters; KEY.work: its scratch)
 STORE/.cache/{fingerprints.json, components/KEY.json}   (file digests; what each planned key is made of)
 LOGS/STAGE_DIR/SOURCE/KEY/SHARD.log              (one log per job, mirroring its store path)
 ```
@@ -76,6 +77,26 @@ ACCEPTANCE_REQUESTS = "requests.parquet"
 ACCEPTANCE_SUMMARY = "summary.json"
 ACCEPTANCE_REPORT = "acceptance.json"  # the report in dist/NAME-acceptance (its README.md renders it)
 ACCEPTANCE_PLOT = "plots/acceptance.png"
+
+
+TRAINED = "drafters"  # each drafter the train stage trained, by train_key (stages.train)
+TRAINED_RECORD = "trained.json"  # in a trained drafter's folder, written last: what it was trained on, and how
+
+
+def trained_dir(store: Path, key: str) -> Path:
+    """One trained drafter's checkpoint, as the engine serves it, and its record. By key alone."""
+    return store / TRAINED / key
+
+
+def trained_work_dir(store: Path, key: str) -> Path:
+    """The trainer's own scratch for that drafter (its checkpoints as it goes): kept when a training fails,
+    so the next run resumes from its last checkpoint; removed once the drafter is in place."""
+    return store / TRAINED / f"{key}.work"
+
+
+def trained_entries(store: Path) -> list[Path]:
+    """Every trained drafter's folder in the store."""
+    return sorted(p for p in (Path(store) / TRAINED).glob("*") if p.is_dir() and not p.name.endswith(".work"))
 
 
 def acceptance_dir(store: Path, key: str) -> Path:

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 def paths(plan: Plan, of: Of) -> tuple[Paths, Paths]:
     cfg = plan.config
     inputs = {"split": (release.record_dir(cfg.eval_dir),), "dataset": (release.record_dir(cfg.dataset_dir),)}
+    # a `trained` drafter is the train stage's: accept runs after it
+    trained = cfg.accept is not None and any(d.trained for d in cfg.accept.drafters.values())
+    inputs["drafter"] = (release.record_dir(cfg.drafter_dir),) if trained else ()
     return inputs, {"record": (release.record_dir(cfg.acceptance_dir),)}
 
 
@@ -27,8 +30,12 @@ def enabled(config: Config) -> bool:
 def params(plan: Plan, of: Of) -> Any:
     # a drafter added, changed (its files' digests) or re-optioned reruns the rule; the ones measured
     # before are read from the store
-    assert plan.config.accept is not None
-    return {**dataclasses.asdict(plan.config.accept), "fingerprints": plan.drafter_fingerprints}
+    # a trained drafter's files are the train stage's output, its input here: the fingerprint the plan
+    # reads before that stage runs would be the drafter it replaces
+    accept = plan.config.accept
+    assert accept is not None
+    fingerprints = {n: f for n, f in plan.drafter_fingerprints.items() if not accept.drafters[n].trained}
+    return {**dataclasses.asdict(accept), "fingerprints": fingerprints}
 
 
-STAGE = Stage("accept", ("split", "dataset"), ("record",), "config", 100, paths, enabled, no_targets, params)
+STAGE = Stage("accept", ("split", "dataset", "drafter"), ("record",), "config", 100, paths, enabled, no_targets, params)

@@ -1,0 +1,105 @@
+"""NeMo Automodel (``nemo_automodel``, pinned): its own DFlash recipe (``TrainDFlashRecipe``) trains the
+drafter; nothing here is a training loop.
+
+Automodel reads chats and renders them with its own template; the build hands it the dataset's own token
+rows instead (the target's exact tokenization and loss mask), through the runner
+(:mod:`dflash_build.trainers.automodel_run`), which also holds what the CPU path needs of Automodel's
+internals, checked against the release. The runner is a script of its own: the trainer's interpreter
+(`make setup`: ``.venv-automodel``) has Automodel and its transformers pin, not this package.
+
+The settings are the recipe's own YAML sections and keys (``recipe_args``, ``optimizer``), as the pinned
+release reads them (``recipes/llm/train_dflash.py``); the run's paths, its data loader and its device
+set-up are the runner's. A setting that changes the weights enters the train key; one that changes only
+speed or logging does not.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from dflash_build.trainers.base import Recipe, Run, Setting, Trainer
+
+VERSION = "0.7.0"
+VENV = ".venv-automodel"
+RUNNER = Path(__file__).with_name("automodel_run.py")
+
+# TrainDFlashRecipe's keys (recipes/llm/train_dflash.py of 0.7.0, the line each is read at in
+# docs/training.md); tests/test_trainer_automodel.py checks each against the pinned source.
+DFLASH = {
+    "recipe_args": {
+        "seq_length": Setting(512),
+        "micro_batch_size": Setting(1),
+        "grad_accumulation_steps": Setting(1),
+        "num_epochs": Setting(1),
+        "shuffle_seed": Setting(42),
+        "draft_num_hidden_layers": Setting(1),
+        "target_layer_ids": Setting(None),
+        "block_size": Setting(16),
+        "mask_token_id": Setting(None, required=True),  # the recipe has no fallback: the tokenizer's own
+        "num_anchors": Setting(512),
+        "loss_decay_gamma": Setting(7.0),
+        "loss_type": Setting("dflash"),
+        "prefix_weight_base": Setting(0.9),
+        "max_grad_norm": Setting(1.0),
+        "output_multiplier": Setting(1.0),
+        "final_logit_softcapping": Setting(None),
+        "input_embedding_scale": Setting(1.0),
+        # how fast or how verbosely, not what: out of the key
+        "attention_backend": Setting("sdpa", weights=False),
+        "target_attn_implementation": Setting("sdpa", weights=False),
+        "num_workers": Setting(0, weights=False),
+        "log_every_steps": Setting(1, weights=False),
+    },
+    "optimizer": {
+        "lr": Setting(6.0e-4),
+        "betas": Setting([0.9, 0.95]),
+        "weight_decay": Setting(0.0),
+        "warmup_ratio": Setting(0.04),
+        "min_lr_ratio": Setting(0.1),
+    },
+}
+
+
+# the target architectures 0.7.0's DFlash registry takes (components/speculative/dflash/registry.py,
+# DFLASH_DRAFT_REGISTRY; tests/test_trainer_automodel.py checks the list against it)
+TARGETS = (
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+    "KimiK3ForCausalLM",
+    "KimiK3ForConditionalGeneration",
+)
+
+
+def command(python: str, run_file: Path, run: Run) -> list[str]:
+    """One process on one GPU (or the CPU); torchrun's processes on several."""
+    if run.gpus > 1:
+        return [python, "-m", "torch.distributed.run", f"--nproc-per-node={run.gpus}", str(RUNNER), str(run_file)]
+    return [python, str(RUNNER), str(run_file)]
+
+
+# the runner's progress line: "step 12/225 loss 3.2154" (it prints one per logged step of the recipe)
+_STEP = re.compile(r"\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?\bloss (?P<loss>[-+0-9.eE]+|nan)")
+
+
+def progress(line: str) -> dict[str, Any] | None:
+    found = _STEP.search(line)
+    if found is None:
+        return None
+    return {"step": f"{found['step']}/{found['steps']}", "loss": float(found["loss"])}
+
+
+TRAINER = Trainer(
+    name="automodel",
+    package="nemo_automodel",
+    version=VERSION,
+    venv=VENV,
+    recipes={"dflash": Recipe("dflash", DFLASH, TARGETS)},
+    command=command,
+    progress=progress,
+)
