@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import config as config_mod
-from dflash_build import measurements
+from dflash_build import measurements, trained
 from dflash_build import plan as plan_mod
 from dflash_build.engines import host as engine_host
 from dflash_build.engines import registry
@@ -111,7 +111,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _accept_lines(plan: plan_mod.Plan) -> list[str]:
     """What `accept` would measure, and with a report in place the next round for its weakest slices (on
     the store as it is now)."""
-    out = [line] if (line := measurements.preview(plan)) is not None else []
+    out = trained.preview(plan)
+    out += [line] if (line := measurements.preview(plan)) is not None else []
     report_file = plan.config.acceptance_dir / layout.ACCEPTANCE_REPORT
     if plan.config.accept is None or not report_file.exists():
         return out
@@ -298,17 +299,32 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status.watch(plan, args.watch, args.window, as_json=args.json)
 
 
+def _snakemake_target(args: argparse.Namespace, target: str) -> int:
+    """``snakemake TARGET`` for the config, with the command's own cores and Snakemake arguments."""
+    snakefile = Path(__file__).resolve().parents[1] / "Snakefile"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--configfile", args.configfile]
+    return subprocess.run([*cmd, "--cores", str(args.cores), target, *args.snakemake_args], check=False).returncode
+
+
 def cmd_accept(args: argparse.Namespace) -> int:
     """``snakemake accept`` for the config (the eval split first, where it is not built), then the report."""
     cfg = config_mod.load(args.configfile)
     if cfg.accept is None:
         raise ConfigError("accept", "the config has no accept section: name the drafters to measure there")
-    snakefile = Path(__file__).resolve().parents[1] / "Snakefile"
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile), "--configfile", args.configfile]
-    done = subprocess.run([*cmd, "--cores", str(args.cores), "accept", *args.snakemake_args], check=False)
-    if done.returncode != 0:
-        return done.returncode
+    if (code := _snakemake_target(args, "accept")) != 0:
+        return code
     print((cfg.acceptance_dir / "README.md").read_text(), end="")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``snakemake train`` for the config (the dataset first, where it is not built), then what it trained."""
+    cfg = config_mod.load(args.configfile)
+    if cfg.train is None:
+        raise ConfigError("train", "the config has no train section: name the trainer there")
+    if (code := _snakemake_target(args, "train")) != 0:
+        return code
+    print(json.dumps(trained.record(cfg.drafter_dir), indent=2))
     return 0
 
 
@@ -438,6 +454,10 @@ def _view_commands(sub: Any, after: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", default="all", help="Snakemake's --cores (default: %(default)s)")
     p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="more Snakemake arguments (after --)")
     p.set_defaults(func=cmd_accept)
+    p = sub.add_parser("train", parents=[after], help="train a drafter on the dataset (config train)")
+    p.add_argument("--cores", default="all", help="Snakemake's --cores (default: %(default)s)")
+    p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="more Snakemake arguments (after --)")
+    p.set_defaults(func=cmd_train)
     p = sub.add_parser(
         "preflight", parents=[after], help="the engine, its options and the target's answers on this node, first"
     )

@@ -385,7 +385,7 @@ def job_logs(wf: Workflow) -> str:
 # Snakemake options under which no job runs: no engine is started for them.
 _BUILDS_NOTHING = {"-n", "--dry-run", "--dryrun", "--unlock", "--lint", "--list-changes", "--summary", "--report"}
 # targets whose jobs serve with an engine of their own (a drafter's): the warm engine would only be stopped
-_OWN_ENGINE_TARGETS = {"accept"}
+_OWN_ENGINE_TARGETS = {"accept", "train"}
 
 
 def warm_engine(config_file: Path) -> None:

@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, keys, running
-from dflash_build import plan as plan_mod
+from dflash_build import hashing, running, trained
 from dflash_build.plan import Plan
 from dflash_build.publish import release
 from dflash_build.spec import ConfigError, TrainSpec
@@ -48,7 +47,7 @@ def run(job: Job) -> dict[str, Any]:
     trainer = trainers.get(spec.trainer)
     placed = release.in_place(job.published("dataset"))
     check_target(plan, spec)
-    key = train_key(plan, spec, placed.version.name)
+    key = trained.key(plan, placed.version.name)
     folder = layout.trained_dir(plan.config.store, key)
     if (folder / layout.TRAINED_RECORD).exists():
         log.info("train: trained on dataset version %s before (%s): nothing to run", placed.version.name, folder)
@@ -59,27 +58,6 @@ def run(job: Job) -> dict[str, Any]:
     record = json.loads((folder / layout.TRAINED_RECORD).read_text())
     publish(job.output("record"), folder, record)
     return record
-
-
-def train_key(plan: Plan, spec: TrainSpec, dataset_version: str) -> str:
-    trainer = trainers.get(spec.trainer)
-    return keys.train_key(
-        dataset_version,
-        target_digest(plan, spec),
-        {"trainer": trainer.name, "version": trainer.version, "recipe": spec.recipe},
-        trainer.keyed(spec.recipe, spec.settings),
-    )
-
-
-def target_digest(plan: Plan, spec: TrainSpec) -> str:
-    """The trainer's target by content: the build's model's fingerprint when it is the same folder."""
-    if Path(spec.target) == Path(plan.config.model.path):
-        return str(plan.model_fingerprint["digest"])
-    root = Path(spec.target)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and plan_mod.is_model_file(p.name))
-    if not files:
-        raise ConfigError("train.target", f"'{root}' holds no model files (weights, config.json)")
-    return hashing.digest(plan_mod.fingerprint_cache(plan.config).files(files, root))
 
 
 def check_target(plan: Plan, spec: TrainSpec) -> None:

@@ -1,0 +1,142 @@
+"""The train stage's config, key and bad input (issue 78), without training: the settings checked against
+the pinned trainer's keys, the key's parts, the target and the trainer's interpreter checked in one line
+before any training. The training itself, on Automodel's own recipe, is tests/test_trainer_automodel.py's;
+the loop (two datasets, two drafters, accept) is tests/test_loop.py's."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_build import config as cfg
+from dflash_build import configfile
+from dflash_build import plan as plan_mod
+from dflash_build import trained
+from dflash_build.spec import ConfigError
+from dflash_build.stages import train
+from dflash_build.trainers import automodel
+from tests.conftest import write_jsonl
+
+
+def _model(folder: Path, architecture: str = "Qwen3ForCausalLM") -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": [architecture], "vocab_size": 16}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+@pytest.fixture
+def raw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.chdir(tmp_path)
+    model = _model(tmp_path / "model")
+    write_jsonl(tmp_path / "a.jsonl", [{"instruction": "hi"}, {"instruction": "yo"}])
+    return {
+        "model": {"path": str(model)},
+        "sources": {"a": {"category": "coding", "format": "alpaca", "files": ["a.jsonl"]}},
+        "mix": {"categories": {"coding": 1}},
+        "train": {"trainer": "automodel", "settings": {"recipe_args": {"mask_token_id": 3}}},
+    }
+
+
+def _load(raw: dict[str, Any]) -> Any:
+    raw = copy.deepcopy(raw)
+    configfile.validate(raw)  # the schema's defaults filled in, as a config file is
+    return cfg.from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    ("settings", "key", "says"),
+    [
+        ({"recipe_args": {"mask_token_id": 3, "lerning_rate": 1}}, "train.settings.recipe_args.lerning_rate", "no key"),
+        (
+            {"recipe_args": {"mask_token_id": 3, "block_sise": 4}},
+            "train.settings.recipe_args.block_sise",
+            "'block_size'",
+        ),
+        ({"recipe_args": {"mask_token_id": 3}, "optimiser": {}}, "train.settings.optimiser", "'optimizer'"),
+        ({"recipe_args": {}}, "train.settings.recipe_args.mask_token_id", "needs it"),
+    ],
+)
+def test_a_setting_the_pinned_trainer_does_not_know_is_refused_naming_the_closest(
+    raw: dict[str, Any], settings: dict[str, Any], key: str, says: str
+) -> None:
+    raw["train"]["settings"] = settings
+    with pytest.raises(ConfigError) as e:
+        _load(raw)
+    assert e.value.key == key and says in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_trainer_and_a_trained_drafter_without_train_are_refused(raw: dict[str, Any]) -> None:
+    raw["train"]["trainer"] = "automodl"
+    with pytest.raises(ConfigError, match="did you mean 'automodel'"):
+        _load(raw)
+    del raw["train"]
+    raw["eval"] = {"share": 0.5}
+    raw["engine"] = {"backend": "vllm"}
+    raw["accept"] = {"drafters": {"mine": {"method": "dflash", "trained": True}}}
+    with pytest.raises(ConfigError) as e:
+        _load(raw)
+    assert e.value.key == "accept.drafters.mine.trained"
+
+
+def test_defaults_are_filled_and_a_trained_drafter_is_the_train_stages_folder(raw: dict[str, Any]) -> None:
+    raw["eval"] = {"share": 0.5}
+    raw["engine"] = {"backend": "vllm"}
+    raw["accept"] = {"drafters": {"mine": {"method": "dflash", "trained": True}}}
+    config = _load(raw)
+    assert config.train.settings["optimizer"]["lr"] == automodel.DFLASH["optimizer"]["lr"].default
+    assert config.train.settings["recipe_args"]["mask_token_id"] == 3
+    assert config.train.target == raw["model"]["path"]
+    drafter = config.accept.drafters["mine"]
+    assert drafter.trained and Path(drafter.path) == config.drafter_dir == Path("dist/dflash-mix-drafter")
+
+
+def test_the_key_holds_what_changes_the_weights_and_nothing_else(raw: dict[str, Any]) -> None:
+    plan = plan_mod.build(_load(raw))
+    base = trained.key(plan, "v1")
+    assert trained.key(plan, "v2") != base  # another dataset version
+    for section, name, value, changes in [
+        ("optimizer", "lr", 1e-3, True),
+        ("recipe_args", "block_size", 8, True),
+        ("recipe_args", "num_workers", 4, False),  # speed only
+        ("recipe_args", "log_every_steps", 50, False),
+    ]:
+        edited = json.loads(json.dumps(raw))
+        edited["train"]["settings"].setdefault(section, {})[name] = value
+        assert (trained.key(plan_mod.build(_load(edited)), "v1") != base) is changes, name
+    # the default given explicitly is the same training
+    edited = json.loads(json.dumps(raw))
+    edited["train"]["settings"]["optimizer"] = {"lr": automodel.DFLASH["optimizer"]["lr"].default}
+    assert trained.key(plan_mod.build(_load(edited)), "v1") == base
+
+
+def test_a_target_the_recipe_cannot_train_for_is_refused_in_one_line(raw: dict[str, Any], tmp_path: Path) -> None:
+    raw["train"]["target"] = str(_model(tmp_path / "llama", "LlamaForCausalLM"))
+    plan = plan_mod.build(_load(raw))
+    with pytest.raises(ConfigError) as e:
+        train.check_target(plan, plan.config.train)
+    assert e.value.key == "train.target" and "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    raw["train"]["target"] = str(gguf)
+    plan = plan_mod.build(_load(raw))
+    with pytest.raises(ConfigError, match="no model folder the trainer can load"):
+        train.check_target(plan, plan.config.train)
+
+
+def test_an_interpreter_without_the_pinned_trainer_is_named_with_what_to_run(raw: dict[str, Any]) -> None:
+    raw["train"]["python"] = sys.executable  # the project's own: no nemo_automodel
+    config = _load(raw)
+    with pytest.raises(ConfigError) as e:
+        train.check_environment(automodel.TRAINER, config.train)
+    assert e.value.key == "train.python"
+    assert "has no nemo_automodel" in str(e.value) and ".venv-automodel/bin/python" in str(e.value)
+    raw["train"]["python"] = "/nonexistent/python"
+    with pytest.raises(ConfigError, match="has no nemo_automodel"):
+        train.check_environment(automodel.TRAINER, _load(raw).train)
