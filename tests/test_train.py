@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from dflash_build import config as cfg
-from dflash_build import configfile
+from dflash_build import configfile, trained
 from dflash_build import plan as plan_mod
-from dflash_build import trained
 from dflash_build.spec import ConfigError
 from dflash_build.stages import train
 from dflash_build.trainers import automodel
