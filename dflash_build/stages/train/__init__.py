@@ -7,8 +7,8 @@ The checkpoint is kept in the store by :func:`dflash_build.keys.train_key`: the 
 digest of its manifest, which lists every file's digest), the target's fingerprint, the trainer, its pinned
 release and recipe, and the settings that change the weights. A rebuilt dataset with other rows trains
 again; the same rows (a rerun, a rebuild that changed nothing) take the drafter from the store. A training
-that fails keeps the trainer's own checkpoints (``KEY.work``), which the next run resumes from, and the
-drafter in place stays.
+that fails keeps the trainer's own checkpoints (``KEY.work``), which the next run resumes from where the
+trainer can (Automodel; SpecForge's managed run starts again), and the drafter in place stays.
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ def check_environment(trainer: base.Trainer, spec: TrainSpec) -> None:
             "train.python",
             f"{python} has {trainer.package} {found}, and this build is tested on {trainer.version}; {setup}",
         )
+    if (why := trainer.runs_here()) is not None:
+        raise ConfigError("train.trainer", why)
 
 
 def train(plan: Plan, spec: TrainSpec, trainer: base.Trainer, placed: release.InPlace, key: str, folder: Path) -> None:
