@@ -1,0 +1,1 @@
+"""Drafter trainers the build's train stage runs, each in an environment of its own."""
