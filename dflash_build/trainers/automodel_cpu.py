@@ -424,18 +424,24 @@ def target_architectures(target: Path) -> list[str]:
     return list(config.get("architectures") or [])
 
 
+def check_work(work: Path) -> bool:
+    """Whether ``work`` holds a former run's scratch (to empty); absent or empty, False; else it stops."""
+    if not work.exists():
+        return False
+    if not work.is_dir():
+        raise Stop(f"work {work} is a file, not a folder")
+    if any(work.iterdir()) and not (work / WORK_MARK).exists():
+        raise Stop(
+            f"work {work} holds files of something else; give an empty or absent folder (Automodel resumes "
+            "from any checkpoint there)"
+        )
+    return any(work.iterdir())
+
+
 def prepare_work(work: Path) -> None:
-    """``work`` absent, empty or a former run's (emptied), and marked as this runner's."""
-    if work.exists():
-        if not work.is_dir():
-            raise Stop(f"work {work} is a file, not a folder")
-        if any(work.iterdir()):
-            if not (work / WORK_MARK).exists():
-                raise Stop(
-                    f"work {work} holds files of something else; give an empty or absent folder (Automodel "
-                    "resumes from any checkpoint there)"
-                )
-            shutil.rmtree(work)
+    """``work`` empty, and marked as this runner's scratch."""
+    if check_work(work):
+        shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / WORK_MARK).write_text("scratch of dflash_build/trainers/automodel_cpu.py: the next run empties it\n")
 
@@ -500,6 +506,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     rows = read_all_rows(run["rows"])
     target, out, work = Path(run["target"]), Path(run["out"]), Path(run["work"])
     architectures = target_architectures(target)
+    check_work(work)
     if out.exists():
         raise Stop(f"out {out} exists: the runner publishes a new folder there")
     config = automodel_yaml(run, rows)
