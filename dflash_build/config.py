@@ -451,6 +451,10 @@ def _train(raw: Mapping[str, Any]) -> TrainSpec | None:
         return None
     trainer = trainers.get(train["trainer"])
     settings = trainer.settings(train["recipe"], train["settings"])
+    if trainer.max_gpus is not None and train["gpus"] > trainer.max_gpus:
+        raise ConfigError(
+            "train.gpus", f"{trainer.name} trains on {trainer.max_gpus or 'no'} GPUs here (the CPU); set it to 0"
+        )
     return TrainSpec(
         trainer=trainer.name,
         recipe=train["recipe"],

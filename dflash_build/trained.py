@@ -61,7 +61,7 @@ def rate(store: Path) -> tuple[float, dict[str, Any]] | None:
     for folder in layout.trained_entries(store):
         rec = record(folder)
         run = (rec or {}).get("run") or {}
-        tokens, seconds = (rec or {}).get("dataset", {}).get("tokens"), run.get("seconds")
+        tokens, seconds = (rec or {}).get("dataset", {}).get("tokens"), run.get("train_seconds")
         if rec is not None and tokens and seconds:
             epochs = epochs_of(rec["settings"])
             gpus = max(1, rec["trainer"].get("gpus") or 1)

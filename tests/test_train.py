@@ -38,7 +38,7 @@ def raw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "model": {"path": str(model)},
         "sources": {"a": {"category": "coding", "format": "alpaca", "files": ["a.jsonl"]}},
         "mix": {"categories": {"coding": 1}},
-        "train": {"trainer": "automodel", "settings": {"recipe_args": {"mask_token_id": 3}}},
+        "train": {"trainer": "automodel", "gpus": 0, "settings": {"recipe_args": {"mask_token_id": 3}}},
     }
 
 
@@ -72,6 +72,11 @@ def test_a_setting_the_pinned_trainer_does_not_know_is_refused_naming_the_closes
 
 
 def test_an_unknown_trainer_and_a_trained_drafter_without_train_are_refused(raw: dict[str, Any]) -> None:
+    raw["train"]["gpus"] = 1  # Automodel's runner trains on the CPU only
+    with pytest.raises(ConfigError) as e:
+        _load(raw)
+    assert e.value.key == "train.gpus"
+    raw["train"]["gpus"] = 0
     raw["train"]["trainer"] = "automodl"
     with pytest.raises(ConfigError, match="did you mean 'automodel'"):
         _load(raw)
@@ -103,7 +108,7 @@ def test_the_key_holds_what_changes_the_weights_and_nothing_else(raw: dict[str, 
     for section, name, value, changes in [
         ("optimizer", "lr", 1e-3, True),
         ("recipe_args", "block_size", 8, True),
-        ("recipe_args", "num_workers", 4, False),  # speed only
+        ("recipe_args", "seq_length", 64, True),
         ("recipe_args", "log_every_steps", 50, False),
     ]:
         edited = json.loads(json.dumps(raw))
@@ -139,3 +144,18 @@ def test_an_interpreter_without_the_pinned_trainer_is_named_with_what_to_run(raw
     raw["train"]["python"] = "/nonexistent/python"
     with pytest.raises(ConfigError, match="has no nemo_automodel"):
         train.check_environment(automodel.TRAINER, _load(raw).train)
+
+
+def test_the_automodel_descriptor_and_its_runner_know_the_same_settings() -> None:
+    """The stage checks and keys the settings by the descriptor, the runner (in the trainer's interpreter,
+    without this package) by its own table: one list of names, and where the runner has a default, the same."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("automodel_run", automodel.RUNNER)
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    assert {s: set(v) for s, v in automodel.DFLASH.items()} == {s: set(v) for s, v in runner.SETTINGS.items()}
+    for section, defaults in runner.DEFAULTS.items():
+        for name, value in defaults.items():
+            assert automodel.DFLASH[section][name].default == value, f"{section}.{name}"

@@ -307,5 +307,10 @@ def test_the_runner_exports_the_newest_checkpoint_whole_with_its_record(
     assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 5]}
     assert config["num_hidden_layers"] == 2 and config["block_size"] == 16
     record = json.loads((run.out / TRAINER_RECORD).read_text())
-    assert record["steps"] == 2 and record["loss"] == 1.5 and record["version"] == sf.VERSION
+    assert (
+        record["steps"] == 2
+        and record["final_loss"] == 1.5
+        and record["train_seconds"] >= 0
+        and record["version"] == sf.VERSION
+    )
     assert record["checkpoint"] == f"{runner.RUN_ID}-step2" and record["data"]["rows"] == 3

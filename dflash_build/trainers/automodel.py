@@ -24,20 +24,24 @@ from dflash_build.trainers.base import Recipe, Run, Setting, Trainer
 VERSION = "0.7.0"
 VENV = ".venv-automodel"
 RUNNER = Path(__file__).with_name("automodel_run.py")
+# The runner trains in one process on the CPU (gloo, the target loaded without Automodel's CUDA-only
+# loader): what this machine proves. A launch on GPUs (torchrun, Automodel's own target loader) is not
+# built: on the node, SpecForge trains (dflash_build.trainers.specforge).
+MAX_GPUS = 0
 
 # TrainDFlashRecipe's keys (recipes/llm/train_dflash.py of 0.7.0, the line each is read at in
 # docs/training.md); tests/test_trainer_automodel.py checks each against the pinned source.
 DFLASH = {
     "recipe_args": {
-        "seq_length": Setting(512),
+        "seq_length": Setting(None),  # None: the longest row (nothing cut)
         "micro_batch_size": Setting(1),
         "grad_accumulation_steps": Setting(1),
         "num_epochs": Setting(1),
-        "shuffle_seed": Setting(42),
+        "shuffle_seed": Setting(42),  # the rows' order, the anchors drawn and the draft's first weights
         "draft_num_hidden_layers": Setting(1),
-        "target_layer_ids": Setting(None),
+        "target_layer_ids": Setting(None),  # None: Automodel spreads them over the target's depth
         "block_size": Setting(16),
-        "mask_token_id": Setting(None, required=True),  # the recipe has no fallback: the tokenizer's own
+        "mask_token_id": Setting(None, required=True),  # the recipe has no fallback: a token the data never holds
         "num_anchors": Setting(512),
         "loss_decay_gamma": Setting(7.0),
         "loss_type": Setting("dflash"),
@@ -46,11 +50,8 @@ DFLASH = {
         "output_multiplier": Setting(1.0),
         "final_logit_softcapping": Setting(None),
         "input_embedding_scale": Setting(1.0),
-        # how fast or how verbosely, not what: out of the key
-        "attention_backend": Setting("sdpa", weights=False),
-        "target_attn_implementation": Setting("sdpa", weights=False),
-        "num_workers": Setting(0, weights=False),
-        "log_every_steps": Setting(1, weights=False),
+        "packed_sequence_size": Setting(0),  # > 0: rows packed to this many tokens (Automodel's packer)
+        "log_every_steps": Setting(1, weights=False),  # how often its log says how far it is, not what
     },
     "optimizer": {
         "lr": Setting(6.0e-4),
@@ -60,7 +61,6 @@ DFLASH = {
         "min_lr_ratio": Setting(0.1),
     },
 }
-
 
 # the target architectures 0.7.0's DFlash registry takes (components/speculative/dflash/registry.py,
 # DFLASH_DRAFT_REGISTRY; tests/test_trainer_automodel.py checks the list against it)
@@ -77,9 +77,7 @@ TARGETS = (
 
 
 def command(python: str, run_file: Path, run: Run) -> list[str]:
-    """One process on one GPU (or the CPU); torchrun's processes on several."""
-    if run.gpus > 1:
-        return [python, "-m", "torch.distributed.run", f"--nproc-per-node={run.gpus}", str(RUNNER), str(run_file)]
+    """One process on the CPU."""
     return [python, str(RUNNER), str(run_file)]
 
 
@@ -102,4 +100,5 @@ TRAINER = Trainer(
     recipes={"dflash": Recipe("dflash", DFLASH, TARGETS)},
     command=command,
     progress=progress,
+    max_gpus=MAX_GPUS,
 )

@@ -52,7 +52,8 @@ PROG = "automodel"
 # The Automodel release the CPU patches below were written for and tested on (envs/automodel.txt pins it).
 RELEASE = "0.7.0"
 RECIPES = ("dflash",)
-RUN_KEYS = ("recipe", "target", "rows", "out", "work", "settings")
+RUN_KEYS = ("recipe", "target", "rows", "out", "work", "settings", "gpus")
+OPTIONAL_RUN_KEYS = ("settings", "gpus")  # gpus: the build's train.gpus, 0 here (one CPU process)
 # The draft class of Automodel's DFlash registry whose checkpoint vLLM serves (as DFlashDraftModel).
 QWEN3_DRAFT = "Qwen3DFlashDraftModel"
 # A former run's scratch folder carries this file: the next run may empty it.
@@ -71,6 +72,7 @@ def _num(v: Any) -> bool:
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "int": ("an integer", _int),
     "pos": ("a positive integer", lambda v: _int(v) and v > 0),
+    "pos?": ("a positive integer or null", lambda v: v is None or (_int(v) and v > 0)),
     "num": ("a number", _num),
     "num?": ("a number or null", lambda v: v is None or _num(v)),
     "ints": ("a list of integers", lambda v: isinstance(v, list) and all(_int(x) for x in v)),
@@ -80,7 +82,7 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 SETTINGS: dict[str, dict[str, str]] = {
     "recipe_args": {
-        "seq_length": "pos",  # rows are cut here (default: the longest row)
+        "seq_length": "pos?",  # rows are cut here (null, the default: the longest row)
         "micro_batch_size": "pos",
         "grad_accumulation_steps": "pos",
         "num_epochs": "pos",
@@ -145,8 +147,8 @@ def load_run(path: Path) -> dict[str, Any]:
     for key in run:
         if key not in RUN_KEYS:
             raise Stop(f"{path}: {key} is not a key of RUN.json{closest(key, list(RUN_KEYS))}")
-    for key in RUN_KEYS[:-1]:
-        if key not in run:
+    for key in RUN_KEYS:
+        if key not in run and key not in OPTIONAL_RUN_KEYS:
             raise Stop(f"{path}: {key} is missing")
     if run["recipe"] not in RECIPES:
         raise Stop(f"{path}: recipe {run['recipe']!r} is not one this runner trains ({', '.join(RECIPES)})")
@@ -456,9 +458,10 @@ def automodel_yaml(run: dict[str, Any], rows: list[tuple[list[int], list[int]]])
         "output_dir": str(work),
         "attention_backend": "sdpa",  # flex attention's default compiles its mask (torch.compile)
         "target_attn_implementation": "sdpa",
-        "seq_length": max(len(ids) for ids, _ in rows),
         **settings.get("recipe_args", {}),
     }
+    if recipe_args.get("seq_length") is None:
+        recipe_args["seq_length"] = max(len(ids) for ids, _ in rows)
     return {
         "recipe": "TrainDFlashRecipe",
         "dist_env": {"backend": "gloo", "timeout_minutes": 30},

@@ -17,7 +17,9 @@ from typing import Any
 
 from dflash_build.spec import ConfigError
 
-TRAINER_RECORD = "train.json"  # what a runner writes beside the checkpoint: steps, losses, seconds, release
+# what a runner writes beside the checkpoint: at least steps, final_loss and train_seconds (what `plan`
+# estimates the next training's GPU-hours from), and the trainer's release
+TRAINER_RECORD = "train.json"
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Trainer:
     progress: Callable[[str], dict[str, Any] | None]
     # why it cannot run on this machine's kind (None: it can); a contract test checks its command instead
     runs_here: Callable[[], str | None] = lambda: None
+    max_gpus: int | None = None  # the most train.gpus it runs on (0: the CPU only; None: no bound)
     notes: tuple[str, ...] = field(default=())
 
     def recipe(self, name: str, key: str = "train.recipe") -> Recipe:

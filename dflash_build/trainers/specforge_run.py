@@ -410,14 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         "version": version(),
         "steps": exported["steps"] or follow.step,
         "steps_planned": steps,
-        "loss": follow.loss,
-        "seconds": round(time.monotonic() - started, 1),
+        "final_loss": follow.loss,
+        "train_seconds": round(time.monotonic() - started, 1),
         "checkpoint": exported["checkpoint"],
         "data": counts,
     }
     (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, out)
-    print(f"specforge: {out} ({record['steps']} steps, loss {record['loss']})", flush=True)
+    print(f"specforge: {out} ({record['steps']} steps, loss {record['final_loss']})", flush=True)
     return 0
 
 
