@@ -54,6 +54,24 @@ def loop_end(ids: Sequence[int] | np.ndarray, rule: LoopRule, clear: int = 0) ->
     return None if found is None else found + offset
 
 
+class Watch:
+    """One running row's checks against the rule, as an engine streams it: every ``CHECK_EVERY`` new tokens
+    and once more on its last ones (the rule may fire in them), each reading only what the last check left
+    open (:func:`loop_end`'s ``clear``). The streamed backends (vLLM's and SGLang's, over HTTP or in the
+    job) share it, so a row is cut at the same place whichever streams it."""
+
+    def __init__(self, rule: LoopRule) -> None:
+        self.rule = rule
+        self.checked = 0  # the prefix found clear
+
+    def end(self, ids: Sequence[int], last: bool = False) -> int | None:
+        """Where the rule first fired in ``ids`` (the row so far; ``last``: it ends here), or None."""
+        if len(ids) - self.checked < CHECK_EVERY and not last:
+            return None
+        end, self.checked = loop_end(ids, self.rule, clear=self.checked), len(ids)
+        return end
+
+
 def _first_end(a: np.ndarray, rule: LoopRule) -> int | None:
     n = len(a)
     first: int | None = None

@@ -2,10 +2,11 @@
 
 Importing SGLang patches transformers process-wide, so the contract tests ask this script (a fresh
 interpreter) instead of importing it themselves. Reads JSON on stdin:
-``{"server_args": [kwargs, ...], "sampling": [params, ...], "vocab_size": N, "tool_calls": [case, ...]}``;
-writes JSON on stdout: the version, the ServerArgs fields, for each server_args and sampling input
-``null`` (accepted) or the error SGLang raised, and for each tool-call case (``{"parser", "text",
-"tools"}``) what SGLang's detector of that name parses: ``{"content", "calls": [[name, arguments]]}``.
+``{"server_args": [kwargs, ...], "sampling": [params, ...], "vocab_size": N, "tool_calls": [case, ...],
+"generate_bodies": [body, ...]}``; writes JSON on stdout: the version, the ServerArgs fields, for each
+server_args, sampling and /generate body input ``null`` (accepted) or the error SGLang raised, and for
+each tool-call case (``{"parser", "text", "tools"}``) what SGLang's detector of that name parses:
+``{"content", "calls": [[name, arguments]]}``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def parse_tool_calls(case: dict[str, Any]) -> dict[str, Any]:
     return {"content": result.normal_text, "calls": [[c.name, json.loads(c.parameters)] for c in result.calls]}
 
 
+def check_generate_body(body: dict[str, Any], vocab_size: int) -> str | None:
+    """A /generate body through the route's own schema check (``api_contract.generate_contract_error``, run
+    on every body before GenerateReqInput serves it), then its sampling params through :func:`check_sampling`."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    return generate_contract_error(body) or check_sampling(body["sampling_params"], vocab_size)
+
+
 def main() -> None:
     import importlib.metadata
     import logging
@@ -87,6 +96,9 @@ def main() -> None:
         "server_args": [check_server_args(k) for k in request.get("server_args", [])],
         "sampling": [check_sampling(p, request.get("vocab_size", 151936)) for p in request.get("sampling", [])],
         "tool_calls": [parse_tool_calls(case) for case in request.get("tool_calls", [])],
+        "generate_bodies": [
+            check_generate_body(b, request.get("vocab_size", 151936)) for b in request.get("generate_bodies", [])
+        ],
     }
     json.dump(answer, sys.stdout)
 

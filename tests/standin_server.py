@@ -2,7 +2,15 @@
 
 Its answer to a request depends only on the request's seed and prompt (like a real server with fixed
 seeds), so a build through it can be compared with a build through it that met faults on the way.
-A fault applies to /v1/completions requests number ``first`` to ``last`` (1-based, inclusive).
+A fault applies to POST requests number ``first`` to ``last`` (1-based, inclusive).
+
+It also answers SGLang's native ``POST /generate`` (:func:`generate_answer`), whole or, with ``"stream":
+true``, as SGLang 0.5.23 streams it (dflash_build/engines/sglang_wire.py: ``data: {"output_ids",
+"meta_info"}`` events every ``stream_interval`` tokens, the answer so far or with ``incremental`` its new
+tokens, ``data: [DONE]`` last), generating one token every ``token_seconds``. Like SGLang it stops
+generating when the client closes the stream (uvicorn sees the connection go, and the request is
+aborted); each request's record (``generations``, :meth:`settled`) says how many tokens it generated
+and whether it saw the stream closed.
 """
 
 from __future__ import annotations
@@ -10,6 +18,8 @@ from __future__ import annotations
 import http.server
 import json
 import random
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +28,25 @@ from typing import Any
 
 STOP_ID = 2  # SmolLM2's <|im_end|>
 FAULTS = ("http_503", "empty_choices", "not_json", "json_list", "cut_mid_body", "trickle", "too_long", "hang")
+# /generate: SGLang's abort with "retry later" (503), as the last chunk of a stream or the status of a whole answer
+GENERATE_FAULTS = ("abort_503",)
+LOOP_ID = 9  # a /generate prompt holding it loops: LOOP_PERIOD after LOOP_HEAD tokens, to the budget
+LOOP_HEAD = 20
+LOOP_PERIOD = (4001, 4002, 4003, 4004, 4005)
+SPEC = {"spec_verify_ct": 7, "spec_num_proposed_drafts": 21, "spec_num_correct_drafts": 9}  # with `spec`
+
+
+def generate_answer(body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """SGLang's answer to a /generate body: its ``output_ids`` (the stop token last, as SGLang returns them)
+    and its finish reason. A prompt without LOOP_ID stops after 1..48 tokens, one with it loops to its budget."""
+    prompt, params = body["input_ids"], body["sampling_params"]
+    rng = random.Random(f"{params.get('sampling_seed')}/{json.dumps(prompt)}")
+    limit = int(params["max_new_tokens"])
+    if LOOP_ID in prompt:
+        head = [rng.randrange(300, 4000) for _ in range(LOOP_HEAD)]
+        return (head + list(LOOP_PERIOD) * limit)[:limit], {"type": "length", "length": limit}
+    ids = [rng.randrange(300, 4000) for _ in range(rng.randint(1, min(48, limit - 1)))]
+    return [*ids, STOP_ID], {"type": "stop", "matched": STOP_ID}
 
 
 def answer(body: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +86,10 @@ class StandIn:
     server: http.server.ThreadingHTTPServer | None = None
     respond: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # a scripted answer in place of answer()
     only_its_model: bool = False  # as vLLM: a completion naming another model is refused (404)
+    token_seconds: float = 0.0  # /generate: the time one token takes
+    incremental: bool = False  # /generate streams: each chunk holds its new tokens (incremental_streaming_output)
+    spec: bool = False  # /generate: the last chunk carries speculative counts (SPEC), as a drafting server's
+    generations: list[dict[str, Any]] = field(default_factory=list)  # /generate: body, generated, closed
 
     @property
     def url(self) -> str:
@@ -93,6 +126,12 @@ class StandIn:
                 time.sleep(standin.delay_seconds)
                 if standin.server is None:
                     self.close_connection = True
+                    return
+                if self.path == "/generate":
+                    faulty = (
+                        standin.fault == "abort_503" and standin.first <= n and (not standin.last or n <= standin.last)
+                    )
+                    self._generate(body, faulty)
                     return
                 if standin.only_its_model and body.get("model") != standin.model_id:
                     self._send(404, vllm_model_not_found(str(body.get("model"))))
@@ -147,6 +186,73 @@ class StandIn:
                 else:
                     raise ValueError(fault)
 
+            def _generate(self, body: dict[str, Any], faulty: bool) -> None:
+                record = {"body": body, "generated": 0, "closed": False, "ended": False}
+                with standin.lock:
+                    standin.generations.append(record)
+                try:
+                    self._generated(body, faulty, record)
+                finally:
+                    record["ended"] = True
+
+            def _generated(self, body: dict[str, Any], faulty: bool, record: dict[str, Any]) -> None:
+                ids, finish = generate_answer(body)
+                if faulty:
+                    with standin.lock:
+                        standin.faults_sent += 1
+                    ids, finish = ids[:3], {"type": "abort", "message": "Retry later.", "status_code": 503}
+                if not body.get("stream"):
+                    time.sleep(standin.token_seconds * len(ids))
+                    record["generated"] = len(ids)
+                    status = finish.get("status_code") or 200  # SGLang raises a whole request's abort as its status
+                    answer = {"output_ids": ids, "meta_info": self._meta(len(ids), finish)}
+                    self._send(status, json.dumps(answer if status == 200 else {"detail": finish["message"]}).encode())
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                interval, sent = int(body["sampling_params"].get("stream_interval") or 1), 0
+                for i in range(1, len(ids) + 1):
+                    if self._client_gone():  # uvicorn's disconnect: SGLang aborts the request here
+                        record["closed"] = True
+                        return
+                    time.sleep(standin.token_seconds)
+                    record["generated"] = i
+                    if i < len(ids) and i - sent < interval and sent:
+                        continue
+                    meta = self._meta(i, finish if i == len(ids) else None)
+                    chunk = {"output_ids": ids[sent:i] if standin.incremental else ids[:i], "meta_info": meta}
+                    if not self._event(b"data: " + json.dumps(chunk).encode() + b"\n\n"):
+                        record["closed"] = True
+                        return
+                    sent = i
+                self._event(b"data: [DONE]\n\n")
+                self._event(b"")  # the last, empty chunk of the chunked body
+
+            def _meta(self, count: int, finish: dict[str, Any] | None) -> dict[str, Any]:
+                meta = {"id": "standin", "finish_reason": finish, "prompt_tokens": 4, "completion_tokens": count}
+                return {**meta, **SPEC} if standin.spec and finish is not None else meta
+
+            def _event(self, data: bytes) -> bool:
+                """One chunk of a chunked body; False when the client has gone."""
+                try:
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+                except OSError:
+                    return False
+                return True
+
+            def _client_gone(self) -> bool:
+                """The client closed its end: the connection reads as ended (as uvicorn sees a disconnect)."""
+                conn = self.connection
+                if not select.select([conn], [], [], 0)[0]:
+                    return False
+                try:
+                    return conn.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    return True
+
             def _send(self, status: int, data: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -161,6 +267,14 @@ class StandIn:
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
+
+    def settled(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The /generate records once every request has ended here (a closed stream is seen a moment after
+        the client has its answer)."""
+        deadline = time.monotonic() + timeout
+        while not all(g["ended"] for g in self.generations) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return list(self.generations)
 
     def wait_while_frozen(self) -> None:
         while self.frozen.is_set() and self.server is not None:

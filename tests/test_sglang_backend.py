@@ -23,10 +23,11 @@ from typing import Any
 import psutil
 import pytest
 
+from dflash_build import loops
 from dflash_build.engines import EngineFailed, Request, SamplingParams, check_options
 from dflash_build.engines import sglang_backend as sb
 from dflash_build.engines.gpus import GpuLease
-from dflash_build.spec import ConfigError, ModelSpec
+from dflash_build.spec import ConfigError, LoopRule, ModelSpec
 from tests.conftest import Workflow, base_config, write_jsonl
 
 MODEL = ModelSpec("/models/qwen", None, None, None, {}, 4096)
@@ -162,8 +163,32 @@ class StandInManager:
         self.aborted.append(rid)
 
 
+class Streamed:
+    """A scripted streamed answer as ``async_generate(..., stream=True)`` yields it in the job: a chunk per
+    ``stream_interval`` tokens (the first at once), each holding SGLang's own growing list of the answer so
+    far; it records how far it generated and whether it was closed before its end (where SGLang's
+    ``generate_request`` aborts the request, tokenizer_manager.py:958-967)."""
+
+    def __init__(self, ids: list[int], finish: dict[str, Any]) -> None:
+        self.ids, self.finish, self.generated, self.closed = ids, finish, 0, False
+
+    async def chunks(self, interval: int) -> Any:
+        out: list[int] = []
+        try:
+            for i, token in enumerate(self.ids, 1):
+                out.append(token)
+                self.generated = i
+                if i == 1 or i % interval == 0 or i == len(self.ids):
+                    finish = self.finish if i == len(self.ids) else None
+                    yield {"output_ids": out, "meta_info": {"finish_reason": finish, "completion_tokens": i}}
+                await asyncio.sleep(0)
+        except BaseException:
+            self.closed = True
+            raise
+
+
 class StandInEngine:
-    script: dict[str, list[Any]]  # prompt_id -> what each attempt does: an output dict, an exception, "hang"
+    script: dict[str, list[Any]]  # prompt_id -> what each attempt does: an output dict, an exception, "hang", Streamed
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -172,11 +197,19 @@ class StandInEngine:
         self.tokenizer_manager = StandInManager(self.loop)
         self.children = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]  # scheduler, detokenizer
         self.calls: dict[str, int] = {}
+        self.rids: dict[str, str] = {}  # prompt_id -> its last streamed request's rid
 
-    async def async_generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Any:
+    async def async_generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, stream: bool = False
+    ) -> Any:
         pid = rid.split("/")[0]
         attempt = self.calls[pid] = self.calls.get(pid, -1) + 1
         step = self.script[pid][min(attempt, len(self.script[pid]) - 1)]
+        if isinstance(step, Streamed):
+            assert stream, "a streamed answer only to a request that asks for one"
+            self.rids[pid] = rid
+            return step.chunks(sampling_params["stream_interval"])
+        assert not stream
         if step == "hang":
             await asyncio.sleep(3600)
         if isinstance(step, Exception):
@@ -273,3 +306,41 @@ def test_a_failing_sglang_child_fails_the_job_instead_of_killing_the_driver(stan
             list(engine.generate([request("a"), request("b")]))
     finally:
         engine.close()
+
+
+def test_a_looping_row_is_streamed_cut_where_the_rule_fires_and_aborted(standin: type[StandInEngine]) -> None:
+    """Issue 79 in the job: with the loop rule the engine's answer is streamed, one chunk per loop check; a
+    looping row is cut where the rule first fired (finish reason loop), its request aborted and its stream
+    closed within a chunk; a row that stops, and one SGLang turns away in its stream (503), end as whole ones."""
+    rule = LoopRule()
+    looping = list(range(300, 320)) + [7, 8, 5] * 700
+    end = loops.loop_end(looping, rule)
+    assert end is not None
+    script = {
+        "loops": Streamed(looping, length(len(looping))),
+        "stops": Streamed([5, 6, 9], stop(9)),
+        "busy": Streamed([5], abort("Retry later.", 503)),
+    }
+    standin.script = {
+        "loops": [script["loops"]],
+        "stops": [script["stops"]],
+        "busy": [script["busy"], Streamed([4, 9], stop(9))],
+    }
+    params = SamplingParams(0.6, 0.95, 0, 0.0, 4096)
+    requests = [Request(pid, 0, [1, 2], params, seed=1, stop_loops=rule) for pid in standin.script]
+    engine = sb.SGLangEngine(MODEL, {"retries": 2}, STOPS, None)
+    try:
+        results = {r.prompt_id: r for r in engine.generate(requests)}
+    finally:
+        engine.close()
+    assert (results["loops"].finish_reason, results["loops"].output_ids) == ("loop", looping[:end])
+    assert engine.engine.tokenizer_manager.aborted == [engine.engine.rids["loops"]]
+    assert script["loops"].closed and script["loops"].generated < end + loops.CHECK_EVERY
+    assert (results["stops"].finish_reason, results["stops"].output_ids, results["stops"].stop_token_id) == (
+        "stop",
+        [5, 6],
+        9,
+    )
+    assert not script["stops"].closed
+    assert (results["busy"].finish_reason, results["busy"].output_ids) == ("stop", [4])
+    assert engine.engine.calls["busy"] == 1, "asked again, as a 503 raised from a whole request is"

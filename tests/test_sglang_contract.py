@@ -15,23 +15,27 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from dflash_build import toolcalls
+from dflash_build import loops, toolcalls
 from dflash_build.engines import Request, SamplingParams, sglang_fields
 from dflash_build.engines.backends.sglang import BACKEND, DRIVER_FIELDS
 from dflash_build.engines.gpus import GpuLease
+from dflash_build.engines.openai_backend import OpenAIEngine
+from dflash_build.engines.openai_http import generate_body
 from dflash_build.engines.sglang_backend import (
     SGLANG_VERSION,
     sampling_params,
     server_args,
     server_kwargs,
 )
-from dflash_build.spec import ModelSpec
+from dflash_build.engines.sglang_wire import GenerateStream
+from dflash_build.spec import LoopRule, ModelSpec
 from dflash_build.stages.generate import SEED_BITS, fits_context, row_seed
 from tests.conftest import REPO
 
@@ -84,7 +88,12 @@ def production_sampling() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def probe() -> dict[str, Any]:
-    request = {"server_args": production_server_args(), "sampling": production_sampling(), "vocab_size": QWEN_VOCAB}
+    request = {
+        "server_args": production_server_args(),
+        "sampling": production_sampling(),
+        "vocab_size": QWEN_VOCAB,
+        "generate_bodies": _streamed_bodies(),
+    }
     done = subprocess.run(
         [sys.executable, str(REPO / "tests" / "sglang_probe.py")],
         input=json.dumps(request),
@@ -342,3 +351,111 @@ def test_speculative_algorithms_and_meta_info_fields_are_the_pinned_releases() -
         assert f'meta_info["{name}"]' in source, name
     for name in ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps"):
         assert name in sglang_fields.SERVER_ARGS, name
+
+
+# -- a looping row's stream (issue 79): SGLang's /generate stream, and its abort of a closed one ------------------
+def _streamed_bodies() -> list[dict[str, Any]]:
+    """The /generate bodies a job sends for a row the loop rule stops, under every source's sampling."""
+    bodies = []
+    for params in production_sampling():
+        body = generate_body(
+            Request("p", 0, [1, 2, 3], SamplingParams(0.6, 0.95, 20, 0.0, 8), 7, LoopRule()), QWEN_STOPS
+        )
+        bodies.append(GenerateStream.streamed({**body, "sampling_params": params}))
+    return bodies
+
+
+def test_a_streamed_generate_body_passes_sglangs_own_checks(probe: dict[str, Any]) -> None:
+    """What /generate's contract gate (api_contract.generate_contract_error, the route's schema check) and
+    SamplingParams (normalize, verify) say of the body, and each key a field of GenerateReqInput; in the job
+    the same keys are Engine.async_generate's arguments."""
+    bodies = _streamed_bodies()
+    assert all(b["stream"] is True and b["sampling_params"]["stream_interval"] == 16 for b in bodies)
+    assert all("stop_loops" not in b for b in bodies), "SGLang has no such field"
+    assert probe["generate_bodies"] == [None] * len(bodies)
+    request_class = next(
+        n
+        for n in ast.walk(ast.parse(sglang_source("srt/managers/io_struct.py")))
+        if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput"
+    )
+    fields = {
+        n.target.id for n in request_class.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    assert set(bodies[0]) <= fields, set(bodies[0]) - fields
+    generate = method(sglang_source("srt/entrypoints/engine.py"), "Engine", "async_generate")
+    arguments = {a.arg for a in generate.args.args + generate.args.kwonlyargs}
+    assert {"input_ids", "sampling_params", "rid", "stream"} <= arguments
+
+
+def test_the_stream_format_is_the_pinned_releases() -> None:
+    """sglang_wire's reading: SSE events of dumps_json(chunk), [DONE] last; a token-id chunk is output_ids (new
+    tokens with incremental_streaming_output) and meta_info, whose completion_tokens counts the whole answer."""
+    route = ast.unparse(
+        next(
+            n
+            for n in ast.parse(sglang_source("srt/entrypoints/http_server.py")).body
+            if isinstance(n, ast.AsyncFunctionDef) and n.name == "serve_generate_request"
+        )
+    )
+    assert "yield (b'data: ' + dumps_json(out) + b'\\n\\n')" in route
+    assert "yield b'data: [DONE]\\n\\n'" in route
+    assert "background=_global_state.tokenizer_manager.create_abort_task(obj)" in route
+    manager = sglang_source("srt/managers/tokenizer_manager.py")
+    output = ast.unparse(method(manager, "TokenizerManager", "_handle_batch_output"))
+    token_ids = output[output.index("elif isinstance(recv_obj, BatchTokenIDOutput):") :]
+    assert "incremental = is_stream and self.incremental_streaming_output" in token_ids
+    assert "out_dict = {'output_ids': output_token_ids, 'meta_info': meta_info}" in token_ids
+    assert "'completion_tokens': recv_obj.completion_tokens[i]" in output
+    streamer = sglang_source("srt/managers/scheduler_components/output_streamer.py")
+    assert "else len(output_ids_)" in streamer and "req.sampling_params.stream_interval" in streamer
+    assert "incremental_streaming_output" in sglang_fields.SERVER_ARGS
+
+
+def test_a_closed_stream_is_aborted_by_sglang_itself() -> None:
+    """Why the job sends no /abort_request: generate_request aborts a request it is ended on (a cancelled or
+    closed stream) once it went to the scheduler, and the stream's background task aborts it again 2 s later."""
+    manager = sglang_source("srt/managers/tokenizer_manager.py")
+    generate = method(manager, "TokenizerManager", "generate_request")
+    [handler] = [h for n in ast.walk(generate) if isinstance(n, ast.Try) for h in n.handlers]
+    assert ast.unparse(handler.type) == "BaseException"  # type: ignore[arg-type]
+    assert [ast.unparse(s) for s in handler.body] == ["self._release_req_states_on_failure(request_states)", "raise"]
+    release = ast.unparse(method(manager, "TokenizerManager", "_release_req_states_on_failure"))
+    assert "if state.dispatched:\n                try:\n                    self.abort_request(rid)" in release
+    abort_task = ast.unparse(method(manager, "TokenizerManager", "create_abort_task"))
+    assert "await asyncio.sleep(2)" in abort_task
+    assert "if rid in self.rid_to_state:\n                self.abort_request(rid)" in abort_task
+
+
+def test_sglangs_own_route_streams_what_the_job_reads_and_aborts_the_stream_it_closes() -> None:
+    """SGLang's serve_generate_request and create_abort_task (tests/sglang_route.py), under uvicorn: the job's
+    client reads its stream, cuts a looping row where the rule fires and closes the stream; the route ends the
+    tokenizer manager's generator at once (where SGLang aborts the request) and aborts it again later."""
+    pytest.importorskip("uvicorn")
+    from tests import sglang_route
+    from tests.standin_server import LOOP_ID, STOP_ID
+
+    rule = LoopRule()
+    params = SamplingParams(0.6, 0.95, 20, 0.0, 4096)
+    requests = [Request(f"p{i}", 0, [1, 5 + i, LOOP_ID] if i else [1, 5], params, i, rule) for i in range(3)]
+    with sglang_route.serve("tiny-model") as (url, manager):
+        engine = OpenAIEngine({"urls": [url], "api": "generate", "retries": 0}, [STOP_ID], None, "/models/tiny-model")
+        try:
+            got = {r.prompt_id: r for r in engine.generate(requests)}
+        finally:
+            engine.close()
+        deadline = time.monotonic() + 10  # the stream's background task aborts ABORT_WAIT after its stream ended
+        while len(manager.aborted) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    print(f"the ASGI spec versions uvicorn gave: {manager.spec_versions}")
+    looping = list(manager.rid_to_state)  # aborted, so never answered
+    assert len(looping) == 2 and sorted(manager.aborted) == sorted(looping * 2), "at once, and by the background"
+    for request in requests:
+        ids, finish = sglang_route.generate_answer({"input_ids": request.prompt_ids, "sampling_params": {
+            "max_new_tokens": 4096, "sampling_seed": request.seed}})  # fmt: skip
+        if finish["type"] == "stop":
+            assert (got[request.prompt_id].finish_reason, got[request.prompt_id].output_ids) == ("stop", ids[:-1])
+            continue
+        end = loops.loop_end(ids, rule)
+        assert end is not None and got[request.prompt_id].output_ids == ids[:end]
+        assert got[request.prompt_id].finish_reason == "loop"
+    assert all(manager.generated[rid] < 200 + 6 * loops.CHECK_EVERY for rid in looping), manager.generated

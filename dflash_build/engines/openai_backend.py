@@ -140,8 +140,9 @@ class OpenAIEngine(ServerClient):
         stall_timeout: float | None = None,
         health_path: str = "/v1/models",
         pool: PoolHooks | None = None,
+        loops_in_request: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(loops_in_request)
         self.opts = _options(options)
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer  # for text prompts and re-tokenized answers

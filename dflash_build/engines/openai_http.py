@@ -7,6 +7,7 @@ Results or refused as Malformed). :class:`ServerClient` holds what one job knows
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dflash_build import loops
+from dflash_build.engines import sglang_wire
 from dflash_build.engines.base import Acceptance, Request, Result
 from dflash_build.engines.base import EngineStalled as EngineMadeNoProgress
 from dflash_build.engines.sglang_wire import parse_output, sampling_params
@@ -148,12 +150,55 @@ def completion_acceptance(out: Any) -> Acceptance | None:
     return Acceptance(int(spec.get("num_spec_steps") or 0), drafted, accepted, histogram, *per_step)
 
 
-def generate_body(request: Request, stop_token_ids: list[int]) -> dict[str, Any]:
-    """SGLang's native /generate takes the in-process engine's sampling params as they are."""
-    body = {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request, stop_token_ids)}
-    if request.stop_loops is not None:  # only to a server whose backend stops loops (ours): SGLang has no such field
+def generate_body(request: Request, stop_token_ids: list[int], loops_in_request: bool = False) -> dict[str, Any]:
+    """SGLang's native /generate takes the in-process engine's sampling params as they are; the loop rule
+    goes only to a server that stops rows on it itself (``loops_in_request``: ours), SGLang has no such field."""
+    body: dict[str, Any] = {
+        "input_ids": request.prompt_ids,
+        "sampling_params": sampling_params(request, stop_token_ids),
+    }
+    if request.stop_loops is not None and loops_in_request:
         body["stop_loops"] = request.stop_loops.as_dict()
     return body
+
+
+class CompletionStream:
+    """A /v1/completions answer streamed with its token ids (vLLM's chunks: ``choices[].token_ids``, and with
+    ``include_usage`` a last chunk of the request's usage and metrics, its speculative counts), read against
+    the loop rule; :class:`~dflash_build.engines.sglang_wire.GenerateStream` is /generate's."""
+
+    def __init__(self, rule: LoopRule) -> None:
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.finish: Any = None
+        self.usage: Any = None
+        self.metrics: Any = None
+        self.watch = loops.Watch(rule)
+
+    @staticmethod
+    def streamed(body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+    def read(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """Take one chunk; once the rule has fired, the answer cut where it first fired (finish reason
+        ``loop``), else None."""
+        self.usage, self.metrics = chunk.get("usage") or self.usage, chunk.get("metrics") or self.metrics
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice.get("token_ids"), list):
+                raise Malformed(f"a streamed chunk without token_ids: {json.dumps(chunk)[:_SHOWN]}")
+            self.ids += choice["token_ids"]
+            self.text.append(choice.get("text") or "")
+            self.finish = choice.get("finish_reason") or self.finish
+        end = self.watch.end(self.ids, last=self.finish is not None)
+        return None if end is None else {"choices": [{"token_ids": self.ids[:end], "finish_reason": "loop"}]}
+
+    def whole(self) -> dict[str, Any]:
+        choices = [{"token_ids": self.ids, "text": "".join(self.text), "finish_reason": self.finish}]
+        return {"choices": choices, "usage": self.usage, "metrics": self.metrics}
+
+
+# How each streamed path is read: both answer as their whole JSON would, so the caller parses both alike.
+_STREAMS: dict[str, Any] = {"/v1/completions": CompletionStream, "/generate": sglang_wire.GenerateStream}
 
 
 class ServerClient:
@@ -169,7 +214,9 @@ class ServerClient:
     pool: Any
     _client: httpx.AsyncClient
 
-    def __init__(self) -> None:
+    def __init__(self, loops_in_request: bool = False) -> None:
+        # where a looping row stops: the rule in the request (ours), else the stream closed (registry.Serve)
+        self.loops_in_request = loops_in_request
         self.top_k_off: dict[str, int] = {}  # per server, once it refused the first spelling
         self._model_ids: dict[str, list[str]] = {}  # /v1/models ids per server, read once
         self.identity: dict[str, list[str]] = {}
@@ -211,7 +258,7 @@ class ServerClient:
     async def _attempt(self, url: str, path: str, body: dict[str, Any] | None, watch: LoopRule | None = None) -> Any:
         """One request: the JSON it answers, or the failure it is (``watch``: streamed, :meth:`_streamed`)."""
         if watch is not None and body is not None:
-            return await self._streamed(url + path, body, watch)
+            return await self._streamed(url, path, body, watch)
         if body is None:
             response = await self._client.get(url + path)
         else:
@@ -228,40 +275,29 @@ class ServerClient:
         except ValueError:
             raise Malformed(f"HTTP {response.status_code} with a body that is not JSON: {text[:_SHOWN]!r}") from None
 
-    async def _streamed(self, url: str, body: dict[str, Any], watch: LoopRule) -> Any:
-        """A completion streamed with its token ids, checked against the loop rule every
-        ``loops.CHECK_EVERY`` tokens; when it fires the connection is closed (the server aborts the
-        request) and the answer is cut where the rule first fired, finish reason ``loop``. Answers as the
-        server's whole JSON would, so the caller parses both alike."""
-        ids: list[int] = []
-        text: list[str] = []
-        finish, usage, metrics, checked = None, None, None, 0
-        # include_usage: vLLM sends the request's usage and metrics (its speculative counts) in a last chunk
-        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        async with self._client.stream("POST", url, json=streamed) as response:
+    async def _streamed(self, url: str, path: str, body: dict[str, Any], watch: LoopRule) -> Any:
+        """An answer streamed with its token ids (the path's reader, ``_STREAMS``), checked against the loop
+        rule every ``loops.CHECK_EVERY`` tokens; when it fires the connection is closed (vLLM's and SGLang's
+        servers abort the request) and the answer is cut where the rule first fired, finish reason ``loop``.
+        Answers as the server's whole JSON would, so the caller parses both alike."""
+        stream = _STREAMS[path](watch)
+        async with self._client.stream("POST", url + path, json=stream.streamed(body)) as response:
             if response.status_code >= 400:
                 answer = (await response.aread()).decode(errors="replace")
-                if response.status_code not in _RETRY_STATUS:
-                    raise RequestRefused(response.status_code, answer)
-                raise _Retry(f"HTTP {response.status_code}: {answer[:_SHOWN]}", response.status_code)
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = _json_chunk(line[6:])
-                usage, metrics = chunk.get("usage") or usage, chunk.get("metrics") or metrics
-                for choice in chunk.get("choices") or []:
-                    if not isinstance(choice.get("token_ids"), list):
-                        raise Malformed(f"a streamed chunk without token_ids: {line[:_SHOWN]}")
-                    ids += choice["token_ids"]
-                    text.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
-                # every 16 tokens, and once more on the last ones: the rule may fire in them
-                if len(ids) - checked >= loops.CHECK_EVERY or finish is not None:
-                    end, checked = loops.loop_end(ids, watch, clear=checked), len(ids)
-                    if end is not None:
-                        return {"choices": [{"token_ids": ids[:end], "finish_reason": "loop"}]}
-        choices = [{"token_ids": ids, "text": "".join(text), "finish_reason": finish}]
-        return {"choices": choices, "usage": usage, "metrics": metrics}
+                raise _refused(response.status_code, answer)
+            async with contextlib.aclosing(response.aiter_lines()) as lines:  # closed here when cut short
+                async for line in lines:
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    try:
+                        cut = stream.read(_json_chunk(line[6:]))
+                    except sglang_wire.MalformedChunk as e:
+                        raise Malformed(str(e)) from None
+                    except sglang_wire.Refused as e:  # what the whole request's status would have said
+                        raise _refused(e.status_code, e.detail) from None
+                    if cut is not None:
+                        return cut
+        return stream.whole()
 
     async def _call(
         self,
@@ -332,7 +368,9 @@ class ServerClient:
                 raise Malformed(f"not a /generate answer (no output_ids): {json.dumps(out)[:_SHOWN]}")
             return self._checked(request, parse_output(request, out, self.stop_token_ids), out)
 
-        return await self._call(url, "/generate", generate_body(request, self.stop_token_ids), parse=parse)
+        body = generate_body(request, self.stop_token_ids, self.loops_in_request)
+        watch = None if self.loops_in_request else request.stop_loops  # streamed and closed where the rule fires
+        return await self._call(url, "/generate", body, parse=parse, watch=watch)
 
     async def _completion(self, url: str, request: Request) -> Result:
         if self.prompt_mode == "auto":
@@ -446,6 +484,13 @@ class _Retry(Exception):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _refused(status: int, answer: str) -> Exception:
+    """A streamed request's error status (its response's, or the one a chunk names) as a whole one's."""
+    if status not in _RETRY_STATUS:
+        return RequestRefused(status, answer)
+    return _Retry(f"HTTP {status}: {answer[:_SHOWN]}", status)
 
 
 def _json_chunk(data: str) -> dict[str, Any]:

@@ -64,6 +64,10 @@ class Serve:
     api: str = "generate"  # the openai client's API for it (dflash_build.engines.openai_backend.APIS)
     concurrency: Callable[[Mapping[str, Any]], int] = lambda options: 2  # requests in flight per job
     env: Callable[[Mapping[str, Any]], dict[str, str]] = lambda options: {}  # the server's environment, beyond its GPU
+    # Where a looping row stops (Request.stop_loops): the rule goes in the request and the server stops the row
+    # itself (ours, dflash_build.engines.server), or the client streams the answer and closes it where the rule
+    # fires (vLLM's and SGLang's servers, which abort a request whose client goes)
+    loops_in_request: bool = False
 
 
 @dataclass(frozen=True)

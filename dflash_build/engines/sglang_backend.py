@@ -16,6 +16,11 @@ against that installed package.
   ``output_ids_through_stop``); a stop that "matched" a string is an engine fault (SGLang reports NaN
   logits that way); a request refused or aborted with a status code is raised by SGLang, not returned,
   and a refusal that says "retry later" (503, 429) is retried before it becomes an abort row.
+- Loops (``Request.stop_loops``, config ``degenerate.loop.stop_early``): such a request is streamed, one
+  chunk per loop check, and where the rule fires the answer is cut there (finish reason ``loop``), the
+  stream closed and the request aborted (``abort_request``, as SGLang does itself on a closed stream:
+  :mod:`dflash_build.engines.sglang_wire` says where); others are answered whole. A streamed answer
+  ends as a whole one would, its speculative counts read from its last chunk.
 - Signals: SGLang puts its own SIGTERM/SIGQUIT handlers on the driver's event loop (drain, then kill the
   whole process tree, driver included). The backend takes them back: the driver's handlers stay in
   charge, a SIGQUIT from a failing SGLang child fails the job cleanly, and ``close`` stops only the
@@ -38,6 +43,7 @@ from typing import Any
 from dflash_build.engines import registry
 from dflash_build.engines.base import EngineFailed, Request, Result
 from dflash_build.engines.gpus import GpuLease
+from dflash_build.engines.sglang_wire import GenerateStream
 from dflash_build.engines.sglang_wire import abort as _abort
 from dflash_build.engines.sglang_wire import parse_output as parse_output
 from dflash_build.engines.sglang_wire import sampling_params as sampling_params
@@ -65,6 +71,8 @@ def server_args(model: ModelSpec, options: Mapping[str, Any], lease: GpuLease | 
         "tokenizer_path": model.tokenizer or model.path,
         "skip_tokenizer_init": True,
         "tp_size": 1,
+        # a streamed answer's chunks hold its new tokens, not the whole answer again (sglang_wire)
+        "incremental_streaming_output": True,
         # CUDA_VISIBLE_DEVICES holds exactly the pinned GPU, so it is device 0 in this process.
         "base_gpu_id": 0,
     }
@@ -155,7 +163,7 @@ class SGLangEngine:
             if task is not None:
                 self._rids[task] = rid
             try:
-                out = await self.engine.async_generate(input_ids=request.prompt_ids, sampling_params=params, rid=rid)
+                out = await self._answer(request, params, rid)
             except asyncio.CancelledError:
                 return None
             except Exception as e:  # one bad request must not fail the shard
@@ -176,6 +184,24 @@ class SGLangEngine:
                 return None  # aborted by interrupt(): generated again on the next run
             return parse_output(request, out, self.stop_token_ids)
         raise AssertionError("unreachable")
+
+    async def _answer(self, request: Request, params: dict[str, Any], rid: str) -> Mapping[str, Any]:
+        """One attempt's output: whole, or streamed where the loop rule stops the row and, where it fires,
+        cut there and the request aborted."""
+        kwargs = {"input_ids": request.prompt_ids, "sampling_params": params, "rid": rid}
+        if request.stop_loops is None:
+            return await self.engine.async_generate(**kwargs)  # type: ignore[no-any-return]
+        stream = GenerateStream(request.stop_loops)
+        chunks = await self.engine.async_generate(**GenerateStream.streamed(kwargs))
+        try:
+            async for chunk in chunks:
+                cut = stream.read(chunk)
+                if cut is not None:
+                    self.engine.tokenizer_manager.abort_request(rid)
+                    return cut
+        finally:
+            await chunks.aclose()  # SGLang's generate_request aborts a request it is closed on, too
+        return stream.whole()
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Keep ``max_inflight`` requests in the engine; yield each as it finishes."""

@@ -47,6 +47,7 @@ DRIVER_FIELDS: dict[str, str] = {
     "context_length": "set from model.context_length (the driver skips what does not fit)",
     "skip_tokenizer_init": "the driver renders and tokenizes prompts itself",
     "tp_size": "one engine per GPU job",
+    "incremental_streaming_output": "the driver reads a streamed answer's chunks as its new tokens",
     "dp_size": "one engine per GPU job",
     "pp_size": "one engine per GPU job",
     "base_gpu_id": "the job's pinned GPU is device 0 of its process",
@@ -240,6 +241,9 @@ BACKEND = Backend(
     env_only=("dflash_build.engines.sglang_backend",),
     undecided=Option(GEN, "a ServerArgs field not decided here: keyed, it may change what the model writes"),
     check_names=check_names,
+    # a looping row's answer is streamed and cut where the rule fires, its request aborted: in the job, and
+    # from SGLang's server, which aborts a request whose stream the client closes (sglang_wire says where)
+    stops_loops=True,
     # STANDALONE drafts with a small model of its own, verified token by token: the same vocabulary
     speculative=Speculative(
         _check_drafter,

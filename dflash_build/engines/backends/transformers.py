@@ -52,7 +52,7 @@ BACKEND = Backend(
         "retries": Option(None, FAULTS + ": a request to a shared engine, sent again", default=3, driver=True),
     },
     load=_load,
-    serve=Serve(_argv, concurrency=lambda options: int(BACKEND.value(options, "batch_size"))),
+    serve=Serve(_argv, concurrency=lambda options: int(BACKEND.value(options, "batch_size")), loops_in_request=True),
     uses_gpu=_uses_gpu,
     threads=lambda options: int(options.get("threads") or 1),
     stops_loops=True,

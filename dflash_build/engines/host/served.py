@@ -217,16 +217,19 @@ def open_engine(
     attached = attach(spec, pool=engine.shared)
     served = ServedEngine(spec, attached, stop_on_close=not engine.shared, pool=engine.shared)
     try:
+        serve = registry.get(spec.backend).serve
+        assert serve is not None  # launch_spec checked it
         options = {
             "urls": attached.urls,
-            "api": registry.get(spec.backend).serve.api,  # type: ignore[union-attr]  # launch_spec checked it
+            "api": serve.api,
             "concurrency": concurrency(engine),
             "timeout": SHARED_REQUEST_TIMEOUT,  # a last resort: stalls are caught by engine.stall_timeout
             "retries": int(registry.get(engine.backend).value(engine.options, "retries")),
         }
         served.client = OpenAIEngine(
-            options, stop_ids, tokenizer, cfg.model.path, engine.stall_timeout, spec.health_path, pool=served
-        )
+            options, stop_ids, tokenizer, cfg.model.path, engine.stall_timeout, spec.health_path, pool=served,
+            loops_in_request=serve.loops_in_request,
+        )  # fmt: skip
     except BaseException:
         served.close()
         raise
