@@ -103,3 +103,13 @@ def preview(plan: Plan) -> list[str]:
             f"; about {hours:.2f} GPU-hours at the store's last training's {per_gpu_second:,.0f} tokens per GPU-second"
         )
     return [line]
+
+
+def in_use(plan: Plan, drafter_folders: list[Path]) -> set[Path]:
+    """The store's drafters in use: those a published drafter folder in ``drafter_folders`` was made from
+    (what gc keeps; one trained again under the same key would cost its training again)."""
+    used = set()
+    for folder in drafter_folders:
+        if release.current(folder) is not None:
+            used.add(layout.trained_dir(plan.config.store, release.in_place(folder).manifest["key"]))
+    return used

@@ -22,7 +22,7 @@ import pytest
 from dflash_build.publish import release
 from dflash_build.store import layout
 from tests import toy_target
-from tests.conftest import Workflow, base_config, once_per_session, shared_engine, write_jsonl
+from tests.conftest import Workflow, base_config, once_per_session, parse_dry_run, shared_engine, write_jsonl
 
 pytestmark = pytest.mark.workflow
 
@@ -94,37 +94,45 @@ def _timed(steps: dict[str, float], step: str, run: Any) -> Any:
     return out
 
 
+def _apply(config: dict[str, Any], change: dict[str, Any]) -> None:
+    """The next round's change (``{dotted key: {from, to}}``) applied to ``config``."""
+    for key, value in change.items():
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[last] = value["to"]
+
+
 def run_loop(root: Path, automodel_python: Path) -> None:
+    """Both datasets built (one generation server), both drafters trained, both measured (a server each);
+    then the second round on the math-leaning dataset."""
     seconds: dict[str, float] = {}
     results: dict[str, Any] = {"seconds": seconds}
     flows = {lean: Workflow.at(root / f"work-{lean}", loop_config(root, lean, automodel_python)) for lean in LEANS}
     env = {"OMP_NUM_THREADS": "1"}  # a drafter this small trains in seconds on one thread, minutes on two
     for lean, wf in flows.items():
-        name = f"lean-{lean}"
         _timed(seconds, "build", lambda wf=wf: wf.run())
-        results[f"{lean}_plan_before"] = wf.cli("plan").stdout
+        results[f"{lean}_dataset"] = json.loads((wf.workdir / "dist" / f"lean-{lean}" / layout.MANIFEST).read_text())
+    for lean, wf in flows.items():
+        results[f"{lean}_plan_before"] = wf.cli("plan").stdout  # the second knows the first's training's rate
         _timed(seconds, "train", lambda wf=wf: wf.run("train", env_extra=env))
         results[f"{lean}_plan_after"] = wf.cli("plan").stdout
+    for lean, wf in flows.items():
         _timed(seconds, "accept", lambda wf=wf: wf.run("accept", env_extra=env))
-        results[lean] = {"report": _report(wf, name), "trained": _trained(wf, name)}
-        results[f"{lean}_dataset"] = json.loads((wf.workdir / "dist" / name / layout.MANIFEST).read_text())
-    # the second round, on the math-leaning dataset: its weakest category's change from the report
+        results[lean] = {"report": _report(wf, f"lean-{lean}"), "trained": _trained(wf, f"lean-{lean}")}
+    # the second round, on the math-leaning dataset: its weakest category's change, from its report
     wf = flows["math"]
-    report = results["math"]["report"]
-    weak = [r for r in report.get("next_round", []) if r.get("column") == "category" and r.get("change")]
-    results["next_round"] = weak
-    if weak:
+    weak = [r for r in results["math"]["report"].get("next_round", []) if r["slice"].startswith("category=")]
+    results["next_round"] = [r for r in weak if r["change"]]
+    if results["next_round"]:
         config = loop_config(root, "math", automodel_python)
-        for key, value in weak[0]["change"].items():
-            section, _, field = key.rpartition(".")
-            node = config
-            for part in section.split("."):
-                node = node[part]
-            node[field] = value
+        _apply(config, results["next_round"][0]["change"])
         wf.write_config(config)
         results["round2_dry_run"] = wf.run("-n", "accept").stdout
         _timed(seconds, "round2", lambda: wf.run("accept", env_extra=env))
         results["round2"] = {"report": _report(wf, "lean-math"), "trained": _trained(wf, "lean-math")}
+        results["round2_dataset"] = json.loads((wf.workdir / "dist" / "lean-math" / layout.MANIFEST).read_text())
     results["untouched_dry_run"] = flows["prose"].run("-n", "accept").stdout
     results["drafters_in_store"] = len(layout.trained_entries(root / "store"))
     results["measurements_in_store"] = len(layout.acceptance_entries(root / "store"))
@@ -166,14 +174,15 @@ def test_plan_says_what_would_train_before_and_nothing_after(loop: dict[str, Any
 
 
 def test_the_second_round_retrains_and_measures_only_what_it_changed(loop: dict[str, Any]) -> None:
-    assert loop["next_round"], "the math-leaning dataset's report names a change for a category"
+    assert loop["next_round"], "the math-leaning dataset's report names a change for its weakest category"
     change = loop["next_round"][0]
-    before = _tau(loop["math"]["report"], change["value"])
-    after = _tau(loop["round2"]["report"], change["value"])
-    print(f"second round: {change['slice']} {change['change']} (was {change['was']}): tau {before:.3f} -> {after:.3f}")
-    dry = loop["round2_dry_run"]
-    assert "mix" in dry and "train" in dry and "accept" in dry, dry
-    assert "generate" not in dry, "every prompt was generated in the first round: the change takes rows in the store"
+    category = change["slice"].split("=", 1)[1]
+    before, after = _tau(loop["math"]["report"], category), _tau(loop["round2"]["report"], category)
+    shares = {k: c["achieved_share"] for k, c in loop["round2_dataset"]["mix"]["categories"].items()}
+    print(f"second round: {change['slice']} {change['change']} -> shares {shares}: tau {before:.3f} -> {after:.3f}")
+    jobs = parse_dry_run(loop["round2_dry_run"])
+    assert {"mix", "train", "accept"} <= set(jobs) and "generate" not in jobs, jobs  # rows the store holds
     assert loop["round2"]["trained"]["key"] != loop["math"]["trained"]["key"]
-    assert "Nothing to be done" in loop["untouched_dry_run"], loop["untouched_dry_run"]
+    assert loop["round2"]["trained"]["dataset"]["version"] != loop["math"]["trained"]["dataset"]["version"]
+    assert not parse_dry_run(loop["untouched_dry_run"]), loop["untouched_dry_run"]  # the other loop is done
     assert loop["drafters_in_store"] == 3 and loop["measurements_in_store"] == 3

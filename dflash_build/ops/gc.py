@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_build import measurements
+from dflash_build import measurements, trained
 from dflash_build.ops.registrations import referenced, registrations
 from dflash_build.plan import Plan
 from dflash_build.publish import release
-from dflash_build.spec import acceptance_report_of
+from dflash_build.spec import acceptance_report_of, trained_drafter_of
 from dflash_build.store import atomic, layout
 from dflash_build.store.journal import ROWS_FILE
 from dflash_build.store.rowindex import RowIndex
@@ -100,6 +100,13 @@ def _acceptance_reports(plan: Plan) -> set[Path]:
     return {Path(os.path.relpath(os.path.abspath(acceptance_report_of(d)))) for d in datasets}
 
 
+def _drafter_folders(plan: Plan) -> set[Path]:
+    """The trained drafters beside this config's dataset and every registered one (relative, like them)."""
+    registered = (Path(e["dataset"]) for e in registrations(plan.config.store).values())
+    datasets = [plan.config.dataset_dir, *registered]
+    return {Path(os.path.relpath(os.path.abspath(trained_drafter_of(d)))) for d in datasets}
+
+
 def stray_temporaries(plan: Plan, older_than: float = TMP_AGE_SECONDS) -> list[Path]:
     """Temporary files and folders of atomic writes whose writer died (untouched for ``older_than`` s)."""
     now = time.time()
@@ -152,6 +159,13 @@ def garbage(
     # a measurement no drafter of this config keys to and no standing acceptance report was made from
     in_use = measurements.in_use(plan, sorted(_acceptance_reports(plan)))
     out += [Entry(e, _size(e, seen), kept=False) for e in layout.acceptance_entries(store) if e not in in_use]
+    # a drafter no published drafter folder was made from (and a training's scratch left behind)
+    kept_drafters = trained.in_use(plan, sorted(_drafter_folders(plan)))
+    now = time.time()
+    for entry in layout.trained_entries(store) + layout.trained_scratch(store):
+        running = entry.name.endswith(".work") and now - _last_change(entry) < tmp_age  # a training may be on
+        if layout.trained_dir(store, entry.name.removesuffix(".work")) not in kept_drafters and not running:
+            out.append(Entry(entry, _size(entry, seen), kept=False))
     # A dataset whose store entries go goes with them (its versions and record, and its packed folders):
     # left in place, Snakemake would call it up to date while plan and verify find its shards gone.
     broken = sorted({Path(folder) for e in out if e.why.startswith("breaks") for folder in used[e.path]})
@@ -161,7 +175,7 @@ def garbage(
                 if path.exists() or path.is_symlink():
                     out.append(Entry(path, _size(path, seen), kept=False, why=DATASET_BROKEN))
     # versions no dataset folder or acceptance report links to any more: this config's, and every registered one's
-    folders = _dataset_folders(plan) | _acceptance_reports(plan)
+    folders = _dataset_folders(plan) | _acceptance_reports(plan) | _drafter_folders(plan)
     folders |= {p for f in list(folders) for p in f.parent.glob(f"{f.name}-packed-*") if p.is_symlink()}
     for dist in sorted(folders):
         why = f"superseded version of {os.path.relpath(dist)}"

@@ -99,6 +99,11 @@ def trained_entries(store: Path) -> list[Path]:
     return sorted(p for p in (Path(store) / TRAINED).glob("*") if p.is_dir() and not p.name.endswith(".work"))
 
 
+def trained_scratch(store: Path) -> list[Path]:
+    """Every trainer's scratch folder in the store (a training that failed, or is running)."""
+    return sorted(p for p in (Path(store) / TRAINED).glob("*.work") if p.is_dir())
+
+
 def acceptance_dir(store: Path, key: str) -> Path:
     """One drafter's measurement: its requests (each with its slice and the engine's counts) and summary.
     By key alone: a drafter renamed in the config is not measured again."""

@@ -176,7 +176,7 @@ def _follow(argv: list[str], trainer: base.Trainer) -> tuple[int, str]:
             line = line.rstrip()
             if not line:
                 continue
-            log.info("%s: %s", trainer.name, line)
+            log.info("| %s", line)  # the trainer's own line
             last = line
             if (seen := trainer.progress(line)) is not None:
                 running.progress(**seen)
