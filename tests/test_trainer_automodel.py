@@ -266,6 +266,7 @@ def test_a_row_file_without_input_ids_or_loss_mask_is_named(
     assert said == f"automodel: rows file {uneven} row 1: 3 input_ids but 2 loss_mask values"
 
 
+@pytest.mark.workflow  # imports the trainer in its own interpreter: 8-20 s, too slow for the unit tier
 def test_a_target_automodels_dflash_registry_does_not_take_is_named_with_what_it_takes(
     automodel_python: Path, inputs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -363,6 +364,7 @@ print(json.dumps(said))
 """
 
 
+@pytest.mark.workflow  # imports the trainer in its own interpreter: 8-20 s, too slow for the unit tier
 def test_the_cpu_patches_apply_to_0_7_0_and_name_themselves_where_the_code_is_not_theirs(
     automodel_python: Path,
 ) -> None:

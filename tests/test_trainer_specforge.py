@@ -96,6 +96,7 @@ GIVEN = {
 }
 
 
+@pytest.mark.workflow  # imports the trainer in its own interpreter: 8-20 s, too slow for the unit tier
 def test_the_runner_writes_a_config_specforge_validates_resolves_and_plans(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -131,9 +131,6 @@ def closest(name: str, names: list[str], prefix: str = "") -> str:
     return f"; did you mean {prefix}{match[0]}?" if match else f" (known: {', '.join(prefix + n for n in names)})"
 
 
-# --- RUN.json ---------------------------------------------------------------------------------------------
-
-
 def load_run(path: Path) -> dict[str, Any]:
     """RUN.json, its shape and its settings checked (no file it names is read yet)."""
     try:
@@ -199,8 +196,6 @@ def merge_settings(given: Any) -> dict[str, dict[str, Any]]:
     return merged
 
 
-# --- the rows ---------------------------------------------------------------------------------------------
-
 COLUMNS = ("input_ids", "loss_mask")
 
 
@@ -250,9 +245,6 @@ def read_all_rows(files: list[str]) -> list[tuple[list[int], list[int]]]:
     if not any(any(mask) for _, mask in rows):
         raise Stop(f"the rows ({len(rows)} in {len(files)} files) hold no answer token (loss_mask is 0 everywhere)")
     return rows
-
-
-# --- the installed Automodel and the CPU patches ----------------------------------------------------------
 
 
 def installed_release() -> str:
@@ -413,9 +405,6 @@ class _StepLines(logging.Handler):
             self.progress(epoch=epoch, step=step, loss=float(loss), acc=float(acc), lr=float(lr))
 
 
-# --- the run ----------------------------------------------------------------------------------------------
-
-
 def target_architectures(target: Path) -> list[str]:
     try:
         config = json.loads((target / "config.json").read_text())
@@ -458,7 +447,7 @@ def automodel_yaml(run: dict[str, Any], rows: list[tuple[list[int], list[int]]])
         "output_dir": str(work),
         "attention_backend": "sdpa",  # flex attention's default compiles its mask (torch.compile)
         "target_attn_implementation": "sdpa",
-        **settings.get("recipe_args", {}),
+        **settings["recipe_args"],  # merge_settings gives both sections
     }
     if recipe_args.get("seq_length") is None:
         recipe_args["seq_length"] = max(len(ids) for ids, _ in rows)
@@ -466,7 +455,7 @@ def automodel_yaml(run: dict[str, Any], rows: list[tuple[list[int], list[int]]])
         "recipe": "TrainDFlashRecipe",
         "dist_env": {"backend": "gloo", "timeout_minutes": 30},
         "recipe_args": recipe_args,
-        "optimizer": dict(settings.get("optimizer", {})),
+        "optimizer": dict(settings["optimizer"]),
         "checkpoint": {
             "enabled": True,
             "checkpoint_dir": str(work / "checkpoints"),
@@ -503,6 +492,19 @@ def publish(consolidated: Path, out: Path, record: dict[str, Any]) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def check_architecture(target: Path, architectures: list[str], release: str) -> None:
+    """The target is one the registry gives a Qwen3-shaped draft: vLLM's DFlashDraftModel (Kimi K3's MLA
+    draft is not one)."""
+    from nemo_automodel.components.speculative.dflash import registry
+
+    accepted = sorted(a for a, spec in registry.DFLASH_DRAFT_REGISTRY.items() if spec.draft_cls.__name__ == QWEN3_DRAFT)
+    if not any(a in accepted for a in architectures):
+        raise Stop(
+            f"target {target} is {', '.join(architectures) or 'of no architecture'}: Automodel {release}'s DFlash "
+            f"recipe trains vLLM's DFlash drafters for {', '.join(accepted)} only"
+        )
+
+
 def train(run: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     release = installed_release()
@@ -522,15 +524,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         print(f"{PROG}: step {step}/{total['steps']} loss {loss:.4f} acc {acc:.4f} lr {lr:.3g}", flush=True)
 
     recipe_cls = patch_automodel(td, rows, progress)
-    from nemo_automodel.components.speculative.dflash import registry
-
-    # the registry's Qwen3-shaped drafts: vLLM's DFlashDraftModel (Kimi K3's MLA draft is not one)
-    accepted = sorted(a for a, spec in registry.DFLASH_DRAFT_REGISTRY.items() if spec.draft_cls.__name__ == QWEN3_DRAFT)
-    if not any(a in accepted for a in architectures):
-        raise Stop(
-            f"target {target} is {', '.join(architectures) or 'of no architecture'}: Automodel {release}'s DFlash "
-            f"recipe trains vLLM's DFlash drafters for {', '.join(accepted)} only"
-        )
+    check_architecture(target, architectures, release)
     prepare_work(work)
     import yaml
 
@@ -554,18 +548,16 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     if not (consolidated / "config.json").exists():
         raise Stop(f"Automodel saved no consolidated checkpoint at {consolidated}")
     record = {
-        "trainer": "automodel",
-        "automodel": release,
-        "recipe": run["recipe"],
-        "target": str(target.resolve()),
-        "rows": len(rows),
-        "steps": recipe.runtime.global_step,
-        "skipped_micro_batches": recipe._skipped_micro_batches,
+        **{"trainer": "automodel", "automodel": release, "recipe": run["recipe"], "target": str(target.resolve())},
+        **{
+            "rows": len(rows),
+            "steps": recipe.runtime.global_step,
+            "skipped_micro_batches": recipe._skipped_micro_batches,
+        },
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
         "losses": [[step, round(loss, 6)] for step, loss in losses],
-        "train_seconds": round(train_seconds, 1),
-        "wall_seconds": round(time.monotonic() - started, 1),
+        **{"train_seconds": round(train_seconds, 1), "wall_seconds": round(time.monotonic() - started, 1)},
         "settings": run["settings"],
     }
     publish(consolidated.resolve(), out, record)
