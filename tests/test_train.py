@@ -159,3 +159,14 @@ def test_the_automodel_descriptor_and_its_runner_know_the_same_settings() -> Non
     for section, defaults in runner.DEFAULTS.items():
         for name, value in defaults.items():
             assert automodel.DFLASH[section][name].default == value, f"{section}.{name}"
+
+
+def test_the_trainers_progress_is_read_from_its_runners_own_line() -> None:
+    """What `status` shows of a training: the step and loss of the runner's line (automodel_run's format);
+    Automodel's own lines and the rest say nothing."""
+    assert automodel.progress("automodel: step 12/130 loss 2.4871 acc 0.4649 lr 0.000302") == {
+        "step": "12/130",
+        "loss": 2.4871,
+    }
+    assert automodel.progress("2026-12-07 | INFO | train_dflash | epoch=1 step=128 loss=2.4871") is None
+    assert automodel.progress("automodel: training 258 rows, 130 steps") is None
