@@ -106,6 +106,7 @@ def test_a_drafter_that_changes_the_answers_fails_in_one_line_naming_it(
     figures, [problem] = parity.guard(plan)
     assert opened == [True, False], "the drafted engine, then the plain one"
     assert figures["verdict"] == "FAIL" and figures["key"] == gate.identity_key(plan)
+    assert json.loads(json.dumps(figures))["identity"]["drafter"]["method"] == "ngram", "the summary holds it"
     assert figures["temperature_0"]["itself"]["share"] == 1.0
     assert problem.level == "fail" and "\n" not in problem.line
     assert problem.line.startswith("engine.drafter (ngram) changes the target's answers on vllm: 4 of 8 ")
@@ -178,3 +179,19 @@ def test_a_failing_guard_stops_preflight_before_the_pilot_journals_the_drafters_
     summary = preflight.check(plan)
     assert summary["verdict"] == "FAIL" and summary["parity"] == {"verdict": "FAIL"}
     assert [p["line"] for p in summary["problems"]] == [line] and "pilot" not in summary
+
+
+def test_the_summary_shows_the_guards_figures() -> None:
+    from dflash_build.stages.preflight import checks
+
+    t0 = {"drafted": parity.identical([[1, 2]], [[1, 3]]), "itself": parity.identical([[1, 2]], [[1, 2]])}
+    drawn = {"lengths": [1, 2], "finishes": ["stop", "length"], "degenerate": [False, True]}
+    found = {
+        "verdict": "FAIL",
+        "requests": 2,
+        "temperature_0": t0,
+        "sampled": {"drafted_sample": drawn, "plain_sample": drawn},
+    }
+    text = checks.render({"verdict": "FAIL", "problems": [], "parity": found})
+    assert "## Parity of engine.drafter: FAIL" in text and "first differing tokens: 1" in text
+    assert "- sampled, plain: mean length 1.5, length 1, stop 1, degenerate 1" in text

@@ -313,7 +313,8 @@ def test_the_target_drafting_for_itself_passes_the_parity_guard_and_another_draf
 ) -> None:
     """engine.drafter on vLLM's CPU server at temperature 0, the target drafting for itself (draft_model): its
     answers are the plain server's token for token, so the guard passes under the engine's identity; a drafter
-    with other options has no verdict there, and its generate job refuses in one line naming engine.drafter."""
+    with other options has no verdict there, and its generate job refuses in one line naming engine.drafter.
+    It builds from empty, as a preflight runs before the build (167 s on 2 busy cores: three server starts)."""
     from tests.conftest import shared_engine
 
     config = vllm_config(vllm_model, tmp_path / "data")
@@ -329,7 +330,7 @@ def test_the_target_drafting_for_itself_passes_the_parity_guard_and_another_draf
     assert parity["verdict"] == "PASS" and parity["identity"]["drafter"]["method"] == "draft_model", parity
     greedy = parity["temperature_0"]
     assert greedy["drafted"]["share"] == 1.0 and greedy["itself"]["share"] == 1.0, greedy
-    assert greedy["drafted"]["answers"] == parity["requests"] == 6, "2 questions x 2 samples, 2 chats' first turns"
+    assert greedy["drafted"]["answers"] == parity["requests"] >= 4, "2 rows of each source, first turns"
     assert "## Parity of engine.drafter: PASS" in proc.stdout
 
     config["engine"]["drafter"]["options"] = {"num_speculative_tokens": 2}  # another identity: no verdict
@@ -337,7 +338,9 @@ def test_the_target_drafting_for_itself_passes_the_parity_guard_and_another_draf
     wf.write_config(config)
     refused = wf.run(check=False)
     assert refused.returncode != 0
-    logs = [p.read_text() for p in (wf.workdir / "logs").rglob("*.log") if "generate" in str(p)]
+    logs = [p.read_text(errors="replace") for p in (wf.workdir / "logs").rglob("*") if p.is_file()]
     said = refused.stdout + refused.stderr + "\n".join(logs)
-    [line] = {x.strip() for x in said.splitlines() if "has no parity verdict" in x and "engine.drafter" in x}
+    lines = [x.strip() for x in said.splitlines() if "has no parity verdict" in x and "engine.drafter" in x]
+    assert lines, said[-4000:]
+    line = lines[0]
     assert "dflash-build preflight" in line and "preflight.skip_parity: true" in line, line
