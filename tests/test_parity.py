@@ -114,6 +114,9 @@ def test_a_drafter_that_changes_the_answers_fails_in_one_line_naming_it(
     monkeypatch.setattr(Planted, "__init__", lambda self, engine: setattr(self, "drafted", False))
     figures, problems = parity.guard(plan)
     assert problems == [] and figures["verdict"] == "PASS", "a drafter that leaves them alone passes"
+    monkeypatch.setattr(parity, "pilot_requests", lambda plan: ([], []))
+    figures, [problem] = parity.guard(plan)
+    assert figures["verdict"] == "FAIL" and "no pilot request to compare" in problem.line, "nothing shown: no pass"
 
 
 def _record(plan: Plan, verdict: str, key: str | None = None) -> None:

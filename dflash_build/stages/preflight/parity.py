@@ -155,6 +155,13 @@ def guard(plan: Plan) -> tuple[dict[str, Any], list[Problem]]:
     """The pilot's requests with the drafter and without, compared; the verdict under the engine's identity."""
     requests, detectors = pilot_requests(plan)
     cfg = plan.config
+    if not requests:  # every pilot prompt skipped (a copy, too long): nothing shows the drafter harmless
+        line = (
+            "engine.drafter: no pilot request to compare with and without it (each one skipped): raise preflight.rows"
+        )
+        return {"identity": identity(plan), "key": identity_key(plan), "requests": 0, "verdict": "FAIL"}, [
+            Problem(FAIL, "parity", line)
+        ]
     drafted_engine = dataclasses.replace(registry.for_generation(cfg.engine), shared=False, drafter=None)
     plain_engine = dataclasses.replace(cfg.engine, shared=False, drafter=None)
     greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0]
