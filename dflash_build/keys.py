@@ -291,6 +291,10 @@ CONFIG_FIELDS: dict[str, Decision] = {
     "preflight.rows": _d(None, _PREFLIGHT),
     "preflight.speed_rows": _d(None, _PREFLIGHT),
     "preflight.max_length_share": _d(None, _PREFLIGHT),
+    "preflight.parity_allowance": _d(None, _PREFLIGHT),
+    "preflight.skip_parity": _d(
+        None, "whether generate builds with engine.drafter without its parity verdict (a line in the card)"
+    ),
     "sources.*": _d(PROMPT, "the source's name is a store path segment and a column of every row"),
     "sources.*.category": _d(PROMPT, "a column of every row"),
     "sources.*.hf": _d(PROMPT, "hub id, config, split and pinned commit, or a local folder's file digests"),

@@ -278,6 +278,10 @@ class PreflightSpec:
     rows: int = 8
     speed_rows: int | None = None  # None: as many as the build keeps in flight
     max_length_share: float = 0.5
+    # engine.drafter's parity guard (stages.preflight.parity): the share of temperature-0 answers that may
+    # differ with the drafter beyond the engine's own disagreement with itself; and building without a verdict
+    parity_allowance: float = 0.125
+    skip_parity: bool = False
 
 
 @dataclass(frozen=True)

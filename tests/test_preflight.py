@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -304,3 +305,42 @@ def test_a_small_kv_cache_a_template_that_ignores_the_switch_and_answers_at_the_
     )
     assert all(x.count("\n") == 0 for x in lines), "one line each"
     assert f"- **fail** (engine): {memory}" in proc.stdout
+
+
+@pytest.mark.workflow
+def test_the_target_drafting_for_itself_passes_the_parity_guard_and_another_drafter_is_refused(
+    tmp_path: Path, vllm_model: Path
+) -> None:
+    """engine.drafter on vLLM's CPU server at temperature 0, the target drafting for itself (draft_model): its
+    answers are the plain server's token for token, so the guard passes under the engine's identity; a drafter
+    with other options has no verdict there, and its generate job refuses in one line naming engine.drafter.
+    It builds from empty, as a preflight runs before the build (167 s on 2 busy cores: three server starts)."""
+    from tests.conftest import shared_engine
+
+    config = vllm_config(vllm_model, tmp_path / "data")
+    config["sampling"].update(temperature=0.0, top_k=0)  # the pinned CPU build's speculation: greedy only
+    drafter = {"method": "draft_model", "path": str(vllm_model), "options": {"num_speculative_tokens": 3}}
+    config["engine"] = {**shared_engine(vllm_model, "vllm", max_inflight=8), "drafter": drafter}
+    config["preflight"] = {"rows": 2, "speed_rows": 0}
+    wf = Workflow.at(tmp_path / "work", config)
+    # three servers on two cores: drafted and plain (the guard's own, one after the other), the pilot's shared one
+    proc = subprocess.run(wf.cli_command("preflight"), cwd=wf.workdir, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "# preflight: PASS\n" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    parity = _summary(wf)["parity"]
+    assert parity["verdict"] == "PASS" and parity["identity"]["drafter"]["method"] == "draft_model", parity
+    greedy = parity["temperature_0"]
+    assert greedy["drafted"]["share"] == 1.0 and greedy["itself"]["share"] == 1.0, greedy
+    assert greedy["drafted"]["answers"] == parity["requests"] >= 4, "2 rows of each source, first turns"
+    assert "## Parity of engine.drafter: PASS" in proc.stdout
+
+    config["engine"]["drafter"]["options"] = {"num_speculative_tokens": 2}  # another identity: no verdict
+    config["engine"]["shared"] = False  # refused before any engine: none is warmed for it
+    wf.write_config(config)
+    refused = wf.run(check=False)
+    assert refused.returncode != 0
+    logs = [p.read_text(errors="replace") for p in (wf.workdir / "logs").rglob("*") if p.is_file()]
+    said = refused.stdout + refused.stderr + "\n".join(logs)
+    lines = [x.strip() for x in said.splitlines() if "has no parity verdict" in x and "engine.drafter" in x]
+    assert lines, said[-4000:]
+    line = lines[0]
+    assert "dflash-build preflight" in line and "preflight.skip_parity: true" in line, line

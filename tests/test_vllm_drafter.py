@@ -33,6 +33,7 @@ def _drafted(model: Path, data: Path, drafter: dict[str, Any] | None) -> dict[st
     config = _greedy(model, data)
     # an engine of its own (another max_inflight: another test slot), as a drafter is another server
     config["engine"] = {**shared_engine(model, "vllm", max_inflight=8), "drafter": drafter}
+    config["preflight"] = {"skip_parity": True}  # its parity guard: tests/test_preflight.py
     return config
 
 
@@ -121,6 +122,7 @@ def test_ngram_accepts_more_on_repetitive_code_than_on_prose(tmp_path: Path, smo
     config["sampling"]["max_new_tokens"] = 48
     config["sources"]["code"]["max_samples"] = config["sources"]["prose"]["max_samples"] = 4
     config["engine"] = {**config["engine"], "drafter": NGRAM}
+    config["preflight"] = {"skip_parity": True}
     wf = Workflow.at(tmp_path / "work", config)
     wf.build()
     tau: dict[str, list[float]] = {}
@@ -156,6 +158,7 @@ def test_the_mix_chooses_the_rows_the_drafter_accepted_least(tmp_path: Path, smo
     config = base_config(target, sources, engine={**shared_engine(target, "vllm"), "drafter": NGRAM})
     config["model"].pop("chat_template")
     config["sampling"] = {"temperature": 0, "top_k": 0, "max_new_tokens": 48}
+    config["preflight"] = {"skip_parity": True}
     config["mix"]["languages"] = {"coding": {"en": 0.5}}
     wf = Workflow.at(tmp_path / "work", config)
     wf.build()

@@ -36,6 +36,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Wor
     # what a hybrid needs of vLLM's CPU build: prefix caching off, bfloat16
     options = {"dtype": "bfloat16", "enable_prefix_caching": False}
     config["engine"] = {**shared_engine(model, "vllm", **options), "drafter": NGRAM}
+    config["preflight"] = {"skip_parity": True}  # its parity guard: tests/test_preflight.py
     config["sampling"].update(temperature=0.0, top_k=0, max_new_tokens=16)
     config["variants"] = {
         "think": {"share": 1, "chat_template_kwargs": {"enable_thinking": True}},

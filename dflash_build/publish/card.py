@@ -177,6 +177,12 @@ def card_body(manifest: dict[str, Any]) -> str:
     return "## Report\n\n" + "\n".join(s for s in sections if s) + f"\n{shown}\n"
 
 
+PARITY_SKIPPED = (
+    "**Warning:** this config generated with engine.drafter without its parity guard (preflight.skip_parity): "
+    "nothing showed that the drafter leaves the target's answers unchanged on this engine."
+)
+
+
 def drafting_section(manifest: dict[str, Any]) -> str:
     """The card's table of the dataset's own acceptance, or nothing when no row was measured."""
     found = manifest.get("drafting")
@@ -195,6 +201,7 @@ def drafting_section(manifest: dict[str, Any]) -> str:
         f"({whole['measured_share']:.0%}; a row generated without it, or reused, carries no count). τ is tokens per "
         "verify step with the target's own token; per token it sums a slice's steps, per request it averages "
         "the own τ of each row with a verify step (as `accept` does).",
+        *(["", PARITY_SKIPPED] if drafter.get("parity_skipped") else []),
         "",
         "| slice | rows | measured | τ per token | τ per request | accepted per draft position |",
         "|---|---|---|---|---|---|",

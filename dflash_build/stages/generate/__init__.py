@@ -48,6 +48,7 @@ from dflash_build.engines import host as engine_host
 from dflash_build.plan import Plan
 from dflash_build.stages.common import chat, crosssource
 from dflash_build.stages.common.job import Job
+from dflash_build.stages.generate import gate
 from dflash_build.stages.generate.accounting import ShardFailedError as ShardFailedError
 from dflash_build.stages.generate.accounting import check_failures, shard_stats, turn_counts
 from dflash_build.stages.generate.control import Interrupted as Interrupted
@@ -86,6 +87,7 @@ def run(job: Job) -> dict[str, Any]:
     plan, source, shard = job.plan, job.source, job.shard
     assert source is not None and shard is not None
     cfg = plan.config
+    gate.require(plan)  # engine.drafter: its parity guard passed on this engine, or preflight.skip_parity
     paths = ShardPaths.of(job)
     journal = Journal(paths.journal, cfg.engine.journal_flush_rows, cfg.engine.journal_flush_seconds)
     with journal.locked(f"{source}/{shard}"):

@@ -386,7 +386,10 @@ class _Written:
 
 
 def _drafter(cfg: Config) -> dict[str, Any] | None:
-    return None if cfg.engine.drafter is None else dataclasses.asdict(cfg.engine.drafter)
+    if cfg.engine.drafter is None:
+        return None
+    skipped = {"parity_skipped": True} if cfg.preflight.skip_parity else {}  # the card says so
+    return {**dataclasses.asdict(cfg.engine.drafter), **skipped}
 
 
 def params(cfg: Config) -> dict[str, Any]:

@@ -15,7 +15,10 @@ In order, each problem one line naming the setting or package and the change (:m
    are the build's: journaled in the shard's journal under its keys, so the build resumes them and generates
    none of them again. From them: output tok/s per GPU (which `plan` then uses), finish reasons (a ``length``
    share over ``preflight.max_length_share``), the thinking switch (a template that renders the same either
-   way, answers that think where it is off), tool calls parsed, degenerate answers.
+   way, answers that think where it is off), tool calls parsed, degenerate answers;
+5. with ``engine.drafter``, first (before the pilot journals the drafter's rows): its parity guard, the pilot's
+   requests with the drafter and without on the same seeds, compared (:mod:`.parity`); generate refuses a
+   drafter whose guard failed or has not run on this engine identity.
 
 The summary, PASS or FAIL with every problem, is written to ``LOGS/preflight/NAME.json`` and ``.md``.
 """
@@ -44,7 +47,7 @@ from dflash_build.stages import generate
 from dflash_build.stages.common import chat, crosssource
 from dflash_build.stages.common.job import Job
 from dflash_build.stages.generate.work import ShardPaths, ShardWork
-from dflash_build.stages.preflight import checks
+from dflash_build.stages.preflight import checks, parity
 from dflash_build.stages.preflight.checks import FAIL, Problem
 from dflash_build.stages.registry import planned
 from dflash_build.store import atomic, layout
@@ -67,6 +70,12 @@ def check(plan: Plan) -> dict[str, Any]:
     """The environment and the model; then, where they pass, the engines and the pilot."""
     cfg = plan.config
     parts, problems = before_engines(plan)
+    if cfg.engine.drafter is not None and checks.verdict(problems) == "PASS":
+        try:  # first: a failing drafter's pilot rows would be journaled for the build
+            parts["parity"], found = parity.guard(plan)
+            problems += found
+        except EngineFailed as e:
+            problems.append(Problem(FAIL, "engine", " ".join(str(e).split())))
     if checks.verdict(problems) == "PASS":
         try:
             with started_engines(plan) as states, watched(plan, states) as loads:

@@ -272,6 +272,7 @@ def render(summary: dict[str, Any]) -> str:
             usage = f"{e['peak_kv_usage']:.1%}" if "peak_kv_usage" in e else "-"
             kernels = ", ".join(e.get("kernels") or []) or "-"
             lines.append(f"| {e['slot']} | {e['ready_seconds']} | {kv} | {load} | {usage} | {kernels} |")
+    lines += _parity_lines(summary.get("parity"))
     pilot = summary.get("pilot") or {}
     if pilot.get("sources"):
         lines += ["", "## Pilot", ""]
@@ -292,3 +293,25 @@ def render(summary: dict[str, Any]) -> str:
                 f"{s['thinking']} | {s['tool_calls']} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _parity_lines(parity: dict[str, Any] | None) -> list[str]:
+    """engine.drafter's parity guard: the answers with the drafter against those without it."""
+    if not parity:
+        return []
+    lines = ["", f"## Parity of engine.drafter: {parity['verdict']}", "", f"{parity['requests']} pilot requests."]
+    if t0 := parity.get("temperature_0"):
+        d, itself = t0["drafted"], t0["itself"]
+        lines.append(
+            f"- temperature 0: {d['identical']} of {d['answers']} identical with and without the drafter; the "
+            f"engine without it agrees with itself on {itself['identical']} of {itself['answers']}; first "
+            f"differing tokens: {', '.join(map(str, d['first_differ'])) or '-'}"
+        )
+    if sampled := parity.get("sampled"):
+        for side in ("drafted", "plain"):
+            s = sampled[f"{side}_sample"]
+            n = len(s["lengths"])
+            mean = sum(s["lengths"]) / n if n else 0.0
+            finishes = ", ".join(f"{k} {v}" for k, v in sorted(Counter(s["finishes"]).items()))
+            lines.append(f"- sampled, {side}: mean length {mean:.1f}, {finishes}, degenerate {sum(s['degenerate'])}")
+    return lines
