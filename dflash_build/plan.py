@@ -226,7 +226,7 @@ def is_model_file(name: str) -> bool:
     return name in MODEL_CONFIG_FILES or name in TOKENIZER_FILES or name.endswith(WEIGHT_SUFFIXES + CODE_SUFFIXES)
 
 
-def _model_files(path: Path) -> list[Path]:
+def model_files(path: Path) -> list[Path]:
     """The files of a model (or tokenizer) folder that decide its answers; a file path is itself."""
     if path.is_file():
         return [path]
@@ -246,7 +246,7 @@ def fingerprint_model(config: Config, cache: fingerprints.FingerprintCache) -> t
         template: dict[str, Any] = {"hub": model.path, "revision": model.revision}
     else:
         root = Path(model.path)
-        files = _model_files(root)
+        files = model_files(root)
         if not files:
             raise ConfigError("model.path", f"'{root}' holds no model files (weights, config.json, tokenizer files)")
         digests = cache.files(files, root if root.is_dir() else root.parent)
@@ -256,7 +256,7 @@ def fingerprint_model(config: Config, cache: fingerprints.FingerprintCache) -> t
         }
     if model.tokenizer is not None:
         tok_root = Path(model.tokenizer)
-        template = {"files": cache.files(_model_files(tok_root), tok_root if tok_root.is_dir() else tok_root.parent)}
+        template = {"files": cache.files(model_files(tok_root), tok_root if tok_root.is_dir() else tok_root.parent)}
     if model.chat_template is not None:
         template = {**template, "chat_template": cache.file(model.chat_template)}
     return {"digest": hashing.digest(weights), **weights}, {"digest": hashing.digest(template), **template}
@@ -531,7 +531,7 @@ def fingerprint_drafters(config: Config, cache: fingerprints.FingerprintCache) -
         if drafter.path is None:
             continue
         root = Path(drafter.path)
-        files = _model_files(root)
+        files = model_files(root)
         if not files and drafter.trained:  # the train stage has not published it yet
             continue
         if not files:

@@ -40,10 +40,9 @@ def target_digest(plan: Plan) -> str:
     if Path(spec.target) == Path(plan.config.model.path):
         return str(plan.model_fingerprint["digest"])
     root = Path(spec.target)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and plan_mod.is_model_file(p.name))
-    if not files:
+    if not (files := plan_mod.model_files(root)):
         raise ConfigError("train.target", f"'{root}' holds no model files (weights, config.json)")
-    return hashing.digest(plan_mod.fingerprint_cache(plan.config).files(files, root))
+    return hashing.digest(plan_mod.fingerprint_cache(plan.config).files(files, root if root.is_dir() else root.parent))
 
 
 def record(folder: Path) -> dict[str, Any] | None:

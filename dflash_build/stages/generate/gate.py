@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_build import hashing
+from dflash_build import plan as plan_mod
 from dflash_build.engines import registry
 from dflash_build.plan import Plan
 from dflash_build.spec import ConfigError
@@ -27,8 +28,17 @@ def identity(plan: Plan) -> dict[str, Any]:
         "backend": cfg.engine.backend,
         "options": registry.keyed_options(cfg.engine.backend, cfg.engine.options),
         "drafter": dataclasses.asdict(cfg.engine.drafter),
+        # its weights, not only its path: a drafter trained again in place is another drafter
+        "drafter_files": _files_digest(plan, cfg.engine.drafter.path),
         "model": plan.model_fingerprint.get("digest"),
     }
+
+
+def _files_digest(plan: Plan, path: str | None) -> str | None:
+    root = Path(path) if path is not None else None
+    if root is None or not (files := plan_mod.model_files(root)):
+        return None
+    return hashing.digest(plan_mod.fingerprint_cache(plan.config).files(files, root if root.is_dir() else root.parent))
 
 
 def identity_key(plan: Plan) -> str:
