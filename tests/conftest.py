@@ -272,28 +272,30 @@ def _engine_locks() -> Path:
     return Path(tempfile.gettempdir()) / "dflash-build-test-engines" / f"gw{_worker()}"
 
 
-def vllm_python() -> Path:
-    """The interpreter of vLLM's CPU build (``make vllm``, or DFLASH_BUILD_VLLM_PYTHON): the real server the
-    vllm backend is tested on. Missing, its tests are skipped, except under CI, where they fail."""
-    python = Path(os.environ.get("DFLASH_BUILD_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+def _env_python(variable: str, venv: str, what: str, make: str) -> Path:
+    """The interpreter of an environment `make setup` builds (or the one ``variable`` names). Missing, its
+    tests are skipped, except under CI, where they fail."""
+    python = Path(os.environ.get(variable) or REPO / venv / "bin" / "python")
     if not python.exists():
         if os.environ.get("CI"):
-            pytest.fail(f"vLLM's CPU build is not installed at {python}: make setup installs it")
-        pytest.skip(f"vLLM's CPU build is not installed at {python} (make vllm)")
+            pytest.fail(f"{what} is not installed at {python}: make setup installs it")
+        pytest.skip(f"{what} is not installed at {python} ({make})")
     return python
+
+
+def vllm_python() -> Path:
+    """The interpreter of vLLM's CPU build (``make vllm``, or DFLASH_BUILD_VLLM_PYTHON): the real server the
+    vllm backend is tested on."""
+    return _env_python("DFLASH_BUILD_VLLM_PYTHON", ".venv-vllm", "vLLM's CPU build", "make vllm")
 
 
 @pytest.fixture(scope="session")
 def automodel_python() -> Path:
     """The interpreter of the automodel trainer's environment (``make setup`` creates .venv-automodel, or
-    DFLASH_BUILD_AUTOMODEL_PYTHON): NeMo Automodel's DFlash recipe on CPU. Missing, its tests are skipped,
-    except under CI, where they fail."""
-    python = Path(os.environ.get("DFLASH_BUILD_AUTOMODEL_PYTHON") or REPO / ".venv-automodel" / "bin" / "python")
-    if not python.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"the automodel trainer's environment is not installed at {python}: make setup installs it")
-        pytest.skip(f"the automodel trainer's environment is not installed at {python} (make setup)")
-    return python
+    DFLASH_BUILD_AUTOMODEL_PYTHON): NeMo Automodel's DFlash recipe on CPU."""
+    return _env_python(
+        "DFLASH_BUILD_AUTOMODEL_PYTHON", ".venv-automodel", "the automodel trainer's environment", "make setup"
+    )
 
 
 # What the tests run vLLM's CPU build with: float32 (the CPU's own default is bfloat16), no CUDA graphs to

@@ -15,11 +15,9 @@ speed or logging does not.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any
 
-from dflash_build.trainers.base import Recipe, Run, Setting, Trainer
+from dflash_build.trainers.base import Recipe, Setting, Trainer, progress, runner_command
 
 VERSION = "0.7.0"
 VENV = ".venv-automodel"
@@ -76,29 +74,13 @@ TARGETS = (
 )
 
 
-def command(python: str, run_file: Path, run: Run) -> list[str]:
-    """One process on the CPU."""
-    return [python, str(RUNNER), str(run_file)]
-
-
-# the runner's progress line: "step 12/225 loss 3.2154" (it prints one per logged step of the recipe)
-_STEP = re.compile(r"\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?\bloss (?P<loss>[-+0-9.eE]+|nan)")
-
-
-def progress(line: str) -> dict[str, Any] | None:
-    found = _STEP.search(line)
-    if found is None:
-        return None
-    return {"step": f"{found['step']}/{found['steps']}", "loss": float(found["loss"])}
-
-
 TRAINER = Trainer(
     name="automodel",
     package="nemo_automodel",
     version=VERSION,
     venv=VENV,
     recipes={"dflash": Recipe("dflash", DFLASH, TARGETS)},
-    command=command,
+    command=runner_command(RUNNER),
     progress=progress,
     max_gpus=MAX_GPUS,
 )

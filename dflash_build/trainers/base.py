@@ -9,6 +9,7 @@ trainer's own log lines, and publishes the checkpoint the command leaves in ``ou
 from __future__ import annotations
 
 import difflib
+import re
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -150,3 +151,21 @@ def installed_version(python: str, package: str) -> str | None:
         return None
     found = done.stdout.strip()
     return found if done.returncode == 0 and found else None
+
+
+# A runner's progress line, one per step its trainer logs: "step 12/225 loss 3.2154" (any prefix before it)
+_STEP = re.compile(r"\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?\bloss (?P<loss>[-+0-9.eE]+|nan|inf)")
+
+
+def progress(line: str) -> dict[str, Any] | None:
+    """What a runner's line says of its training's progress (None: nothing)."""
+    found = _STEP.search(line)
+    if found is None:
+        return None
+    return {"step": f"{found['step']}/{found['steps']}", "loss": float(found["loss"])}
+
+
+def runner_command(runner: Path) -> Callable[[str, Path, Run], list[str]]:
+    """The command of a trainer whose runner is one process that reads the run file (its trainer starts
+    whatever else it needs)."""
+    return lambda python, run_file, run: [python, str(runner), str(run_file)]

@@ -29,13 +29,11 @@ tests/test_trainer_specforge.py checks every key and default against the pinned 
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
-from dflash_build.trainers.base import Recipe, Run, Setting, Trainer
+from dflash_build.trainers.base import Recipe, Setting, Trainer, progress, runner_command
 
 VERSION = "0.2.0"
 VENV = ".venv-specforge"
@@ -124,22 +122,6 @@ TARGETS = (
 )
 
 
-def command(python: str, run_file: Path, run: Run) -> list[str]:
-    """One process: ``specforge train`` starts the capture server, Mooncake and the trainer's ranks itself."""
-    return [python, str(RUNNER), str(run_file)]
-
-
-# the runner's progress line: "step 12/225 loss 3.2154" (one per step SpecForge logs, log_interval)
-_STEP = re.compile(r"\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?\bloss (?P<loss>[-+0-9.eE]+|nan|inf)")
-
-
-def progress(line: str) -> dict[str, Any] | None:
-    found = _STEP.search(line)
-    if found is None:
-        return None
-    return {"step": f"{found['step']}/{found['steps']}", "loss": float(found["loss"])}
-
-
 def venv_python() -> Path:
     """The interpreter `make setup` builds for SpecForge, in the repository's root."""
     return Path(__file__).resolve().parents[2] / VENV / "bin" / "python"
@@ -202,7 +184,7 @@ TRAINER = Trainer(
     version=VERSION,
     venv=VENV,
     recipes={"dflash": Recipe("dflash", DFLASH, TARGETS)},
-    command=command,
+    command=runner_command(RUNNER),
     progress=progress,
     runs_here=runs_here,
 )
