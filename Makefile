@@ -97,9 +97,10 @@ bench: setup
 # tests that run Snakemake builds, model servers or the SLURM cluster (pyproject.toml's markers).
 test: test-unit test-workflow
 
-# Two workers here too: the unit tier's slowest tests wait on subprocesses (SGLang's probe, servers).
+# Two workers here too: the unit tier's slowest tests wait on subprocesses (SGLang's probe, servers); a
+# worker that runs out of tests takes the other's (worksteal), so neither waits alone at the end.
 test-unit: setup
-	$(BIN)/python -m pytest -q -m "not workflow" -n 2 --durations=15
+	$(BIN)/python -m pytest -q -m "not workflow" -n 2 --dist worksteal --durations=15
 
 # Two workers (pytest-xdist): a build keeps about one core busy, so two tests at once fill the machine.
 # A module runs on one worker (--dist loadfile: its module fixture is built once), the costliest modules of

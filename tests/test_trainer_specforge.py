@@ -59,6 +59,13 @@ ROWS = [
 MAX_LENGTH = 6
 
 
+@pytest.fixture(autouse=True)
+def _every_gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner counts the GPUs CUDA_VISIBLE_DEVICES leaves it: a value another test of this worker left
+    in the environment would be taken for the node's."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 def _target(root: Path) -> Path:
     target = root / "target"
     target.mkdir()
