@@ -7,7 +7,9 @@ datasets built by the workflow with opposite category mixes (80/20 and 20/80 by 
 on each by NeMo Automodel's own DFlash recipe (the `train` stage, in .venv-automodel), and `accept` on the
 shared held-out split with vLLM's CPU server serving each trained drafter. Then a second round on the
 math-leaning dataset: the next-round table's change for its weakest category applied, the drafter trained
-again, `accept` again. Every figure is printed (docs/acceptance.md, "The loop", quotes them).
+again, `accept` again. Every figure is printed (docs/acceptance.md, "The loop", quotes them). It builds
+from empty (one fixture, `loop`, once per session): its target is the toy, which no shared fixture
+serves, and the datasets it trains on are what it proves.
 """
 
 from __future__ import annotations
