@@ -170,3 +170,29 @@ def test_the_trainers_progress_is_read_from_its_runners_own_line() -> None:
     }
     assert automodel.progress("2026-12-07 | INFO | train_dflash | epoch=1 step=128 loss=2.4871") is None
     assert automodel.progress("automodel: training 258 rows, 130 steps") is None
+
+
+def test_a_target_that_tokenizes_otherwise_than_the_dataset_is_refused(
+    raw: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The dataset is the toy's tokens: a target folder with SmolLM2's tokenizer would train the drafter on
+    ids that mean other words there; a copy of the toy's own folder is the same target."""
+    import shutil
+
+    from tests import toy_target
+
+    raw["model"]["path"] = str(toy_target.COMMITTED)
+    other = tmp_path / "other"
+    shutil.copytree(tokenizer_dir, other)
+    shutil.copy2(toy_target.COMMITTED / "config.json", other / "config.json")
+    (other / "model.safetensors").write_bytes(b"weights")
+    raw["train"]["target"] = str(other)
+    plan = plan_mod.build(_load(raw))
+    with pytest.raises(ConfigError) as e:
+        train.check_target(plan, plan.config.train)
+    assert e.value.key == "train.target" and "tokenizes otherwise" in str(e.value) and "\n" not in str(e.value)
+    same = tmp_path / "same"
+    shutil.copytree(toy_target.COMMITTED, same)
+    raw["train"]["target"] = str(same)
+    plan = plan_mod.build(_load(raw))
+    train.check_target(plan, plan.config.train)  # no error: the same tokens
