@@ -57,6 +57,7 @@ def _load(raw: dict[str, Any]) -> Any:
             "train.settings.recipe_args.block_sise",
             "'block_size'",
         ),
+        ({"recipe_args": {"mask_token_id": 3, "lr": 1e-3}}, "train.settings.recipe_args.lr", "'optimizer.lr'"),
         ({"recipe_args": {"mask_token_id": 3}, "optimiser": {}}, "train.settings.optimiser", "'optimizer'"),
         ({"recipe_args": {}}, "train.settings.recipe_args.mask_token_id", "needs it"),
     ],

@@ -107,10 +107,11 @@ class Trainer:
                 raise ConfigError(f"{key}.{section}", "is a section: give its keys as a mapping")
             for name in values:
                 if name not in sections[section]:
+                    elsewhere = [f"{other}.{name}" for other in sections if name in sections[other]]
+                    hint = f"; did you mean {elsewhere[0]!r}?" if elsewhere else closest(name, sections[section])
                     raise ConfigError(
                         f"{key}.{section}.{name}",
-                        f"{self.name} {self.version}'s {recipe} recipe has no key {name!r} in {section}"
-                        f"{closest(name, sections[section])}",
+                        f"{self.name} {self.version}'s {recipe} recipe has no key {name!r} in {section}{hint}",
                     )
         for section, known in sections.items():
             values = given.get(section) or {}
