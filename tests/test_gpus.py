@@ -35,6 +35,7 @@ def test_each_holder_gets_its_own_gpu_and_ports(tmp_path: Path) -> None:
             pass
     with gpus.pinned(engine) as c:  # released on exit
         assert c.gpu in {"3", "5"}
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ, "the process's own view is put back"
 
 
 def test_a_killed_holder_releases_its_gpu(tmp_path: Path) -> None:

@@ -147,7 +147,8 @@ def every_gpu(engine: EngineSpec) -> list[GpuLease]:
 
 @contextmanager
 def pinned(engine: EngineSpec) -> Iterator[GpuLease]:
-    """Hold one GPU (with shared engines: one of its job places) for the block; sets CUDA_VISIBLE_DEVICES."""
+    """Hold one GPU (with shared engines: one of its job places) for the block; sets CUDA_VISIBLE_DEVICES for
+    the block, and puts back what it was."""
     gpus, source = candidates(engine)
     if source == "scheduler":
         log.info("GPUs %s assigned by the scheduler (job %s)", [g.visible for g in gpus], scheduler_job())
@@ -162,6 +163,7 @@ def pinned(engine: EngineSpec) -> Iterator[GpuLease]:
             fd = _try_lock(path)
             if fd is None:
                 continue
+            before = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = gpu.visible
             port = engine.base_port + PORTS_PER_SLOT * gpu.slot
             allocation = (scheduler_job() or "") if source == "scheduler" else ""
@@ -173,6 +175,11 @@ def pinned(engine: EngineSpec) -> Iterator[GpuLease]:
                 yield lease
             finally:
                 os.close(fd)  # releases the flock
+                # the process's own view again: a later lease (accept's next server) chooses among them all
+                if before is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = before
             return
         if time.monotonic() > deadline:
             raise RuntimeError(
