@@ -230,8 +230,14 @@ def model_files(path: Path) -> list[Path]:
     """The files of a model (or tokenizer) folder that decide its answers; a file path is itself."""
     if path.is_file():
         return [path]
-    hidden = (p for p in path.rglob("*") if any(part.startswith(".") for part in p.relative_to(path).parts))
-    return sorted(set(p for p in path.rglob("*") if p.is_file() and is_model_file(p.name)) - set(hidden))
+    found = (p for p in path.rglob("*") if p.is_file() and is_model_file(p.name))
+    return sorted(p for p in found if not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def model_digest(root: Path, cache: fingerprints.FingerprintCache) -> str | None:
+    """One digest of what :func:`model_files` finds in ``root``, by content; None where it finds nothing."""
+    files = model_files(root)
+    return hashing.digest(cache.files(files, root if root.is_dir() else root.parent)) if files else None
 
 
 def fingerprint_model(config: Config, cache: fingerprints.FingerprintCache) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -382,14 +388,10 @@ def planned_components(store: Path, key: str) -> dict[str, Any] | None:
         return None
 
 
-def fingerprint_cache_file(config: Config) -> Path:
-    return layout.fingerprint_cache_file(config.store)
-
-
 def fingerprint_cache(config: Config) -> fingerprints.FingerprintCache:
     """The store's file-digest cache: parse time fills it, jobs read it instead of hashing again."""
     return fingerprints.FingerprintCache(
-        fingerprint_cache_file(config), layout.user_fingerprint_cache_file(config.store)
+        layout.fingerprint_cache_file(config.store), layout.user_fingerprint_cache_file(config.store)
     )
 
 
@@ -528,16 +530,14 @@ def fingerprint_drafters(config: Config, cache: fingerprints.FingerprintCache) -
     named = {f"accept.drafters.{name}.path": d for name, d in (config.accept.drafters if config.accept else {}).items()}
     named |= {"engine.drafter.path": config.engine.drafter} if config.engine.drafter else {}  # checked, not keyed
     for key, drafter in named.items():
-        if drafter.path is None:
+        root = None if drafter.path is None else Path(drafter.path)
+        digest = None if root is None else model_digest(root, cache)
+        if root is None or (digest is None and drafter.trained):  # ngram; a trained one not published yet
             continue
-        root = Path(drafter.path)
-        files = model_files(root)
-        if not files and drafter.trained:  # the train stage has not published it yet
-            continue
-        if not files:
+        if digest is None:
             raise ConfigError(key, f"'{root}' holds no model files (weights, config.json)")
         if key.startswith("accept."):
-            digests[drafter.name] = hashing.digest(cache.files(files, root if root.is_dir() else root.parent))
+            digests[drafter.name] = digest
         _check_vocabulary(config, key, drafter.method, root)
     return digests
 

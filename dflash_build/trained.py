@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_build import hashing, keys
+from dflash_build import keys
 from dflash_build import plan as plan_mod
 from dflash_build.plan import Plan
 from dflash_build.publish import release
@@ -39,10 +39,9 @@ def target_digest(plan: Plan) -> str:
     assert spec is not None
     if Path(spec.target) == Path(plan.config.model.path):
         return str(plan.model_fingerprint["digest"])
-    root = Path(spec.target)
-    if not (files := plan_mod.model_files(root)):
-        raise ConfigError("train.target", f"'{root}' holds no model files (weights, config.json)")
-    return hashing.digest(plan_mod.fingerprint_cache(plan.config).files(files, root if root.is_dir() else root.parent))
+    if (digest := plan_mod.model_digest(Path(spec.target), plan_mod.fingerprint_cache(plan.config))) is None:
+        raise ConfigError("train.target", f"'{spec.target}' holds no model files (weights, config.json)")
+    return digest
 
 
 def record(folder: Path) -> dict[str, Any] | None:
@@ -54,7 +53,8 @@ def record(folder: Path) -> dict[str, Any] | None:
 
 
 def rate(store: Path) -> tuple[float, dict[str, Any]] | None:
-    """Loss tokens per GPU-second of the store's latest finished training (a CPU one counts as one), and
+    """Dataset tokens (times epochs) per GPU-second of the store's latest finished training (a CPU one counts
+    as one GPU), and
     its record: what `plan` estimates the next one's GPU-hours with."""
     found = []
     for folder in layout.trained_entries(store):

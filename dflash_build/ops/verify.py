@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build import hashing, measurements
-from dflash_build.plan import Plan, fingerprint_cache_file
+from dflash_build.plan import Plan
 from dflash_build.publish import release
 from dflash_build.spec import Config
 from dflash_build.store import atomic, fingerprints, layout, rowindex
@@ -204,7 +204,7 @@ def _acceptance_problems(plan: Plan) -> tuple[int, list[Problem]]:
 
 def cache_problems(config: Config) -> list[Problem]:
     """The fingerprint cache, checked before a plan is built (building one heals it, with a warning)."""
-    cache_file = fingerprint_cache_file(config)
+    cache_file = layout.fingerprint_cache_file(config.store)
     if cache_file.exists() and (reason := fingerprints.cache_problem(cache_file)) is not None:
         return [Problem(cache_file, reason + " (only a cache: rebuilt as this command plans)", (cache_file,))]
     return []

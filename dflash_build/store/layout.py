@@ -89,8 +89,9 @@ def trained_dir(store: Path, key: str) -> Path:
 
 
 def trained_work_dir(store: Path, key: str) -> Path:
-    """The trainer's own scratch for that drafter (its checkpoints as it goes): kept when a training fails,
-    so the next run resumes from its last checkpoint; removed once the drafter is in place."""
+    """The trainer's own scratch for that drafter (its checkpoints as it goes): left when a training fails,
+    to look at (the next run trains again, and gc removes it once it is old); removed once the drafter is in
+    place."""
     return store / TRAINED / f"{key}.work"
 
 

@@ -23,22 +23,17 @@ log = logging.getLogger(__name__)
 def identity(plan: Plan) -> dict[str, Any]:
     """What the verdict holds for: the backend, its keyed options, the drafter and the target's weights."""
     cfg = plan.config
-    assert cfg.engine.drafter is not None
+    drafter = cfg.engine.drafter
+    assert drafter is not None
+    # its weights, not only its path: a drafter trained again in place is another drafter
+    files = None if drafter.path is None else plan_mod.model_digest(Path(drafter.path), plan_mod.fingerprint_cache(cfg))
     return {
         "backend": cfg.engine.backend,
         "options": registry.keyed_options(cfg.engine.backend, cfg.engine.options),
-        "drafter": dataclasses.asdict(cfg.engine.drafter),
-        # its weights, not only its path: a drafter trained again in place is another drafter
-        "drafter_files": _files_digest(plan, cfg.engine.drafter.path),
+        "drafter": dataclasses.asdict(drafter),
+        "drafter_files": files,
         "model": plan.model_fingerprint.get("digest"),
     }
-
-
-def _files_digest(plan: Plan, path: str | None) -> str | None:
-    root = Path(path) if path is not None else None
-    if root is None or not (files := plan_mod.model_files(root)):
-        return None
-    return hashing.digest(plan_mod.fingerprint_cache(plan.config).files(files, root if root.is_dir() else root.parent))
 
 
 def identity_key(plan: Plan) -> str:

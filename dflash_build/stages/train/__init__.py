@@ -7,8 +7,9 @@ The checkpoint is kept in the store by :func:`dflash_build.keys.train_key`: the 
 digest of its manifest, which lists every file's digest), the target's fingerprint, the trainer, its pinned
 release and recipe, and the settings that change the weights. A rebuilt dataset with other rows trains
 again; the same rows (a rerun, a rebuild that changed nothing) take the drafter from the store. A training
-that fails keeps the trainer's own checkpoints (``KEY.work``), which the next run resumes from where the
-trainer can (Automodel; SpecForge's managed run starts again), and the drafter in place stays.
+that fails leaves the trainer's scratch (``KEY.work``) to look at and the drafter in place as it was; the
+next run trains again (neither trainer's runner resumes: Automodel would resume from any checkpoint in its
+folder, whatever its settings, and SpecForge's managed run needs a fresh one).
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ def run(job: Job) -> dict[str, Any]:
     check_target(plan, spec)
     key = trained.key(plan, placed.version.name)
     folder = layout.trained_dir(plan.config.store, key)
-    if (folder / layout.TRAINED_RECORD).exists():
+    record = trained.record(folder)
+    if record is not None:
         log.info("train: trained on dataset version %s before (%s): nothing to run", placed.version.name, folder)
         running.progress(step="trained before: nothing to run")
     else:
         check_environment(trainer, spec)
-        train(plan, spec, trainer, placed, key, folder)
-    record = json.loads((folder / layout.TRAINED_RECORD).read_text())
+        record = train(plan, spec, trainer, placed, key, folder)
     publish(job.output("record"), folder, record)
     return record
 
@@ -112,8 +113,11 @@ def check_environment(trainer: base.Trainer, spec: TrainSpec) -> None:
         raise ConfigError("train.trainer", why)
 
 
-def train(plan: Plan, spec: TrainSpec, trainer: base.Trainer, placed: release.InPlace, key: str, folder: Path) -> None:
-    """Run the trainer on the dataset's rows; the checkpoint it leaves becomes ``folder``, its record last."""
+def train(
+    plan: Plan, spec: TrainSpec, trainer: base.Trainer, placed: release.InPlace, key: str, folder: Path
+) -> dict[str, Any]:
+    """Run the trainer on the dataset's rows; the checkpoint it leaves becomes ``folder``, its record (which
+    this returns) last."""
     work = layout.trained_work_dir(plan.config.store, key)
     work.mkdir(parents=True, exist_ok=True)
     out = work / "drafter"  # the trainer writes it whole or not at all; moved into place below
@@ -130,8 +134,8 @@ def train(plan: Plan, spec: TrainSpec, trainer: base.Trainer, placed: release.In
         if returncode != 0 or not out.is_dir():
             raise StageFailure(
                 f"train: {trainer.name} stopped (exit {returncode}) on dataset version {placed.version.name}: "
-                f"{tail or 'no output'}; its checkpoints so far are in {work / 'trainer'}, which the next run "
-                "resumes from; the drafter in place stays"
+                f"{tail or 'no output'}; its scratch is {work / 'trainer'}, the drafter in place stays, and the "
+                "next run trains again"
             )
         log.info("train: %s trained in %.0f s", trainer.name, time.monotonic() - started)
     trained = json.loads((out / base.TRAINER_RECORD).read_text()) if (out / base.TRAINER_RECORD).exists() else {}
@@ -163,6 +167,7 @@ def train(plan: Plan, spec: TrainSpec, trainer: base.Trainer, placed: release.In
     os.replace(out, folder)
     atomic.fsync_dir(folder.parent)
     shutil.rmtree(work, ignore_errors=True)
+    return record
 
 
 def _follow(argv: list[str], trainer: base.Trainer) -> tuple[int, str]:
