@@ -152,8 +152,7 @@ def _after_rows(store: Path, rows: int, then: Any) -> threading.Thread:
     def watch() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            journaled = sum(len(p.read_text().splitlines()) for p in store.glob(f"journal/*/*/{layout.JOURNAL_ROWS}"))
-            if journaled >= rows:
+            if _journaled(store) >= rows:
                 then()
                 return
             time.sleep(0.05)
@@ -161,6 +160,10 @@ def _after_rows(store: Path, rows: int, then: Any) -> threading.Thread:
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def _journaled(store: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in store.glob(f"journal/*/*/{layout.JOURNAL_ROWS}"))
 
 
 def _questions_only(config: dict[str, Any]) -> dict[str, Any]:
@@ -178,8 +181,8 @@ def test_a_server_killed_or_stopped_mid_shard_is_replaced_and_the_dataset_is_the
     the uninterrupted build's."""
     config = _questions_only(vllm_config(vllm_model, tmp_path / "data"))
     config["shard_size"] = 12  # one shard: one job sees the fault and heals
-    options = {**config["engine"]["options"], "max_inflight": 2}  # rows finish a few at a time
-    # each row in the journal as it finishes: the fault lands after the fourth
+    options = {**config["engine"]["options"], "max_inflight": 1}  # rows finish one at a time
+    # each row in the journal as it finishes: the fault lands after the first, with eleven to go
     own_engines(config, tmp_path / "locks", shared=True, stall_timeout=6, journal_flush_rows=1, options=options)
     wf = Workflow.at(tmp_path / "work", config)
     store = wf.workdir / "store"
@@ -188,11 +191,16 @@ def test_a_server_killed_or_stopped_mid_shard_is_replaced_and_the_dataset_is_the
     def fault_it() -> None:
         server = _server(tmp_path / "locks")
         faulted["at"], faulted["group"] = time.time(), int(server["server_pid"])  # its workers' group too
-        os.kill(int(server["server_pid"]), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        # stopped first, so that the rows journaled by then are those it finished before its fault (a
+        # loaded machine may be slow to see the first row: without the stop the rest could finish meanwhile)
+        os.kill(int(server["server_pid"]), signal.SIGSTOP)
+        faulted["rows"] = _journaled(store)
+        if fault == "kill":
+            os.kill(int(server["server_pid"]), signal.SIGKILL)
 
-    _after_rows(store, 4, fault_it)
+    _after_rows(store, 1, fault_it)
     wf.build()
-    assert "at" in faulted, "the fault came before the shard was done"
+    assert "at" in faulted and faulted["rows"] < 12, f"the fault came after the shard was done: {faulted}"
     expected = {k: v for k, v in completion_rows(built.workdir / "store").items() if k[0] in _prompt_ids(store)}
     assert completion_rows(store) == expected and len(expected) == 12
     [stats] = _sidecars(store, "questions")
