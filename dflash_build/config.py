@@ -143,6 +143,8 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
     dataset = Path(raw["dataset"]["out"]) / raw["dataset"]["name"]
     trained_at = trained_drafter_of(dataset) if raw.get("train") else None
     drafters = {name: _drafter(name, d, trained_at) for name, d in accept["drafters"].items()}
+    if raw.get("train"):
+        _check_trained_method(raw["train"], drafters)
     return AcceptSpec(
         drafters=drafters,
         max_new_tokens=int(accept["max_new_tokens"]),
@@ -152,6 +154,18 @@ def _accept(raw: Mapping[str, Any]) -> AcceptSpec | None:
             **{f.name: int(accept["calibration"][f.name]) for f in dataclasses.fields(Calibration)}
         ),
     )
+
+
+def _check_trained_method(train: Mapping[str, Any], drafters: Mapping[str, DrafterSpec]) -> None:
+    """A trained drafter is served as its recipe trains it (an EAGLE-3 head is no DFlash drafter)."""
+    recipe = trainers.get(train["trainer"]).recipe(train["recipe"])
+    for name, drafter in drafters.items():
+        if drafter.trained and drafter.method != recipe.method:
+            raise ConfigError(
+                f"accept.drafters.{name}.method",
+                f"the train stage's {train['recipe']} recipe trains a {recipe.method} drafter: set method: "
+                f"{recipe.method}",
+            )
 
 
 def _degenerate(raw: Mapping[str, Any], sources: Mapping[str, SourceSpec]) -> Degenerate:

@@ -149,17 +149,66 @@ def test_an_interpreter_without_the_pinned_trainer_is_named_with_what_to_run(raw
 
 def test_the_automodel_descriptor_and_its_runner_know_the_same_settings() -> None:
     """The stage checks and keys the settings by the descriptor, the runner (in the trainer's interpreter,
-    without this package) by its own table: one list of names, and where the runner has a default, the same."""
+    without this package) by its own table of each recipe: one list of names, the same required ones, and
+    where the runner has a default, the same."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("automodel_run", automodel.RUNNER)
+    table = automodel.RUNNER.with_name("automodel_recipes_run.py")
+    spec = importlib.util.spec_from_file_location(table.stem, table)
     assert spec is not None and spec.loader is not None
     runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    assert {s: set(v) for s, v in automodel.DFLASH.items()} == {s: set(v) for s, v in runner.SETTINGS.items()}
-    for section, defaults in runner.DEFAULTS.items():
-        for name, value in defaults.items():
-            assert automodel.DFLASH[section][name].default == value, f"{section}.{name}"
+    sys.modules[table.stem] = runner  # its dataclass looks its module up
+    try:
+        spec.loader.exec_module(runner)
+    finally:
+        del sys.modules[table.stem]
+    assert set(runner.RECIPES) == set(automodel.TRAINER.recipes)
+    for name, recipe in runner.RECIPES.items():
+        described = automodel.TRAINER.recipe(name).settings
+        assert {s: set(v) for s, v in described.items()} == {s: set(v) for s, v in recipe.settings.items()}, name
+        assert set(recipe.required) == {f"{s}.{k}" for s, v in described.items() for k, x in v.items() if x.required}
+        for section, defaults in recipe.defaults.items():
+            for key, value in defaults.items():
+                assert described[section][key].default == value, f"{name}: {section}.{key}"
+
+
+def test_the_eagle3_recipe_refuses_a_setting_it_does_not_know_and_keys_its_own_training(raw: dict[str, Any]) -> None:
+    """EAGLE-3's settings are its recipe's: DFlash's block_size is none of them, ttt_steps and lr it needs; and
+    the same dataset trained by the other recipe is another training, and accept serves its drafter as eagle3."""
+    dflash = trained.key(plan_mod.build(_load(raw)), "v1")
+    raw["train"]["recipe"] = "eagle3"
+    for settings, key, says in [
+        ({"recipe_args": {"ttt_step": 7}, "optimizer": {"lr": 1e-4}}, "train.settings.recipe_args.ttt_step",
+         "did you mean 'ttt_steps'?"),
+        ({"recipe_args": {"ttt_steps": 7, "block_size": 4}, "optimizer": {"lr": 1e-4}},
+         "train.settings.recipe_args.block_size", "eagle3 recipe has no key 'block_size'"),
+        ({"recipe_args": {"ttt_steps": 7}}, "train.settings.optimizer.lr", "eagle3 recipe needs it"),
+    ]:  # fmt: skip
+        raw["train"]["settings"] = settings
+        with pytest.raises(ConfigError) as e:
+            _load(raw)
+        assert e.value.key == key and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    raw["train"]["settings"] = {"recipe_args": {"ttt_steps": 7, "aux_layer_ids": [0, 1, 2]}, "optimizer": {"lr": 1e-4}}
+    config = _load(raw)
+    assert config.train.settings["recipe_args"]["seq_length"] is None
+    assert config.train.settings["optimizer"]["warmup_ratio"] == automodel.EAGLE3["optimizer"]["warmup_ratio"].default
+    base = trained.key(plan_mod.build(config), "v1")
+    assert base != dflash
+    louder = copy.deepcopy(raw)
+    louder["train"]["settings"]["recipe_args"]["log_every_steps"] = 10
+    assert trained.key(plan_mod.build(_load(louder)), "v1") == base
+    longer = copy.deepcopy(raw)
+    longer["train"]["settings"]["recipe_args"]["ttt_steps"] = 3
+    assert trained.key(plan_mod.build(_load(longer)), "v1") != base
+    # its drafter is measured as what it is
+    raw["eval"] = {"share": 0.5}
+    raw["engine"] = {"backend": "vllm"}
+    raw["accept"] = {"drafters": {"mine": {"method": "dflash", "trained": True}}}
+    with pytest.raises(ConfigError) as e:
+        _load(raw)
+    assert e.value.key == "accept.drafters.mine.method" and "set method: eagle3" in str(e.value)
+    raw["accept"]["drafters"]["mine"]["method"] = "eagle3"
+    assert _load(raw).accept.drafters["mine"].trained
 
 
 def test_the_trainers_progress_is_read_from_its_runners_own_line() -> None:

@@ -1,6 +1,7 @@
 """The automodel trainer (dflash_build/trainers/automodel_run.py, run by .venv-automodel's interpreter): NeMo
 Automodel 0.7.0's own DFlash recipe trains a drafter on CPU from token rows, and vLLM 0.32.0's CPU server serves
-what it publishes as a dflash drafter of the target it was trained for, which then drafts what the target says.
+what it publishes as a dflash drafter of the target it was trained for, which then drafts what the target says;
+its EAGLE-3 recipe trains a head on the toy target's own chats that is published as vLLM's Llama EAGLE-3 head.
 
 The unit tests (no marker): each bad input stops the runner in one line before anything trains, and the CPU
 patches check the release and the code they change.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from dflash_build.trainers import automodel
+from tests import toy_target
 from tests.conftest import REPO, build_dflash_drafter, once_per_session, served_url, write_jsonl
 from tests.test_vllm_drafter import _drafted
 
@@ -39,6 +43,11 @@ SETTINGS = {
     "optimizer": {"lr": 3e-3},
 }
 DRAFT = 3  # tokens drafted per step when served (block_size - 1)
+# the toy target has 4 layers: Automodel's default aux layers [1, L/2-1, L-4] need 8 or more
+EAGLE3_SETTINGS = {
+    "recipe_args": {"ttt_steps": 3, "aux_layer_ids": [0, 1, 2], "micro_batch_size": 4},
+    "optimizer": {"lr": 3e-3},
+}
 
 
 def build_target(out: Path, seed: int = 0) -> Path:
@@ -221,6 +230,78 @@ def test_vllm_serves_the_trained_drafter_and_it_drafts_what_the_target_says(
     assert totals["drafted"] > 0 and totals["accepted"] >= 0.5 * totals["drafted"], totals
 
 
+def toy_rows(n: int) -> list[dict[str, Any]]:
+    """The toy target's own chats (its tokens, the answer's masked in): ``n`` training prompts of each category."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(toy_target.COMMITTED / "tokenizer.json"))
+    asked = [p for c in toy_target.CATEGORIES for p in toy_target.prompts(c, n, seed=0)]
+    chats = toy_target._encode(tok, [(p, toy_target.answer(p), False) for p in asked])
+    return [{"input_ids": ids, "loss_mask": [0] * start + [1] * (len(ids) - start)} for ids, start in chats]
+
+
+def eagle3_head(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The weights vLLM's Llama EAGLE-3 head (llama_eagle3.py) loads for ``config``: one layer whose attention
+    reads the token's embedding and the hidden state side by side, fc over the three target layers."""
+    h, d, inter = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    layer = {"self_attn.q_proj": (q, 2 * h), "self_attn.k_proj": (kv, 2 * h), "self_attn.v_proj": (kv, 2 * h),
+             "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+             "mlp.down_proj": (h, inter), "input_layernorm": (h,), "hidden_norm": (h,),
+             "post_attention_layernorm": (h,)}  # fmt: skip
+    return {
+        "embed_tokens.weight": (config["vocab_size"], h),
+        "fc.weight": (h, 3 * config["target_hidden_size"]),
+        **{f"layers.0.{name}.weight": shape for name, shape in layer.items()},
+        "norm.weight": (h,),
+        "lm_head.weight": (config["draft_vocab_size"], h),
+    }
+
+
+@pytest.mark.workflow
+def test_automodels_eagle3_recipe_trains_a_head_vllm_loads(automodel_python: Path, tmp_path: Path) -> None:
+    """Automodel's own EAGLE-3 recipe on the committed toy target and 128 of its chats (32 steps, about 10 s;
+    built from empty: no other test trains EAGLE-3). What vLLM 0.32's CPU server loads as an ``eagle3`` drafter
+    of the toy (checked by hand: 64% of 3 drafted tokens accepted after 150 steps; no server here)."""
+    import transformers
+    from safetensors import safe_open
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", toy_rows(64))
+    run = write_run(
+        tmp_path / "run" / "RUN.json", toy_target.COMMITTED, [rows], recipe="eagle3", settings=EAGLE3_SETTINGS
+    )
+    started = time.monotonic()
+    proc = run_trainer(automodel_python, run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = logged_losses(proc.stdout)
+    out = tmp_path / "run" / "drafter"
+    record = json.loads((out / "train.json").read_text())
+    print(f"eagle3: {time.monotonic() - started:.1f} s, loss {losses[0][2]} -> {losses[-1][2]}")
+    assert [s for s, _, _ in losses] == list(range(1, 33)) and {m for _, m, _ in losses} == {32}, losses
+    assert losses[-1][2] < losses[0][2] - 1.0, losses
+    assert record["recipe"] == "eagle3" and record["steps"] == 32 and record["rows"] == 128
+    assert record["final_loss"] == pytest.approx(losses[-1][2], abs=1e-4) and record["automodel"] == "0.7.0"
+    assert record["settings"]["recipe_args"]["ttt_steps"] == 3 and record["settings"]["optimizer"]["lr"] == 3e-3
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["RUN.json", "drafter", "work"]
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3], "vLLM's count: the input of layer i + 1"
+    assert config["tie_word_embeddings"] is False and config["draft_vocab_size"] == config["vocab_size"]
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    assert loaded.num_hidden_layers == 1 and loaded.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
+    shapes = {}
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                tensor = f.get_tensor(key)
+                assert tensor.isfinite().all(), key
+                shapes[key] = tuple(tensor.shape)
+    assert shapes == eagle3_head(config)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(shapes)
+
+
 # --- unit tier: bad input, one line each, before anything trains -----------------------------------------------
 
 
@@ -276,25 +357,30 @@ def test_a_target_automodels_dflash_registry_does_not_take_is_named_with_what_it
 
 
 @pytest.mark.parametrize(
-    ("settings", "said"),
+    ("recipe", "settings", "said"),
     [
-        ({"recipe_args": {"seq_lenght": 64}}, "settings.recipe_args.seq_lenght is not a setting of the automodel "
-         "trainer; did you mean settings.recipe_args.seq_length?"),
-        ({"recipe_args": {"lr": 1e-3}}, "settings.recipe_args.lr is not a setting of the automodel trainer; did you "
-         "mean settings.optimizer.lr?"),
-        ({"optimiser": {"lr": 1e-3}}, "settings.optimiser is not a section of settings; did you mean "
+        ("dflash", {"recipe_args": {"seq_lenght": 64}}, "settings.recipe_args.seq_lenght is not a setting of the "
+         "automodel trainer's DFlash recipe; did you mean settings.recipe_args.seq_length?"),
+        ("dflash", {"recipe_args": {"lr": 1e-3}}, "settings.recipe_args.lr is not a setting of the automodel "
+         "trainer's DFlash recipe; did you mean settings.optimizer.lr?"),
+        ("dflash", {"optimiser": {"lr": 1e-3}}, "settings.optimiser is not a section of settings; did you mean "
          "settings.optimizer?"),
-        ({"recipe_args": {"output_dir": "/x"}}, "settings.recipe_args.output_dir is the runner's (RUN.json's work); "
-         "remove it"),
-        ({"recipe_args": {"block_size": "16"}}, 'settings.recipe_args.block_size must be a positive integer, not "16"'),
-        ({"recipe_args": {"block_size": 4}}, "settings.recipe_args.mask_token_id is required: a token id the "
-         "target's data never holds (Automodel has no default)"),
+        ("dflash", {"recipe_args": {"output_dir": "/x"}}, "settings.recipe_args.output_dir is the runner's "
+         "(RUN.json's work); remove it"),
+        ("dflash", {"recipe_args": {"block_size": "16"}}, 'settings.recipe_args.block_size must be a positive '
+         'integer, not "16"'),
+        ("dflash", {"recipe_args": {"block_size": 4}}, "settings.recipe_args.mask_token_id is required: a token id "
+         "the target's data never holds (Automodel has no default)"),
+        ("eagle3", {"recipe_args": {"ttt_step": 3}, "optimizer": {"lr": 1e-3}}, "settings.recipe_args.ttt_step is "
+         "not a setting of the automodel trainer's EAGLE-3 recipe; did you mean settings.recipe_args.ttt_steps?"),
+        ("eagle3", {"recipe_args": {"ttt_steps": 3}}, "settings.optimizer.lr is required: the peak learning rate "
+         "(Automodel has no default)"),
     ],
 )  # fmt: skip
 def test_a_setting_the_trainer_does_not_know_is_named_with_the_closest(
-    automodel_python: Path, inputs: dict[str, Path], tmp_path: Path, settings: dict[str, Any], said: str
+    automodel_python: Path, inputs: dict[str, Path], tmp_path: Path, recipe: str, settings: dict[str, Any], said: str
 ) -> None:
-    run = write_run(tmp_path / "RUN.json", inputs["target"], [inputs["rows"]], settings=settings)
+    run = write_run(tmp_path / "RUN.json", inputs["target"], [inputs["rows"]], recipe=recipe, settings=settings)
     assert _refused(automodel_python, run) == f"automodel: {said}"
 
 
@@ -328,14 +414,37 @@ def test_an_environment_without_nemo_automodel_says_so_in_one_line(inputs: dict[
         ".venv-automodel, envs/automodel.txt)"  # fmt: skip
 
 
+# --- unit tier: the descriptor's settings are the pinned recipes' -----------------------------------------------
+
+
+@pytest.mark.parametrize(("recipe", "module"), [("dflash", "train_dflash.py"), ("eagle3", "train_eagle3.py")])
+def test_every_setting_of_the_descriptor_is_read_by_the_pinned_recipe(
+    automodel_python: Path, recipe: str, module: str
+) -> None:
+    """Each key of the descriptor's recipe is one its recipe's source reads (``recipe_cfg`` is its
+    recipe_args, ``opt_cfg`` its optimizer section), in the interpreter's installed release (read as text)."""
+    [source] = automodel_python.parent.parent.glob(f"lib/python3*/site-packages/nemo_automodel/recipes/llm/{module}")
+    text = source.read_text()
+    unread = [
+        f"{section}.{key}"
+        for section, keys in automodel.TRAINER.recipe(recipe).settings.items()
+        for key in keys
+        if not re.search(rf'{"recipe_cfg" if section == "recipe_args" else "opt_cfg"}(\.get\("{key}"|\.{key}\b)', text)
+    ]
+    assert not unread, f"{source} reads no {', '.join(unread)}"
+
+
 # --- unit tier: the CPU patches check the release and the code they change --------------------------------------
 
 PATCH_PROBE = """
 import importlib.metadata, json, sys
 sys.path.insert(0, sys.argv[1])
 import automodel_run as runner
+from automodel_recipes_run import RECIPES
+from nemo_automodel.components.speculative.dflash.registry import DFLASH_DRAFT_REGISTRY
+from nemo_automodel.components.speculative.eagle.registry import EAGLE3_DRAFT_REGISTRY
 
-said = {}
+said = {"targets": {"dflash": sorted(DFLASH_DRAFT_REGISTRY), "eagle3": sorted(EAGLE3_DRAFT_REGISTRY)}}
 def attempt(name, call):
     try:
         call()
@@ -343,9 +452,11 @@ def attempt(name, call):
     except runner.Stop as e:
         said[name] = str(e)
 
-td = runner.import_automodel()
+dflash, eagle3 = RECIPES["dflash"], RECIPES["eagle3"]
+td, te = runner.import_automodel(dflash), runner.import_automodel(eagle3)
 attempt("release", runner.installed_release)
-attempt("pristine", lambda: runner.patch_automodel(td, [], print))
+attempt("pristine", lambda: runner.patch_automodel(td, dflash, [], print))
+attempt("pristine_eagle3", lambda: runner.patch_automodel(te, eagle3, [], print))
 real = importlib.metadata.version
 importlib.metadata.version = lambda name: "0.8.0" if name == "nemo_automodel" else real(name)
 attempt("other_release", runner.installed_release)
@@ -353,13 +464,17 @@ importlib.metadata.version = real
 recipe = td.TrainDFlashRecipe
 loader, target = td.build_eagle3_dataloader, recipe._build_target_model
 td.build_eagle3_dataloader = None
-attempt("no_loader", lambda: runner.patch_automodel(td, [], print))
+attempt("no_loader", lambda: runner.patch_automodel(td, dflash, [], print))
 td.build_eagle3_dataloader = loader
 def _build_target_model(self, recipe_cfg, target_path, draft_spec):  # a release that loads the target on CPU
     return None
 recipe._build_target_model = _build_target_model
-attempt("cpu_loader", lambda: runner.patch_automodel(td, [], print))
+attempt("cpu_loader", lambda: runner.patch_automodel(td, dflash, [], print))
 recipe._build_target_model = target
+def _setup_colocated_target(self, recipe_cfg, target_path, draft_base_config):  # the same, of EAGLE-3's
+    return None
+te.TrainEagle3Recipe._setup_colocated_target = _setup_colocated_target
+attempt("cpu_loader_eagle3", lambda: runner.patch_automodel(te, eagle3, [], print))
 print(json.dumps(said))
 """
 
@@ -368,12 +483,13 @@ print(json.dumps(said))
 def test_the_cpu_patches_apply_to_0_7_0_and_name_themselves_where_the_code_is_not_theirs(
     automodel_python: Path,
 ) -> None:
+    """Both recipes' patches, and the target architectures the descriptor lists are its registries' own."""
     proc = subprocess.run(
         [str(automodel_python), "-c", PATCH_PROBE, str(RUNNER.parent)], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     said = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert said["release"] is None and said["pristine"] is None, said
+    assert said["release"] is None and said["pristine"] is None and said["pristine_eagle3"] is None, said
     assert said["other_release"] == (
         "nemo_automodel 0.8.0 is installed; the CPU patches (triton, tokens_loader, cpu_target, progress) were "
         "written for 0.7.0 (envs/automodel.txt pins it)"
@@ -382,3 +498,8 @@ def test_the_cpu_patches_apply_to_0_7_0_and_name_themselves_where_the_code_is_no
         said
     )
     assert said["cpu_loader"].startswith("nemo_automodel 0.7.0's code is not what the CPU patch cpu_target was "), said
+    assert said["cpu_loader_eagle3"].startswith(
+        "nemo_automodel 0.7.0's code is not what the CPU patch cpu_target was written for (its module "
+    ) and said["cpu_loader_eagle3"].endswith("train_eagle3.py)"), said
+    for name, recipe in automodel.TRAINER.recipes.items():
+        assert sorted(recipe.targets) == said["targets"][name], name

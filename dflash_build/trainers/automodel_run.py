@@ -1,17 +1,19 @@
-"""Train a DFlash drafter on CPU with NeMo Automodel 0.7.0's own recipe (``TrainDFlashRecipe``) from the
-project's token rows, and publish a checkpoint folder vLLM 0.32 serves as ``method: dflash``.
+"""Train a drafter on CPU with one of NeMo Automodel 0.7.0's own recipes (``TrainDFlashRecipe``,
+``TrainEagle3Recipe``) from the project's token rows, and publish a checkpoint folder vLLM 0.32 serves as
+``method: dflash`` or ``method: eagle3``.
 
 Run by the trainer environment's interpreter (``make setup`` creates it; envs/automodel.txt pins it)::
 
     .venv-automodel/bin/python dflash_build/trainers/automodel_run.py RUN.json
 
 A standalone script: the standard library and that environment's packages only, nothing of ``dflash_build``
-(which is not installed there). RUN.json holds one object:
+(which is not installed there); each recipe's table is ``automodel_recipes_run.py`` beside it. RUN.json holds
+one object:
 
-- ``recipe``: ``"dflash"``.
-- ``target``: a local Hugging Face folder of the target model, of an architecture Automodel's DFlash registry
-  gives a Qwen3-shaped draft (the Qwen3 and Qwen3.5 families; not Kimi K3, whose MLA draft vLLM's
-  DFlashDraftModel is not).
+- ``recipe``: ``"dflash"`` or ``"eagle3"``.
+- ``target``: a local Hugging Face folder of the target model, of an architecture the recipe's registry gives
+  the draft vLLM serves: DFlash's Qwen3-shaped draft (the Qwen3 and Qwen3.5 families; not Kimi K3, whose MLA
+  draft vLLM's DFlashDraftModel is not), EAGLE-3's Llama-shaped head (Llama, Phi-3, Qwen3, Qwen3-MoE).
 - ``rows``: the row files, parquet or JSONL, each row with ``input_ids`` and ``loss_mask`` (1 on the answer's
   tokens, unshifted, as long as ``input_ids``); other columns are ignored.
 - ``out``: the folder the checkpoint is published to. It must not exist; it appears whole at the end (a
@@ -20,16 +22,17 @@ A standalone script: the standard library and that environment's packages only, 
   (which is emptied): Automodel resumes from any checkpoint it finds there, and one that finished trains
   nothing.
 - ``settings`` (optional): the recipe's keys, by Automodel's own YAML sections, ``{"recipe_args": {...},
-  "optimizer": {...}}`` (:data:`SETTINGS` lists them). Left out, a key takes :data:`DEFAULTS`, or
-  Automodel's own default. ``recipe_args.mask_token_id`` is required (Automodel has no default);
-  ``recipe_args.seq_length`` defaults to the longest row (nothing cut).
+  "optimizer": {...}}`` (the recipe's ``settings`` list them). Left out, a key takes the recipe's
+  ``defaults``, or Automodel's own default; its ``required`` ones (DFlash's ``mask_token_id``, EAGLE-3's
+  ``ttt_steps`` and ``lr``) Automodel has no default for. ``recipe_args.seq_length`` defaults to the longest
+  row (nothing cut).
 
 The runner writes the rest of Automodel's YAML for a CPU (gloo, sdpa attention, float32, safetensors with a
 consolidated copy), runs the recipe in this process (``setup()``, ``run_train_validation_loop()``), then
-publishes ``<checkpoint_dir>/LATEST/model/consolidated`` with vLLM's architecture name and ``train.json``
+publishes ``<checkpoint_dir>/LATEST/model/consolidated`` with the config vLLM loads it by and ``train.json``
 (steps, losses, seconds, the Automodel release). Automodel's own log lines pass through on stderr; on stdout
-one line per optimizer step it logs, ``automodel: step N/M loss L acc A lr R`` (Automodel logs no line for
-the step that flushes an epoch's last partial accumulation window), then ``automodel: published OUT``. Bad
+one line per optimizer step it logs, ``automodel: step N/M loss L acc A lr R`` (DFlash logs no line for the
+step that flushes an epoch's last partial accumulation window), then ``automodel: published OUT``. Bad
 input stops it in one line before anything trains. One RUN.json trains the same weights again: the draft's
 initial weights are seeded with ``shuffle_seed`` too.
 """
@@ -37,6 +40,7 @@ initial weights are seeded with ``shuffle_seed`` too.
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -48,14 +52,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from automodel_recipes_run import RECIPES, Recipe
+
 PROG = "automodel"
 # The Automodel release the CPU patches below were written for and tested on (envs/automodel.txt pins it).
 RELEASE = "0.7.0"
-RECIPES = ("dflash",)
 RUN_KEYS = ("recipe", "target", "rows", "out", "work", "settings", "gpus")
 OPTIONAL_RUN_KEYS = ("settings", "gpus")  # gpus: the build's train.gpus, 0 here (one CPU process)
-# The draft class of Automodel's DFlash registry whose checkpoint vLLM serves (as DFlashDraftModel).
-QWEN3_DRAFT = "Qwen3DFlashDraftModel"
 # A former run's scratch folder carries this file: the next run may empty it.
 WORK_MARK = ".automodel-cpu-work"
 
@@ -68,7 +71,6 @@ def _num(v: Any) -> bool:
     return _int(v) or isinstance(v, float)
 
 
-# The settings a run may give, by Automodel's YAML section: what each must be, and the check.
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "int": ("an integer", _int),
     "pos": ("a positive integer", lambda v: _int(v) and v > 0),
@@ -78,47 +80,9 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "ints": ("a list of integers", lambda v: isinstance(v, list) and all(_int(x) for x in v)),
     "ints?": ("a list of integers or null", lambda v: v is None or (isinstance(v, list) and all(_int(x) for x in v))),
     "str": ("a string", lambda v: isinstance(v, str)),
+    "str?": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
     "pair": ("a list of two numbers", lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) for x in v)),
-}
-SETTINGS: dict[str, dict[str, str]] = {
-    "recipe_args": {
-        "seq_length": "pos?",  # rows are cut here (null, the default: the longest row)
-        "micro_batch_size": "pos",
-        "grad_accumulation_steps": "pos",
-        "num_epochs": "pos",
-        "shuffle_seed": "int",  # the rows' order and the anchors drawn
-        "draft_num_hidden_layers": "pos",
-        "target_layer_ids": "ints?",  # null: Automodel spreads them over the target's depth
-        "block_size": "pos",
-        "mask_token_id": "int",
-        "num_anchors": "pos",
-        "loss_decay_gamma": "num?",  # null: every block position weighs the same
-        "loss_type": "str",
-        "prefix_weight_base": "num",
-        "max_grad_norm": "num",
-        "log_every_steps": "pos",
-        "output_multiplier": "num",
-        "final_logit_softcapping": "num?",
-        "input_embedding_scale": "num",
-        "packed_sequence_size": "int",  # > 0: rows packed into rows of this many tokens (Automodel's packer)
-    },
-    "optimizer": {"lr": "num", "betas": "pair", "weight_decay": "num", "warmup_ratio": "num", "min_lr_ratio": "num"},
-}
-# The runner's values where Automodel has no default or a GPU run's (one step a line on a small CPU run).
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "recipe_args": {"micro_batch_size": 1, "num_epochs": 1, "log_every_steps": 1},
-    "optimizer": {"lr": 6e-4},
-}
-REQUIRED = (("recipe_args", "mask_token_id"),)
-# Keys of Automodel's YAML that RUN.json or the CPU decides: a setting may not change them.
-OWNED = {
-    "recipe_args.target_model_name_or_path": "RUN.json's target",
-    "recipe_args.train_data_path": "RUN.json's rows",
-    "recipe_args.output_dir": "RUN.json's work",
-    "recipe_args.attention_backend": "sdpa on CPU",
-    "recipe_args.target_attn_implementation": "sdpa on CPU",
-    "checkpoint": "RUN.json's work",
-    "dist_env": "one gloo process",
 }
 
 
@@ -155,44 +119,43 @@ def load_run(path: Path) -> dict[str, Any]:
     rows = run["rows"]
     if not isinstance(rows, list) or not rows or not all(isinstance(r, str) and r for r in rows):
         raise Stop(f"{path}: rows must be a list of row files (parquet or JSONL)")
-    run["settings"] = merge_settings(run.get("settings") or {})
+    run["settings"] = merge_settings(run.get("settings") or {}, RECIPES[run["recipe"]])
     return run
 
 
-def merge_settings(given: Any) -> dict[str, dict[str, Any]]:
-    """The run's settings over :data:`DEFAULTS`, every key known and of its kind."""
+def merge_settings(given: Any, recipe: Recipe) -> dict[str, dict[str, Any]]:
+    """The run's settings over the recipe's defaults, every key known and of its kind."""
     if not isinstance(given, dict):
-        raise Stop("settings must be an object of Automodel's sections (recipe_args, optimizer)")
-    every = [f"{s}.{k}" for s, keys in SETTINGS.items() for k in keys]
-    merged = {section: dict(values) for section, values in DEFAULTS.items()}
+        raise Stop(f"settings must be an object of Automodel's sections ({', '.join(recipe.settings)})")
+    sections, owned = recipe.settings, recipe.owned
+    every = [f"{s}.{k}" for s, keys in sections.items() for k in keys]
+    merged = {section: dict(recipe.defaults.get(section, {})) for section in sections}
     for section, values in given.items():
-        if section in OWNED:
-            raise Stop(f"settings.{section} is the runner's ({OWNED[section]}); remove it")
-        if section not in SETTINGS:
+        if section in owned:
+            raise Stop(f"settings.{section} is the runner's ({owned[section]}); remove it")
+        if section not in sections:
             raise Stop(
-                f"settings.{section} is not a section of settings{closest(section, list(SETTINGS), 'settings.')}"
+                f"settings.{section} is not a section of settings{closest(section, list(sections), 'settings.')}"
             )
         if not isinstance(values, dict):
             raise Stop(f"settings.{section} must be an object of keys")
         for key, value in values.items():
             dotted = f"{section}.{key}"
-            if dotted in OWNED:
-                raise Stop(f"settings.{dotted} is the runner's ({OWNED[dotted]}); remove it")
-            if key not in SETTINGS[section]:
+            if dotted in owned:
+                raise Stop(f"settings.{dotted} is the runner's ({owned[dotted]}); remove it")
+            if key not in sections[section]:
                 # the key under another section, or else the nearest spelling of any
                 elsewhere = [name for name in every if name.endswith(f".{key}")]
                 hint = f"; did you mean settings.{elsewhere[0]}?" if elsewhere else closest(dotted, every, "settings.")
-                raise Stop(f"settings.{dotted} is not a setting of the automodel trainer{hint}")
-            what, ok = _KINDS[SETTINGS[section][key]]
+                raise Stop(f"settings.{dotted} is not a setting of the automodel trainer's {recipe.name} recipe{hint}")
+            what, ok = _KINDS[sections[section][key]]
             if not ok(value):
                 raise Stop(f"settings.{dotted} must be {what}, not {json.dumps(value)}")
-            merged.setdefault(section, {})[key] = value
-    for section, key in REQUIRED:
-        if key not in merged.get(section, {}):
-            raise Stop(
-                f"settings.{section}.{key} is required: a token id the target's data never holds "
-                "(Automodel has no default)"
-            )
+            merged[section][key] = value
+    for dotted, what in recipe.required.items():
+        section, key = dotted.split(".")
+        if key not in merged[section]:
+            raise Stop(f"settings.{dotted} is required: {what} (Automodel has no default)")
     return merged
 
 
@@ -264,8 +227,8 @@ def installed_release() -> str:
     return version
 
 
-def import_automodel() -> Any:
-    """Automodel's DFlash recipe module, imported without triton (patch ``triton``: Automodel's LoRA kernels
+def import_automodel(recipe: Recipe) -> Any:
+    """Automodel's module of ``recipe``, imported without triton (patch ``triton``: Automodel's LoRA kernels
     run triton's decorators at import when it is installed; every import of it there is guarded) and
     without the import-time noise of torchao's CUDA libraries and torch's deprecation notes."""
     if "torch" not in sys.modules:
@@ -275,48 +238,25 @@ def import_automodel() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the target is a local folder: no hub look-up
     os.environ.setdefault("NO_COLOR", "1")  # Automodel's log lines are read, not looked at
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from nemo_automodel.recipes.llm import train_dflash
-
-    return train_dflash
+    return importlib.import_module(f"nemo_automodel.recipes.llm.{recipe.module}")
 
 
-def _source(obj: Any) -> str:
-    import inspect
-
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
-
-
-def patch_automodel(td: Any, rows: list[tuple[list[int], list[int]]], progress: Callable[..., None]) -> type:
+def patch_automodel(
+    td: Any, recipe: Recipe, rows: list[tuple[list[int], list[int]]], progress: Callable[..., None]
+) -> type:
     """The recipe class with the CPU patches, once each checks that the release's code is what it was
-    written for; one that does not stops the run in one line naming it and the release.
+    written for (``recipe.checks``); one that does not stops the run in one line naming it and the release.
 
-    - ``tokens_loader``: ``TrainDFlashRecipe.setup`` builds its loader with the module's
-      ``build_eagle3_dataloader``, which renders chats with the chat template itself; the project's rows are
-      tokens already. Replaced by a loader over the rows (:func:`tokens_loader`, the same keywords).
-    - ``cpu_target``: ``_build_target_model`` loads the target with ``NeMoAutoModelForCausalLM``, whose
+    - ``tokens_loader``: the module's ``build_eagle3_dataloader`` renders chats with the chat template
+      itself; the project's rows are tokens already. Replaced by a loader over the rows
+      (:func:`tokens_loader`, the same keywords).
+    - ``cpu_target``: the recipe loads the target with ``NeMoAutoModelForCausalLM``, whose
       ``from_pretrained`` calls ``torch.cuda.current_device()`` whatever its arguments. Replaced by
       transformers' own loader (float32, sdpa, on the CPU) with the same side effects (no mesh).
-    - ``progress``: the loop's tqdm bar (carriage returns, not lines) is left out, and each
-      ``epoch=… step=… loss=…`` line it logs is also printed as ``automodel: step N/M loss L``.
+    - ``progress``: the loop's tqdm bar (carriage returns, not lines) is left out, and each per-step line
+      it logs is also printed as ``automodel: step N/M loss L``.
     """
-    recipe = getattr(td, "TrainDFlashRecipe", None)
-    setup, target, loop = (_source(getattr(recipe, n, None)) for n in ("setup", "_build_target_model",
-                                                                     "run_train_validation_loop"))  # fmt: skip
-    auto = getattr(td, "NeMoAutoModelForCausalLM", None)
-    checks = {
-        "tokens_loader": callable(getattr(td, "build_eagle3_dataloader", None))
-        and setup.count("build_eagle3_dataloader(") == 2
-        and "dp_mesh=self.dp_mesh" in setup,
-        "cpu_target": "NeMoAutoModelForCausalLM.from_pretrained(" in target
-        and "torch.cuda.current_device()" in _source(getattr(auto, "from_pretrained", None))
-        and all(f"self.{a} = None" in target for a in ("dist_setup", "device_mesh", "dp_mesh", "cp_mesh")),
-        "progress": callable(getattr(recipe, "_make_progress_bar", None))
-        and '"epoch=%d step=%d loss=%.4f acc=%.4f lr=%.6g"' in loop,
-    }
-    missed = [name for name, ok in checks.items() if not ok]
+    missed = [name for name, ok in recipe.checks(td).items() if not ok]
     if missed:
         raise Stop(
             f"nemo_automodel {RELEASE}'s code is not what the CPU patch {', '.join(missed)} was written for "
@@ -326,27 +266,8 @@ def patch_automodel(td: Any, rows: list[tuple[list[int], list[int]]], progress: 
     from transformers import AutoModelForCausalLM
 
     td.build_eagle3_dataloader = lambda **kwargs: tokens_loader(td, rows, **kwargs)
-    logging.getLogger(td.__name__).addHandler(_StepLines(progress))
-
-    class CpuDFlashRecipe(recipe):  # type: ignore[misc, valid-type]
-        """TrainDFlashRecipe with its target loaded by transformers on the CPU, and no progress bar."""
-
-        def _build_target_model(self, recipe_cfg: Any, target_path: str, draft_spec: Any) -> Any:
-            self.dist_setup = self.device_mesh = self.dp_mesh = self.cp_mesh = None
-            model = AutoModelForCausalLM.from_pretrained(
-                target_path,
-                dtype=self.compute_dtype,
-                attn_implementation="sdpa",
-                trust_remote_code=bool(recipe_cfg.get("trust_remote_code", False)),
-            )
-            model.to(self.device)
-            model.requires_grad_(False)
-            return model
-
-        def _make_progress_bar(self, total: int | None = None, initial: int = 0) -> None:
-            return None
-
-    return CpuDFlashRecipe
+    logging.getLogger(td.__name__).addHandler(_StepLines(progress, recipe.steps))
+    return recipe.cpu(td, AutoModelForCausalLM)
 
 
 def tokens_loader(td: Any, rows: list[tuple[list[int], list[int]]], **kw: Any) -> Any:
@@ -393,16 +314,17 @@ def tokens_loader(td: Any, rows: list[tuple[list[int], list[int]]], **kw: Any) -
 
 
 class _StepLines(logging.Handler):
-    """Reads the recipe's own per-step log record (its arguments, not its text)."""
+    """Reads the recipe's own per-step log records (their arguments, not their text)."""
 
-    def __init__(self, progress: Callable[..., None]) -> None:
+    def __init__(self, progress: Callable[..., None], formats: dict[str, tuple[int, int, int, int, int]]) -> None:
         super().__init__(logging.INFO)
-        self.progress = progress
+        self.progress, self.formats = progress, formats
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg == "epoch=%d step=%d loss=%.4f acc=%.4f lr=%.6g" and isinstance(record.args, tuple):
-            epoch, step, loss, acc, lr = record.args
-            self.progress(epoch=epoch, step=step, loss=float(loss), acc=float(acc), lr=float(lr))
+        at = self.formats.get(record.msg) if isinstance(record.msg, str) else None
+        if at is not None and isinstance(record.args, tuple):
+            epoch, step, loss, acc, lr = (record.args[i] for i in at)
+            self.progress(epoch=int(epoch), step=int(step), loss=float(loss), acc=float(acc), lr=float(lr))
 
 
 def target_architectures(target: Path) -> list[str]:
@@ -439,20 +361,20 @@ def prepare_work(work: Path) -> None:
 
 def automodel_yaml(run: dict[str, Any], rows: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
     """Automodel's YAML for this run on a CPU."""
+    recipe = RECIPES[run["recipe"]]
     work = Path(run["work"]).resolve()
     settings = run["settings"]
     recipe_args = {
         "target_model_name_or_path": str(Path(run["target"]).resolve()),
         "train_data_path": [str(Path(f).resolve()) for f in run["rows"]],
         "output_dir": str(work),
-        "attention_backend": "sdpa",  # flex attention's default compiles its mask (torch.compile)
-        "target_attn_implementation": "sdpa",
-        **settings["recipe_args"],  # merge_settings gives both sections
+        **recipe.fixed,
+        **settings["recipe_args"],  # merge_settings gives every section
     }
     if recipe_args.get("seq_length") is None:
         recipe_args["seq_length"] = max(len(ids) for ids, _ in rows)
     return {
-        "recipe": "TrainDFlashRecipe",
+        "recipe": recipe.cls,
         "dist_env": {"backend": "gloo", "timeout_minutes": 30},
         "recipe_args": recipe_args,
         "optimizer": dict(settings["optimizer"]),
@@ -466,15 +388,10 @@ def automodel_yaml(run: dict[str, Any], rows: list[tuple[list[int], list[int]]])
     }
 
 
-def served_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The draft's config as vLLM 0.32 loads a DFlash drafter: its one registered architecture
-    (``DFlashDraftModel``; another name is prefixed with ``DFlash`` and then not found), non-causal said
-    outright, and no tied embeddings (the draft has none: the target's are shared)."""
-    return {**config, "architectures": ["DFlashDraftModel"], "is_causal": False, "tie_word_embeddings": False}
-
-
-def publish(consolidated: Path, out: Path, record: dict[str, Any]) -> None:
-    """The consolidated checkpoint at ``out``, whole or not at all."""
+def publish(consolidated: Path, out: Path, served: Callable[[dict[str, Any]], dict[str, Any]], strip: str,
+            record: dict[str, Any]) -> None:  # fmt: skip
+    """The consolidated checkpoint at ``out``, whole or not at all: its config as ``served`` makes it, its
+    weights' names without the prefix ``strip``."""
     if out.exists():
         raise Stop(f"out {out} appeared while training; nothing published (the checkpoint is in {consolidated})")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -483,7 +400,9 @@ def publish(consolidated: Path, out: Path, record: dict[str, Any]) -> None:
     try:
         shutil.copytree(consolidated, partial)
         config = json.loads((partial / "config.json").read_text())
-        (partial / "config.json").write_text(json.dumps(served_config(config), indent=2) + "\n")
+        (partial / "config.json").write_text(json.dumps(served(config), indent=2) + "\n")
+        if strip:
+            strip_prefix(partial, strip)
         # a key a line, its value on it (the losses too)
         lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in record.items())
         (partial / "train.json").write_text("{\n" + lines + "\n}\n")
@@ -492,16 +411,32 @@ def publish(consolidated: Path, out: Path, record: dict[str, Any]) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def check_architecture(target: Path, architectures: list[str], release: str) -> None:
-    """The target is one the registry gives a Qwen3-shaped draft: vLLM's DFlashDraftModel (Kimi K3's MLA
-    draft is not one)."""
-    from nemo_automodel.components.speculative.dflash import registry
+def strip_prefix(folder: Path, prefix: str) -> None:
+    """Every weight of ``folder``'s safetensors files (and its index) named without ``prefix``."""
+    from safetensors.torch import load_file, save_file
 
-    accepted = sorted(a for a, spec in registry.DFLASH_DRAFT_REGISTRY.items() if spec.draft_cls.__name__ == QWEN3_DRAFT)
+    def name(key: str) -> str:
+        return key[len(prefix) :] if key.startswith(prefix) else key
+
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        save_file({name(k): v for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        table = json.loads(index.read_text())
+        table["weight_map"] = {name(k): v for k, v in table.get("weight_map", {}).items()}
+        index.write_text(json.dumps(table, indent=2) + "\n")
+
+
+def check_architecture(target: Path, architectures: list[str], recipe: Recipe, release: str) -> None:
+    """The target is one Automodel's registry gives the draft vLLM serves (``recipe.registry``)."""
+    module, table, served = recipe.registry
+    registry = getattr(importlib.import_module(module), table)
+    accepted = sorted(a for a, spec in registry.items() if spec.draft_cls.__name__ == served)
     if not any(a in accepted for a in architectures):
         raise Stop(
-            f"target {target} is {', '.join(architectures) or 'of no architecture'}: Automodel {release}'s DFlash "
-            f"recipe trains vLLM's DFlash drafters for {', '.join(accepted)} only"
+            f"target {target} is {', '.join(architectures) or 'of no architecture'}: Automodel {release}'s "
+            f"{recipe.name} recipe trains vLLM's {recipe.name} drafters for {', '.join(accepted)} only"
         )
 
 
@@ -514,8 +449,9 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     check_work(work)
     if out.exists():
         raise Stop(f"out {out} exists: the runner publishes a new folder there")
+    recipe = RECIPES[run["recipe"]]
     config = automodel_yaml(run, rows)
-    td = import_automodel()
+    td = import_automodel(recipe)
     losses: list[tuple[int, float]] = []
     total = {"steps": 0}
 
@@ -523,27 +459,10 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         losses.append((step, loss))
         print(f"{PROG}: step {step}/{total['steps']} loss {loss:.4f} acc {acc:.4f} lr {lr:.3g}", flush=True)
 
-    recipe_cls = patch_automodel(td, rows, progress)
-    check_architecture(target, architectures, release)
+    recipe_cls = patch_automodel(td, recipe, rows, progress)
+    check_architecture(target, architectures, recipe, release)
     prepare_work(work)
-    import yaml
-
-    (work / "automodel.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    cfg = td.parse_args_and_load_config(str(work / "automodel.yaml"), argv=[])
-    recipe = recipe_cls(cfg)
-    import torch
-
-    # the draft's initial weights: Automodel seeds its own generator (anchors) after building the draft
-    torch.manual_seed(int(config["recipe_args"].get("shuffle_seed", 42)))
-    try:
-        recipe.setup()
-    except (ValueError, NotImplementedError) as e:  # Automodel's own refusals of a setting, before training
-        raise Stop(f"Automodel's recipe refused the run: {' '.join(str(e).split())}") from None
-    total["steps"] = recipe.total_optim_steps
-    print(f"{PROG}: training {len(rows)} rows, {recipe.total_optim_steps} steps", flush=True)
-    trained = time.monotonic()
-    recipe.run_train_validation_loop()
-    train_seconds = time.monotonic() - trained
+    trained, train_seconds = run_recipe(td, recipe_cls, config, work, len(rows), lambda n: total.update(steps=n))
     consolidated = work / "checkpoints" / "LATEST" / "model" / "consolidated"
     if not (consolidated / "config.json").exists():
         raise Stop(f"Automodel saved no consolidated checkpoint at {consolidated}")
@@ -551,8 +470,8 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         **{"trainer": "automodel", "automodel": release, "recipe": run["recipe"], "target": str(target.resolve())},
         **{
             "rows": len(rows),
-            "steps": recipe.runtime.global_step,
-            "skipped_micro_batches": recipe._skipped_micro_batches,
+            "steps": trained.runtime.global_step,
+            "skipped_micro_batches": getattr(trained, "_skipped_micro_batches", 0),  # DFlash's short batches
         },
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
@@ -560,9 +479,33 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         **{"train_seconds": round(train_seconds, 1), "wall_seconds": round(time.monotonic() - started, 1)},
         "settings": run["settings"],
     }
-    publish(consolidated.resolve(), out, record)
+    publish(consolidated.resolve(), out, lambda c: recipe.served(c, trained), recipe.strip, record)
     print(f"{PROG}: published {out} ({record['steps']} steps, final loss {record['final_loss']})", flush=True)
     return record
+
+
+def run_recipe(
+    td: Any, recipe_cls: type, config: dict[str, Any], work: Path, rows: int, steps: Callable[[int], None]
+) -> tuple[Any, float]:
+    """The recipe set up from ``config`` (its YAML written into ``work``) and trained: it, and the seconds its
+    loop took."""
+    import torch
+    import yaml
+
+    (work / "automodel.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    cfg = td.parse_args_and_load_config(str(work / "automodel.yaml"), argv=[])
+    recipe = recipe_cls(cfg)
+    # the draft's initial weights: Automodel seeds its own generator after building the draft
+    torch.manual_seed(int(config["recipe_args"].get("shuffle_seed", 42)))
+    try:
+        recipe.setup()
+    except (ValueError, NotImplementedError) as e:  # Automodel's own refusals of a setting, before training
+        raise Stop(f"Automodel's recipe refused the run: {' '.join(str(e).split())}") from None
+    steps(recipe.total_optim_steps)
+    print(f"{PROG}: training {rows} rows, {recipe.total_optim_steps} steps", flush=True)
+    started = time.monotonic()
+    recipe.run_train_validation_loop()
+    return recipe, time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
