@@ -244,8 +244,12 @@ def _argv(
 
 
 def _env(options: Mapping[str, Any]) -> dict[str, str]:
-    space = BACKEND.value(options, "cpu_kvcache_space")
-    return {} if space is None else {"VLLM_CPU_KVCACHE_SPACE": str(space)}
+    env = {}
+    if (space := BACKEND.value(options, "cpu_kvcache_space")) is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(space)
+    if BACKEND.value(options, "multiprocessing") is False:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
 
 
 def _cpu_chunked_prefill(options: Mapping[str, Any]) -> bool | None:
@@ -417,6 +421,9 @@ BACKEND = Backend(
         "python": Option(None, "the interpreter the server runs in (with vLLM); where it runs", driver=True),
         "device": Option(None, "where the server runs: cuda, or cpu for vLLM's CPU build", default="cuda", driver=True),
         "cpu_kvcache_space": Option(None, SPEED + " (GiB of KV cache on vLLM's CPU build)", driver=True),
+        # false: VLLM_ENABLE_V1_MULTIPROCESSING=0, the model run in the engine core's process, not a worker
+        # of its own; on the CPU build a start is a process and ~8 CPU-s less (17 s, not 25, to serve)
+        "multiprocessing": Option(None, SPEED + " (false: no worker process of its own)", driver=True),
         "max_inflight": Option(None, SPEED + ": requests one job keeps in the server", default=256, driver=True),
         "retries": Option(None, FAULTS, default=3, driver=True),
     },
