@@ -29,6 +29,11 @@ TOOLS_TEMPLATE = REPO / "config" / "templates" / "chatml-tools.jinja"
 _IN_WORKFLOW_TIER = {"now": True}
 WAITS = "waits.jsonl"  # once_per_session's folder: how long a worker waited for another's build
 pytest_plugins = ["tests.budget"]
+# Every process the tiers start (Snakemake, its jobs, the CLI, the engines) reads transformers' import
+# structure from a file instead of its ~1,700 model files (tests/site/sitecustomize.py: 0.3 CPU-s a job).
+SITE = REPO / "tests" / "site"
+if str(SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -300,7 +305,15 @@ def automodel_python() -> Path:
 
 # What the tests run vLLM's CPU build with: float32 (the CPU's own default is bfloat16), no CUDA graphs to
 # capture, 1 GiB of KV cache.
-VLLM_TEST_OPTIONS = {"device": "cpu", "dtype": "float32", "enforce_eager": True, "cpu_kvcache_space": 1}
+# multiprocessing off: the model runs in the engine core's process (two processes a server, not three:
+# ~8 CPU-s and ~8 s less a start, measured on this machine)
+VLLM_TEST_OPTIONS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "enforce_eager": True,
+    "cpu_kvcache_space": 1,
+    "multiprocessing": False,
+}
 
 
 def shared_engine(model: Path, backend: str = "transformers", **options: Any) -> dict[str, Any]:

@@ -186,10 +186,11 @@ def _sidecars(store: Path, stage: str) -> list[dict[str, Any]]:
 @pytest.mark.workflow
 @pytest.mark.slow
 def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained_on(
-    tmp_path: Path, gguf_path: Path
+    tmp_path: Path, smollm2: Path
 ) -> None:
     """Issue 72 on a real model in the demo's engine: SmolLM2 through the transformers backend's shared server,
-    greedy, 128 new tokens. The rows that loop are stopped before the budget (finish reason loop), dropped
+    greedy, 128 new tokens (its weights dequantized once per test run: the GGUF reader is not under test and
+    costs 15 s a load). The rows that loop are stopped before the budget (finish reason loop), dropped
     by tokenize, counted in the sidecars, the manifest and the card, and in neither the dataset nor the
     conversations export. Then with stop_early off the same rows run to the budget (continued from their
     stopped prefix: nothing is generated twice), cost more tokens, and are dropped after the fact: the
@@ -200,7 +201,7 @@ def test_the_demo_model_looping_is_stopped_dropped_and_counted_and_never_trained
     from tests.conftest import Workflow, own_ports, write_jsonl
 
     config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
-    config["model"]["path"] = str(gguf_path)
+    config["model"]["path"] = str(smollm2)
     config["model"]["chat_template"] = str(REPO / config["model"]["chat_template"])
     config["sampling"].update(max_new_tokens=128, temperature=0.0)
     config["engine"].update(lock_dir=str(tmp_path / "locks"), base_port=own_ports())
