@@ -76,9 +76,10 @@ def epochs_of(settings: dict[str, Any] | Any) -> int:
     return int(next((v["num_epochs"] for v in settings.values() if "num_epochs" in v), 1) or 1)
 
 
-def preview(plan: Plan) -> list[str]:
+def preview(plan: Plan, mixes_again: bool = False) -> list[str]:
     """`plan`'s lines: whether `snakemake train` would train, on which dataset version, and why; with a
-    training in the store to measure the rate from, its GPU-hours."""
+    training in the store to measure the rate from, its GPU-hours. ``mixes_again``: the build would mix the
+    dataset again first (ops.standing.mixes_again), so the version in place is not the one trained on."""
     cfg = plan.config
     spec = cfg.train
     if spec is None:
@@ -89,6 +90,11 @@ def preview(plan: Plan) -> list[str]:
     if placed is None or release.unrecorded(cfg.dataset_dir):
         return [f"train: trains a drafter ({what}) once the dataset is built"]
     version = placed.name
+    if mixes_again:
+        return [
+            f"train: trains a drafter ({what}) on the dataset the build makes next: the mix runs again first (its "
+            f"sources or settings changed), so not on version {version} in place"
+        ]
     folder = layout.trained_dir(cfg.store, key(plan, version))
     if record(folder) is not None:
         return [f"train: the drafter trained on dataset version {version} is in the store ({folder}): nothing to train"]

@@ -131,6 +131,7 @@ def run_loop(root: Path, automodel_python: Path) -> None:
         config = loop_config(root, "math", automodel_python)
         _apply(config, results["next_round"][0]["change"])
         wf.write_config(config)
+        results["round2_plan"] = wf.cli("plan").stdout
         results["round2_dry_run"] = wf.run("-n", "accept").stdout
         _timed(seconds, "round2", lambda: wf.run("accept", env_extra=env))
         results["round2"] = {"report": _report(wf, "lean-math"), "trained": _trained(wf, "lean-math")}
@@ -171,6 +172,9 @@ def test_plan_says_what_would_train_before_and_nothing_after(loop: dict[str, Any
     for lean in LEANS:
         assert "train: trains a drafter on dataset version" in loop[f"{lean}_plan_before"], loop[f"{lean}_plan_before"]
         assert "nothing to train" in loop[f"{lean}_plan_after"], loop[f"{lean}_plan_after"]
+    # the second round's mix change: plan trains on what the build makes next, not on the version in place
+    round2 = loop.get("round2_plan", "")
+    assert "on the dataset the build makes next: the mix runs again first" in round2, round2
     # the second dataset's plan knows the first training's rate
     assert "GPU-hours at the store's last training" in loop["prose_plan_before"], loop["prose_plan_before"]
 

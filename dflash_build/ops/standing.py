@@ -77,9 +77,23 @@ def standing(plan: Plan, workdir: Path | None = None) -> Standing | None:
         for shard in entry["shards"]
     ]
     missing = tuple(f"{name}/{path.stem}" for name, path in built_from if not (workdir / path).exists())
-    if not missing:
+    if not missing or _mix_record_differs(plan, workdir) is not False:
         return None
-    recorded = _recorded(workdir, record_path)
+    return Standing(folder, len(built_from), missing)
+
+
+def mixes_again(plan: Plan, workdir: Path | None = None) -> bool:
+    """Whether a build would mix the built dataset again (its inputs or params changed since the mix's last
+    run): what it then publishes is another version than the one in place. False where no dataset or no
+    record of its mix is here (nothing to tell it by)."""
+    workdir = Path.cwd() if workdir is None else workdir
+    return bool(_mix_record_differs(plan, workdir))
+
+
+def _mix_record_differs(plan: Plan, workdir: Path) -> bool | None:
+    """Whether what Snakemake recorded of the mix's last run differs from the job this config's plan gives
+    it now; None without a record."""
+    recorded = _recorded(workdir, release.record_dir(plan.config.dataset_dir))
     if recorded is None:
         return None
 
@@ -89,6 +103,4 @@ def standing(plan: Plan, workdir: Path | None = None) -> Standing | None:
     job = stages.planned(plan, "mix")
     inputs = where([p for paths in job.inputs.values() for p in paths])
     params = [repr(canonical_json(stages.get("mix").params(plan, stages.Of())))]
-    if where(recorded.get("input")) != inputs or recorded.get("params") != params:
-        return None
-    return Standing(folder, len(built_from), missing)
+    return where(recorded.get("input")) != inputs or recorded.get("params") != params
