@@ -7,7 +7,7 @@ two answered turns a conversation). A shard is a random sample of its source (pr
 so its mean tokens per sample is drawn as the mean of its samples (each log-normal with coefficient of
 variation ``--cv``); a pessimistic case draws every shard with spread ``--shard-spread`` whatever its
 size, as for a source whose shards differ. Two builds through the
-real sizing and the mix's own targets (``stages.size.shards_needed``, ``stages.mix.category_targets``):
+real sizing and the mix's own targets (``stages.size.shards_needed``, ``stages.common.targets.category_targets``):
 
 - ``all``: every shard generated; the mix takes each category's target and leaves the rest out.
 - ``as_needed``: the pilot (each source's first shard), the first round sized on it, the top-up sized on
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash_build import configfile  # noqa: E402
-from dflash_build.stages.mix import category_targets  # noqa: E402
+from dflash_build.stages.common.targets import category_targets  # noqa: E402
 from dflash_build.stages.size import FIRST_ROUND, Supply, shards_needed  # noqa: E402
 
 TOKENS_PER_SAMPLE = {"coding": 3200, "general": 1500, "math": 3000, "agent": 900, "code-other": 1300}

@@ -15,7 +15,7 @@ import yaml
 from dflash_build import config as cfg
 from dflash_build import plan as plan_mod
 from dflash_build.ops import estimate, forecast
-from dflash_build.stages import mix
+from dflash_build.stages.common.targets import category_targets
 from tests.conftest import Workflow, base_config, write_jsonl
 
 
@@ -41,7 +41,7 @@ def test_before_anything_is_built_the_forecast_assumes_half_the_budget_and_names
     by = {c.category: c for c in got.categories}
     assert by["coding"].expected_tokens == 30 * 200 and by["agent"].expected_tokens == 10 * 20
     # agent's 200 tokens back a 20% share of 1000; coding's 6000 are cut to 800
-    targets = mix.category_targets({"coding": 0.8, "agent": 0.2}, {"coding": 6000, "agent": 200}, None)
+    targets = category_targets({"coding": 0.8, "agent": 0.2}, {"coding": 6000, "agent": 200}, None)
     assert by["coding"].target_tokens == pytest.approx(targets["coding"]) == pytest.approx(800)
     assert [c.category for c in got.categories if c.binds] == ["agent"]
     assert got.left_out_tokens == pytest.approx(5200)

@@ -1,5 +1,5 @@
-"""The package's shape: no import cycle (imports inside functions included), short functions, and one
-module that builds store paths."""
+"""The package's shape: no import cycle (imports inside functions included), two floors inside stages/
+with no arrow up and no two-way tie, short functions, and one module that builds store paths."""
 
 from __future__ import annotations
 
@@ -350,59 +350,126 @@ def test_no_layer_names_a_backend_or_compares_an_exports_name() -> None:
     assert not compared, compared
 
 
-REGISTRY = "dflash_build.stages.registry"
+# -- the floors inside stages/ ---------------------------------------------------------------------
+STAGES_PACKAGE = "dflash_build.stages"
+LOWER_FLOOR = ("registry", "common")  # the descriptor type and discovery; what the stages share
+# The one way a stage imports another (importer, imported): the modules it may import there, and why. Each
+# runs one way: the mix's target rule, which the sizing follows, is common/targets (below both), so size
+# imports no mix and the mix's descriptor alone reads the sizing.
+SEAMS: dict[tuple[str, str], tuple[frozenset[str], str]] = {
+    ("generate", "prepared"): (frozenset({"prepared.stage"}), "its descriptor's gate input: the prepared record"),
+    ("preflight", "prepared"): (frozenset({"prepared.stage"}), "its descriptor's input: the prepared record"),
+    ("mix", "size"): (frozenset({"size"}), "its descriptor reads the shards the sizing names (as_needed)"),
+    ("mix", "prepare"): (frozenset({"prepare.drops"}), "the drop reason of a prompt another variant kept"),
+    ("accept", "evalset"): (frozenset({"evalset"}), "the eval split it measures: its slices, schema, reader"),
+    ("accept", "generate"): (frozenset({"generate.work"}), "a row's seed, as generate draws it"),
+    ("preflight", "generate"): (
+        frozenset({"generate", "generate.work", "generate.gate"}),
+        "the pilot runs generate's steps on a shard; parity compares its identity",
+    ),
+}
 
 
-def _private_of_stages(node: ast.AST) -> bool:
-    """A private name read from the registry, as ops/ name it (``stages``)."""
-    return (
-        isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "stages"
-        and node.attr.startswith("_")
-    )
+def _stage_unit(module: str) -> str | None:
+    """The unit of stages/ a module belongs to (``registry``, ``common``, or a stage's package name); None
+    for a module outside stages/ and for the stages package itself."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and module.startswith(f"{STAGES_PACKAGE}.") else None
 
 
-def _past_the_registry(trees: dict[str, ast.Module]) -> list[str]:
-    """Where ops/ or the cli reach into stages/ other than through the registry, or read a private name."""
+def _stage_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], set[str]]:
+    """(importing unit, imported unit) → the imported modules (relative to stages/), between two units."""
+    edges: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for module, imported in graph.items():
+        for target in imported:
+            a, b = _stage_unit(module), _stage_unit(target)
+            if a is not None and b is not None and a != b:
+                edges[(a, b)].add(target.removeprefix(f"{STAGES_PACKAGE}."))
+    return edges
+
+
+def _stage_floors(graph: dict[str, set[str]]) -> tuple[list[str], list[str], list[str]]:
+    """(arrows up, stage imports past a seam, two-way ties) inside stages/.
+
+    Two floors: the lower one is the registry (the descriptor type and the discovery, which finds each
+    descriptor by package name at run time) and ``common`` (what the stages share); each stage package
+    sits above them. An arrow *up* is an import, at the top or inside a function, from a module of the
+    lower floor to a module of a stage package: a descriptor may import the registry for ``Stage`` only
+    because the registry imports no stage. A stage imports another stage only through a seam of
+    :data:`SEAMS` (its importer, the stage it imports, the modules it may import there). A *two-way tie*:
+    two units of stages/ (the registry, ``common``, each stage package) that each import the other."""
+    edges = _stage_edges(graph)
+    up = [
+        f"{a} -> {m}"
+        for (a, b), ms in sorted(edges.items())
+        if a in LOWER_FLOOR and b not in LOWER_FLOOR
+        for m in sorted(ms)
+    ]
+    past = [
+        f"{a} -> {m}"
+        for (a, b), ms in sorted(edges.items())
+        if a not in LOWER_FLOOR and b not in LOWER_FLOOR
+        for m in sorted(ms - SEAMS.get((a, b), (frozenset(), ""))[0])
+    ]
+    ties = [f"{a} <-> {b}" for (a, b) in sorted(edges) if a < b and (b, a) in edges]
+    return up, past, ties
+
+
+def test_no_arrow_points_up_inside_stages_and_no_two_units_are_tied_both_ways() -> None:
+    """The registry holds the descriptor type and the discovery and imports no stage; every stage imports
+    it and ``common`` from below, another stage only through a named seam, and no two units of stages/
+    import each other. Every seam is used, and a planted arrow up, import past a seam and tie are found."""
+    graph = import_graph()
+    edges = _stage_edges(graph)
+    assert ("mix", "registry") in edges and ("registry", "common") in edges  # the graph is read at all
+    assert _stage_floors(graph) == ([], [], [])
+    unused = [seam for seam, (modules, _) in SEAMS.items() if not modules <= edges.get(seam, set())]
+    assert not unused, f"seams no stage uses any more: {unused}"
+    planted = {
+        "dflash_build.stages.registry": {"dflash_build.stages.mix"},
+        "dflash_build.stages.common.chat": {"dflash_build.stages.tokenize"},
+        "dflash_build.stages.mix": {"dflash_build.stages.registry", "dflash_build.stages.pack"},
+        "dflash_build.stages.size": {"dflash_build.stages.mix.checks"},
+        "dflash_build.stages.tokenize": {"dflash_build.stages.common.chat"},
+    }
+    up, past, ties = _stage_floors(planted)
+    assert up == ["common -> tokenize", "registry -> mix"], up
+    assert past == ["mix -> pack", "size -> mix.checks"], past
+    assert ties == ["common <-> tokenize", "mix <-> registry"], ties
+
+
+def _private_reads(trees: dict[str, ast.Module]) -> list[str]:
+    """Where ops/ or the cli read a private name of stages/: imported, or an attribute of a module it
+    imported from there."""
     found = []
     for module, tree in trees.items():
         if not (module.startswith("dflash_build.ops.") or module == "dflash_build.cli"):
             continue
+        bound: set[str] = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_build.stages"):
-                names = [a.name for a in node.names]
-                through = node.module == REGISTRY or (node.module == "dflash_build.stages" and names == ["registry"])
-                if not through or any(n.startswith("_") for n in names):
-                    found.append(f"{module}:{node.lineno} from {node.module} import {', '.join(names)}")
-            elif isinstance(node, ast.Import):
-                found += [
-                    f"{module}:{node.lineno} import {a.name}"
-                    for a in node.names
-                    if a.name.startswith("dflash_build.stages") and a.name != REGISTRY
-                ]
-            elif _private_of_stages(node):
-                found.append(f"{module}:{node.lineno} stages.{node.attr}")  # type: ignore[attr-defined]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(STAGES_PACKAGE):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                found += [f"{module}:{node.lineno} from {node.module} import {n}" for n in private]
+                bound |= {a.asname or a.name for a in node.names}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+                continue
+            if node.value.id in bound and node.attr.startswith("_"):
+                found.append(f"{module}:{node.lineno} {node.value.id}.{node.attr}")
     return found
 
 
-def test_the_commands_reach_the_stages_through_the_registry_only() -> None:
-    """ops/ and the cli import of stages/ the registry alone: the descriptors, and the stages' public entry
-    points it lists (prepare's select, generate's reuse, the sizing, the mix's choice), so a change inside a
-    stage is made there once; a planted import past it is found."""
+def test_the_commands_read_no_private_name_of_a_stage() -> None:
+    """ops/ and the cli call a stage's public entry points (prepare's select, generate's reuse, the
+    sizing, the mix's choice) from the stage itself, so a change inside it is made there once; a planted
+    private read is found."""
     trees = _trees()
-    assert not _past_the_registry(trees), _past_the_registry(trees)
-    assert any(f"import {REGISTRY}" in ast.unparse(t) or "import registry" in ast.unparse(t) for t in trees.values())
+    assert not _private_reads(trees), _private_reads(trees)
     planted = {
         "dflash_build.ops.planted": ast.parse(
-            "from dflash_build.stages import prepare\n"
-            "from dflash_build.stages.mix.choose import rank\n"
-            "from dflash_build.stages.registry import _one\n"
-            "import dflash_build.stages.common.chat\n"
-            "from dflash_build.stages import registry as stages\n"
-            "stages._private\n"
+            "from dflash_build.stages.mix import _Choice\n"
+            "from dflash_build.stages import registry as stages, size\n"
+            "stages._private\nsize._round\nsize.replay\n"
         )
     }
-    assert len(_past_the_registry(planted)) == 5, _past_the_registry(planted)
-    exported = stage_registry.__all__
-    assert all(not n.startswith("_") and callable(getattr(stage_registry, n)) for n in exported), exported
+    assert len(_private_reads(planted)) == 3, _private_reads(planted)

@@ -17,6 +17,7 @@ from dflash_build import plan as plan_mod
 from dflash_build.publish import report
 from dflash_build.spec import Checks
 from dflash_build.stages import mix
+from dflash_build.stages.common.targets import category_targets
 from dflash_build.stages.mix import variants
 
 
@@ -33,17 +34,17 @@ def _one_at_a_time(lengths: list[int], target: float) -> list[int]:
 
 
 def test_without_budget_the_scarcest_category_sets_the_size() -> None:
-    targets = mix.category_targets({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 1000, "b": 100, "c": 900}, None)
+    targets = category_targets({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 1000, "b": 100, "c": 900}, None)
     assert targets == pytest.approx({"a": 200, "b": 100, "c": 100})
 
 
 def test_a_category_without_samples_does_not_zero_the_others() -> None:
-    targets = mix.category_targets({"a": 0.5, "b": 0.5}, {"a": 1000}, None)
+    targets = category_targets({"a": 0.5, "b": 0.5}, {"a": 1000}, None)
     assert targets == pytest.approx({"a": 1000, "b": 1000})
 
 
 def test_budget_targets() -> None:
-    assert mix.category_targets({"a": 0.75, "b": 0.25}, {"a": 10, "b": 10}, 400) == {"a": 300, "b": 100}
+    assert category_targets({"a": 0.75, "b": 0.25}, {"a": 10, "b": 10}, 400) == {"a": 300, "b": 100}
 
 
 def test_select_stays_within_half_a_sample_and_takes_everything_when_asked() -> None:
@@ -75,7 +76,7 @@ def test_a_category_whose_target_is_under_half_its_shortest_sample_gets_that_one
 def _mixed(lengths: dict[str, list[int]], shares: dict[str, float], tolerance: float) -> tuple[Counter[str], str]:
     """The real selection and check on categories of samples: tokens chosen, and the check's message."""
     available = Counter({c: sum(v) for c, v in lengths.items()})
-    targets = mix.category_targets(shares, dict(available), None)
+    targets = category_targets(shares, dict(available), None)
     chosen = Counter(
         {c: int(np.array(v)[mix.take_to_target(np.array(v), targets[c])].sum()) for c, v in lengths.items()}
     )

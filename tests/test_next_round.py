@@ -40,7 +40,7 @@ def _prompts(dataset: Path, source: str) -> int:
 
 
 def test_the_weight_that_takes_a_category_whole_is_the_least_that_makes_it_bind() -> None:
-    from dflash_build.stages.mix import binds, category_targets
+    from dflash_build.stages.common.targets import binds, category_targets
 
     supply = {"coding": 9000.0, "general": 4000.0, "math": 1000.5}
     weights = {"coding": 46.0, "general": 26.0, "math": 11.0}  # weights as written, not shares

@@ -29,6 +29,31 @@ def test_every_fix_finds_the_code_it_was_written_for() -> None:
     assert getattr(FileBackupMixin.restore_output, "dflash_fixed", False)
 
 
+def test_a_recorded_inputs_method_of_other_code_is_left_alone_and_named_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """record_order_only_inputs_apart checks the code it wraps, as the other fixes do: a
+    ``PersistenceBase._input`` that records its inputs another way is not wrapped, and the workflow stops
+    in one line naming the fix (unless DFLASH_BUILD_SNAKEMAKE_UNFIXED is 1, where the fix is left out)."""
+    from snakemake.persistence import PersistenceBase
+
+    def _input(self: object, job: object) -> list[str]:  # a release that records its inputs another way
+        return []
+
+    monkeypatch.setattr(PersistenceBase, "_input", _input)
+    monkeypatch.delenv(snakemake_fixes.UNFIXED_ENV, raising=False)
+    assert snakemake_fixes.record_order_only_inputs_apart() is False
+    assert PersistenceBase._input is _input
+    with pytest.raises(SystemExit) as stopped:
+        snakemake_fixes.apply()
+    said = str(stopped.value.code)
+    assert "\n" not in said and said.startswith("dflash-build: Snakemake "), said
+    assert "its code is not what record_order_only_inputs_apart was written for" in said, said
+    monkeypatch.setenv(snakemake_fixes.UNFIXED_ENV, "1")
+    assert snakemake_fixes.apply() == ["record_order_only_inputs_apart"]
+    assert PersistenceBase._input is _input
+
+
 def test_a_failed_update_output_with_no_earlier_version_is_not_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

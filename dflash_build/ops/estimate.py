@@ -16,7 +16,11 @@ from dflash_build.ops import forecast, standing
 from dflash_build.ops.window import TurnWindow, turn_windows
 from dflash_build.plan import Plan
 from dflash_build.spec import TrainerSpec
+from dflash_build.stages import generate, prepare, size
 from dflash_build.stages import registry as stages
+from dflash_build.stages.common import crosssource, neardup
+from dflash_build.stages.generate.reuse import reuse, reuse_conversations
+from dflash_build.stages.generate.work import ShardPaths
 from dflash_build.store import filesystem, layout
 from dflash_build.store import records as R
 from dflash_build.store.journal import PUBLISHED_DATA, ROWS_FILE, Journal, answers
@@ -208,15 +212,15 @@ class DiskNeed:
 
 def _bytes_per_output_token(plan: Plan, sidecars: list[tuple[Path, dict[str, Any]]]) -> float | None:
     """What this model's shards in the store take per output token: completion shard, journal, token shard."""
-    store, size, tokens = plan.config.store, 0, 0
+    store, nbytes, tokens = plan.config.store, 0, 0
     for stats_file, stats in sidecars[:WINDOW_SAMPLE_SHARDS]:
         data, shard = layout.data_of(stats_file), layout.shard_of(stats_file)
         source = stats_file.parent.parent.name
         parts = [data, layout.journal_dir(store, stats_file.parent.name, shard) / ROWS_FILE]
         parts += layout.shard_files(store, layout.TOKENS, source, shard)
-        size += sum(p.stat().st_size for p in parts if p.exists())
+        nbytes += sum(p.stat().st_size for p in parts if p.exists())
         tokens += stats.get(R.STAT_OUTPUT_TOKENS, 0)
-    return size / tokens if tokens else None
+    return nbytes / tokens if tokens else None
 
 
 def disk_need(plan: Plan, estimates: list[SourceEstimate], sidecars: list[tuple[Path, dict[str, Any]]]) -> DiskNeed:
@@ -265,12 +269,12 @@ def estimate_with_disk(
         rate = measured["tokens_per_second"]
     lengths = _answer_lengths(sidecars) if plan.config.trainer.max_length else []
     windows = {w.source: w for w in turn_windows(plan)}
-    selections: dict[str, stages.Selection] = {}
+    selections: dict[str, prepare.Selection] = {}
     cross, copies = _cross_source(plan, selections)
     lost = standing.standing(plan)
     held = frozenset(lost.missing) if lost is not None else frozenset()
     as_needed = plan.config.mix_generate == "as_needed"
-    replayed = stages.replay_sizing(plan) if as_needed else None  # once: it reads every sized shard's sidecar
+    replayed = size.replay(plan) if as_needed else None  # once: it reads every sized shard's sidecar
     sized = _wanted(plan, replayed) if as_needed else {}
     with RowIndex.open(plan.config.store, readonly=True) as index:  # inspection writes nothing
         means = {None: mean_tokens, **_variant_means(sidecars)}
@@ -304,12 +308,12 @@ def wanted_shards(plan: Plan) -> dict[str, int]:
     not built; empty under all."""
     if plan.config.mix_generate != "as_needed":
         return {}
-    return _wanted(plan, stages.replay_sizing(plan))
+    return _wanted(plan, size.replay(plan))
 
 
-def _wanted(plan: Plan, replayed: stages.Replayed | None) -> dict[str, int]:
+def _wanted(plan: Plan, replayed: size.Replayed | None) -> dict[str, int]:
     """The shards per source of the replayed sizing, the pilot's while there is none (as_needed)."""
-    return replayed.shards if replayed is not None else stages.sized_counts(plan, None)
+    return replayed.shards if replayed is not None else size.sized_counts(plan, None)
 
 
 def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
@@ -320,10 +324,10 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
     cfg = plan.config
     if cfg.mix_generate != "as_needed":
         return []
-    replayed = stages.replay_sizing(plan)
+    replayed = size.replay(plan)
     if replayed is None:
         return None
-    listed = stages.sized_counts(plan, None)  # the pilot's jobs are always listed
+    listed = size.sized_counts(plan, None)  # the pilot's jobs are always listed
     params = json.loads(canonical_json(stages.get("size").params(plan, stages.Of())))  # what its rule triggers on
     for round_ in layout.SIZING_ROUNDS:
         path = Path(layout.sizing_file(cfg.logs, cfg.dataset_name, round_))
@@ -333,7 +337,7 @@ def unlisted_by_dry_run(plan: Plan) -> list[str] | None:
             break
         if not all(layout.sidecar(p).exists() for p in reads):
             break
-        listed = stages.sized_counts(plan, path)
+        listed = size.sized_counts(plan, path)
     wanted = replayed.shards
     return [
         f"{name}/{shard}"
@@ -364,8 +368,8 @@ def dry_run_note(plan: Plan) -> str | None:
 
 
 def _cross_source(
-    plan: Plan, selections: dict[str, stages.Selection]
-) -> tuple[stages.CrossSource | None, dict[str, set[str]]]:
+    plan: Plan, selections: dict[str, prepare.Selection]
+) -> tuple[crosssource.CrossSource | None, dict[str, set[str]]]:
     """(what the mix will leave out across sources, each source's prompts that its generate jobs skip:
     those a source dedup.prefer ranks above it keeps). Near-copies count once every source is prepared
     (their band keys are written then); before, exact copies only. ``selections``: filled with the
@@ -378,21 +382,21 @@ def _cross_source(
     prompts: dict[str, Any] = {}
     for name, sp in plan.sources.items():
         if bands is not None:
-            prompts[name], bands[name] = stages.read_bands(plan.prompt_bands(name))
+            prompts[name], bands[name] = neardup.read_bands(plan.prompt_bands(name))
         elif plan.prompt_manifest(name).exists():
-            prompts[name] = stages.prompt_ids(plan, name)
+            prompts[name] = crosssource.prompt_ids(plan, name)
         elif sp.spec.hf is None or sp.spec.hf.is_local:
-            selections[name] = selections.get(name) or stages.select(plan, name)
+            selections[name] = selections.get(name) or prepare.select(plan, name)
             prompts[name] = selections[name].selected
     copies = {}
     for name, sp in plan.sources.items():
         if name in prompts and any(a in prompts for a in sp.above):
-            skipped = stages.against_ranked(plan, name, prompts, bands).dropped[name]
+            skipped = crosssource.against_ranked(plan, name, prompts, bands).dropped[name]
             copies[name] = {f"{int(i):016x}" for i in skipped}
-    return stages.resolve_within_variants(plan, prompts, bands), copies
+    return crosssource.resolve_within_variants(plan, prompts, bands), copies
 
 
-def _cross_source_cost(estimates: list[SourceEstimate], cross: stages.CrossSource | None) -> None:
+def _cross_source_cost(estimates: list[SourceEstimate], cross: crosssource.CrossSource | None) -> None:
     """Each source's copies the mix leaves out, and the GPU-hours its skipped rows save."""
     rows = sum(e.rows_to_generate for e in estimates)
     hours_per_row = sum(e.gpu_hours for e in estimates) / rows if rows else 0.0
@@ -408,7 +412,7 @@ def _estimate(
     rate: float | None,
     default_tokens_per_second: float,
     lengths: list[tuple[int, int]],
-    selections: dict[str, stages.Selection],
+    selections: dict[str, prepare.Selection],
     copies: dict[str, set[str]],
     sized: dict[str, int],
     held: frozenset[str],
@@ -459,7 +463,7 @@ class _ShardIds:
     """A shard's prompt ids: from its prompt shard, else from prepare's selection run in memory (once a
     source, CPU only), or None for a hub source (never loaded to plan)."""
 
-    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, stages.Selection]) -> None:
+    def __init__(self, plan: Plan, source: str, est: SourceEstimate, selections: dict[str, prepare.Selection]) -> None:
         self.plan, self.source, self.est, self.selections = plan, source, est, selections
         self.by_shard: dict[str, list[str]] | None = None
 
@@ -471,14 +475,14 @@ class _ShardIds:
         if sp.spec.hf is not None and not sp.spec.hf.is_local:
             return None
         if self.by_shard is None:
-            selection = self.selections.get(self.source) or stages.select(plan, self.source)
+            selection = self.selections.get(self.source) or prepare.select(plan, self.source)
             self.selections[self.source] = selection
             self.by_shard = selection.shard_prompt_ids()
             self.est.prompt_rows, self.est.prompt_rows_known = selection.rows_out, True
             self.est.drops = dict(sorted(selection.drops.counts.items()))
             try:  # the check its prepare job will make: a lost source is found before generation
-                stages.check_losses(sp.spec, selection)
-            except stages.SourceLossError as e:
+                prepare.check_losses(sp.spec, selection)
+            except prepare.SourceLossError as e:
                 self.est.errors.append(str(e))
         return self.by_shard[shard]
 
@@ -497,7 +501,7 @@ def _count_rows(
     sp = plan.sources[source]
     sampling = sp.spec.sampling
     if ids is None:  # a hub source: the upper bound, every row generated, none reused
-        lo, hi = stages.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
+        lo, hi = prepare.shard_bounds(sp.planned_rows, sp.n_shards)[int(shard)]
         est.rows_in_jobs += (hi - lo) * sampling.samples_per_prompt
         est.rows_to_generate += (hi - lo) * sampling.samples_per_prompt
         return
@@ -534,14 +538,12 @@ def _reused(
     found = index.lookup(key, wanted, sp.spec.sampling.max_new_tokens)
     other_settings = any(c.generation_key != sp.generation_key for cands in found.values() for c in cands)
     if found and (other_settings or sp.spec.turns != "first"):  # a conversation's budgets are per turn
-        work = stages.open_shard(
-            plan, source, shard, stages.ShardPaths.of(stages.planned(plan, "generate", source, shard))
-        )
+        work = generate.open_shard(plan, source, shard, ShardPaths.of(stages.planned(plan, "generate", source, shard)))
         work.convs = {k: conv for k, conv in work.convs.items() if k in wanted}
         if sp.spec.turns == "first":
-            stages.reuse(work, None, index)
+            reuse(work, None, index)
         else:
-            stages.reuse_conversations(work, None, index)
+            reuse_conversations(work, None, index)
         done = {k for k, conv in work.convs.items() if conv.turns and conv.finish_reason is not None}
         return done, {k for k, conv in work.convs.items() if conv.prefix}
     limit = sp.spec.sampling.max_new_tokens

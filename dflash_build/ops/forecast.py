@@ -1,7 +1,7 @@
 """What the mix will take of a build, forecast before any GPU time (``dflash-build plan``).
 
 Every source generated whole (``mix.generate: all``) gives each category its prompts × samples × (prompt +
-answer) tokens. The mix's own rule (:func:`dflash_build.stages.mix.category_targets`) then sets each
+answer) tokens. The mix's own rule (:func:`dflash_build.stages.common.targets.category_targets`) then sets each
 category's target: without a budget the scarcest category relative to its share is taken whole (it
 *binds*) and the others' surplus is generated and left out; with ``mix.budget_tokens`` the budget sets
 the size. Under ``as_needed`` the forecast adds the shards per source the sizing
@@ -27,8 +27,10 @@ from typing import Any
 import numpy as np
 
 from dflash_build.plan import Plan
-from dflash_build.stages import registry as stages
-from dflash_build.stages.registry import MixError, binds, category_targets, choose, missed_shares, take_to_target
+from dflash_build.stages import size
+from dflash_build.stages.common.targets import binds, category_targets
+from dflash_build.stages.mix import choose, take_to_target
+from dflash_build.stages.mix.checks import MixError, missed_shares
 from dflash_build.store import layout
 from dflash_build.store import records as R
 
@@ -80,7 +82,7 @@ class MixForecast:
     tokens_per_second: float
     # mix.generate as_needed: the shards each source would be generated to, of its shards (else empty)
     as_needed: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # once every pilot is built, the sizing replayed on the store (stages.replay_sizing): each source's shards built
+    # once every pilot is built, the sizing replayed on the store (stages.size.replay): each source's shards built
     # of those it names, and the rounds estimated (measured on fewer shards than they name)
     replayed_built: dict[str, int] | None = None
     replayed_estimated: tuple[int, ...] = ()
@@ -249,7 +251,7 @@ def forecast(
     oversampled: dict[str, Oversampled] = {}
     if cfg.mix_generate == "as_needed":
         supplies = [
-            stages.Supply(
+            size.Supply(
                 name,
                 sp.spec.category,
                 sp.n_shards,
@@ -260,7 +262,7 @@ def forecast(
             )
             for name, sp in plan.sources.items()
         ]
-        shards, _ = stages.shards_needed(shares, cfg.mix_budget_tokens, supplies, oversample=stages.oversample(cfg))
+        shards, _ = size.shards_needed(shares, cfg.mix_budget_tokens, supplies, oversample=size.oversample(cfg))
         sized = {name: (max(1, shards[name]), plan.sources[name].n_shards) for name in plan.sources}
         oversampled = _oversampled(plan, supplies, shards, samples, lengths)
     generated = {
@@ -283,17 +285,17 @@ def forecast(
 
 def _oversampled(
     plan: Plan,
-    supplies: list[stages.Supply],
+    supplies: list[size.Supply],
     shards: dict[str, int],
     samples: dict[str, float],
     lengths: dict[str, Lengths],
 ) -> dict[str, Oversampled]:
     """Per oversampled category, what the sizing asks for beyond the same sizing without the factor."""
     cfg = plan.config
-    factors = stages.oversample(cfg)
+    factors = size.oversample(cfg)
     if not factors:
         return {}
-    plain, _ = stages.shards_needed(dict(cfg.mix_categories), cfg.mix_budget_tokens, supplies)
+    plain, _ = size.shards_needed(dict(cfg.mix_categories), cfg.mix_budget_tokens, supplies)
     out = {}
     for category, factor in factors.items():
         extra = {

@@ -179,7 +179,7 @@ def _whole(weights: dict[str, float], budget: int | None, supply: dict[str, floa
     else:
         # without a budget the scarcest category (supply over weight) sets the size: the category binds
         # once its own supply over weight is no more than every other's
-        # whole tokens, as the mix's targets count a category's supply (stages.mix.category_targets)
+        # whole tokens, as the mix's targets count a category's supply (stages.common.targets.category_targets)
         ratios = [int(supply[c]) / w for c, w in others.items() if int(supply.get(c, 0)) > 0]
         if not ratios:
             return weights[category]

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_build.plan import Plan
-from dflash_build.stages import registry as stages
+from dflash_build.stages.common import chat
 from dflash_build.store import records as R
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,9 @@ def turn_window(plan: Plan, source: str, tokenizer: Any, limit: int = SAMPLE_PRO
             messages = json.loads(p["messages"])
             tools = json.loads(p["tools"]) if p["tools"] else None
             row_kwargs = {**kwargs, **json.loads(p.get("template_kwargs") or "{}")}
-            for turn, slot in enumerate(stages.answer_slots(messages, sp.spec.turns)):
+            for turn, slot in enumerate(chat.answer_slots(messages, sp.spec.turns)):
                 try:
-                    prompt = stages.render(tokenizer, messages[:slot], tools, row_kwargs)
+                    prompt = chat.render(tokenizer, messages[:slot], tools, row_kwargs)
                 except Exception:  # the template refuses it: generate's error row, not the window's
                     break
                 if trainer.leaves_too_little(trainer.budget(sp.spec.sampling.max_new_tokens, len(prompt))):
@@ -79,7 +79,7 @@ def turn_windows(plan: Plan) -> list[TurnWindow]:
     if plan.config.trainer.max_length is None or not any(plan.prompt_manifest(s).exists() for s in plan.sources):
         return []
     try:
-        tokenizer = stages.load_tokenizer(plan.config.model, plan.tokenizer_cache())
+        tokenizer = chat.load_tokenizer(plan.config.model, plan.tokenizer_cache())
     except Exception as e:  # inspection goes on: the model may not be on this machine yet
         log.warning("the prompts outside trainer.max_length are not counted: the tokenizer did not load (%s)", e)
         return []

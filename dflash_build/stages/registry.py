@@ -3,13 +3,13 @@ its descriptor (name, what its rule declares, the paths of a job from the plan, 
 it, what it adds to the build's final targets, its params, and for a keyed stage its store folder).
 
 The Snakefile includes ``rules/NAME.smk`` of every enabled stage, the final targets and the rules' params
-come from here, and :func:`planned` makes a job from its ``paths``. It is also the stages' one door for
-``ops/`` and the cli: the entry points they call are imported from here (``__all__``).
-Descriptors are found by package, so adding a stage touches no list elsewhere (docs/architecture.md,
-"Where the system grows"). Finding them imports every stage package (Python imports a package before its
-``stage`` module), and importing this module already imports the four whose entry points it lists; no stage
-package imports an engine library at the top, so parsing the workflow loads none (0.4 s for all of them on
-this machine).
+come from here, and :func:`planned` makes a job from its ``paths``. This module holds the descriptor type
+and the discovery only: it imports no stage and re-exports nothing, so every descriptor imports it from
+below (tests/test_layout.py); ``ops/`` and the cli import a stage's entry points from the stage itself.
+Descriptors are found by package name at run time, so adding a stage touches no list elsewhere
+(docs/architecture.md, "Where the system grows"). Finding them imports every stage package (Python
+imports a package before its ``stage`` module); no stage package imports an engine library at the top, so
+parsing the workflow loads none (0.4 s for all of them on this machine).
 """
 
 from __future__ import annotations
@@ -23,55 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_build.stages.common.chat import answer_slots, load_tokenizer, render
-from dflash_build.stages.common.crosssource import CrossSource, against_ranked, prompt_ids, resolve_within_variants
 from dflash_build.stages.common.job import Job
-from dflash_build.stages.common.neardup import read_bands
-from dflash_build.stages.generate import ShardPaths, open_shard, reuse, reuse_conversations
-from dflash_build.stages.mix import MixError, binds, category_targets, choose, missed_shares, take_to_target
-from dflash_build.stages.prepare import Selection, SourceLossError, check_losses, select, shard_bounds
-from dflash_build.stages.size import Replayed, Supply, oversample, shards_needed, sized_counts
-from dflash_build.stages.size import replay as replay_sizing
 from dflash_build.store import layout
 
 if TYPE_CHECKING:
     from dflash_build.plan import Plan
     from dflash_build.spec import Config
-
-# What ops/ and the cli may call of the stages: each stage's public entry points, and the stages' shared
-# modules they read through (chat rendering, cross-source ranking, near-dup bands). The one door from
-# outside: a change inside a stage is made there once (tests/test_layout.py holds ops/ and the cli to it).
-__all__ = [
-    "CrossSource",
-    "MixError",
-    "Replayed",
-    "Selection",
-    "ShardPaths",
-    "SourceLossError",
-    "Supply",
-    "against_ranked",
-    "answer_slots",
-    "binds",
-    "category_targets",
-    "check_losses",
-    "choose",
-    "load_tokenizer",
-    "missed_shares",
-    "open_shard",
-    "oversample",
-    "prompt_ids",
-    "read_bands",
-    "render",
-    "replay_sizing",
-    "resolve_within_variants",
-    "reuse",
-    "reuse_conversations",
-    "select",
-    "shard_bounds",
-    "shards_needed",
-    "sized_counts",
-    "take_to_target",
-]
 
 Paths = Mapping[str, tuple[Path, ...]]
 PER = ("source", "shard", "round", "format", "config")

@@ -31,6 +31,7 @@ from dflash_build.publish.report import length_stats
 from dflash_build.spec import Config
 from dflash_build.stages.common import crosssource, neardup
 from dflash_build.stages.common.job import Job
+from dflash_build.stages.common.targets import category_targets
 from dflash_build.stages.mix import acceptance as by_acceptance
 from dflash_build.stages.mix import variants
 from dflash_build.stages.mix.checks import MixError as MixError
@@ -43,32 +44,6 @@ from dflash_build.versions import MIX_VERSION
 
 log = logging.getLogger(__name__)
 _SELECT_COLUMNS = ["prompt_id", "sample_idx", "turn", "source", "category", "language", "n_tokens"]
-
-
-def category_targets(
-    shares: dict[str, float],
-    available: dict[str, int],
-    budget: int | None,
-    floors: dict[str, dict[str, float]] | None = None,
-    available_by_language: dict[str, Counter[str]] | None = None,
-) -> dict[str, float]:
-    """Token target per category. Without a budget, the largest total at which every category's share,
-    and every language floor within a category (``floors``, met from ``available_by_language``), can be
-    taken from what is available."""
-    if budget is not None:
-        return {c: share * budget for c, share in shares.items()}
-    limits = [available.get(c, 0) / share for c, share in shares.items() if available.get(c, 0) > 0]
-    for category, by_language in (floors or {}).items():
-        supply = (available_by_language or {}).get(category, Counter())
-        limits += [supply[lang] / (floor * shares[category]) for lang, floor in by_language.items() if supply[lang]]
-    total = min(limits) if limits else 0.0
-    return {c: share * total for c, share in shares.items()}
-
-
-def binds(target: float, available: float) -> bool:
-    """Whether a category's target takes all it has (its supply sets the dataset's size), to within the
-    rounding of a target to whole tokens."""
-    return available > 0 and target >= available - 1
 
 
 def take_to_target(n_tokens: np.ndarray, target: float) -> np.ndarray:

@@ -3,7 +3,7 @@
 A source's shards hold contiguous runs of its prompt ids, and a prompt id is a digest: the first k
 shards are a random sample of the source, so generating a prefix of them samples it fairly. From the
 tokens per sample measured on the shards built so far, each source's whole supply is estimated; the
-mix's own rule (:func:`dflash_build.stages.mix.category_targets`) sets each category's target from those
+mix's own rule (:func:`dflash_build.stages.common.targets.category_targets`) sets each category's target from those
 supplies (the scarcest category relative to its share is taken whole, or the budget sets the size). A
 category that binds is generated whole; another's need (a part of its target) is split among its sources
 by ``weight`` (default: in proportion to supply, each capped at its supply, the rest moved to the
@@ -34,7 +34,7 @@ from typing import Any
 from dflash_build.plan import Plan
 from dflash_build.spec import Config
 from dflash_build.stages.common.job import Job
-from dflash_build.stages.mix import binds, category_targets
+from dflash_build.stages.common.targets import binds, category_targets
 from dflash_build.store import atomic, layout
 from dflash_build.store import records as R
 
