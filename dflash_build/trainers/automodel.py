@@ -27,15 +27,34 @@ RUNNER = Path(__file__).with_name("automodel_run.py")
 # built: on the node, SpecForge trains (dflash_build.trainers.specforge).
 MAX_GPUS = 0
 
-# TrainDFlashRecipe's keys (recipes/llm/train_dflash.py of 0.7.0, the line each is read at in
-# docs/training.md); tests/test_trainer_automodel.py checks each against the pinned source.
-DFLASH = {
-    "recipe_args": {
+
+def _run_args() -> dict[str, Setting]:
+    """Both recipes' ``recipe_args`` of the run itself, with the same defaults."""
+    return {
         "seq_length": Setting(None),  # None: the longest row (nothing cut)
         "micro_batch_size": Setting(1),
         "grad_accumulation_steps": Setting(1),
         "num_epochs": Setting(1),
-        "shuffle_seed": Setting(42),  # the rows' order, the anchors drawn and the draft's first weights
+        "shuffle_seed": Setting(42),  # the rows' order, DFlash's anchors drawn and the draft's first weights
+    }
+
+
+def _optimizer(lr: Setting, warmup_ratio: float) -> dict[str, Setting]:
+    """Both recipes' ``optimizer`` section: the same keys, their own lr and warmup defaults."""
+    return {
+        "lr": lr,
+        "betas": Setting([0.9, 0.95]),
+        "weight_decay": Setting(0.0),
+        "warmup_ratio": Setting(warmup_ratio),
+        "min_lr_ratio": Setting(0.1),
+    }
+
+
+# TrainDFlashRecipe's keys (recipes/llm/train_dflash.py of 0.7.0, the line each is read at in
+# docs/training.md); tests/test_trainer_automodel.py checks each against the pinned source.
+DFLASH = {
+    "recipe_args": {
+        **_run_args(),
         "draft_num_hidden_layers": Setting(1),
         "target_layer_ids": Setting(None),  # None: Automodel spreads them over the target's depth
         "block_size": Setting(16),
@@ -51,13 +70,7 @@ DFLASH = {
         "packed_sequence_size": Setting(0),  # > 0: rows packed to this many tokens (Automodel's packer)
         "log_every_steps": Setting(1, weights=False),  # how often its log says how far it is, not what
     },
-    "optimizer": {
-        "lr": Setting(6.0e-4),
-        "betas": Setting([0.9, 0.95]),
-        "weight_decay": Setting(0.0),
-        "warmup_ratio": Setting(0.04),
-        "min_lr_ratio": Setting(0.1),
-    },
+    "optimizer": _optimizer(Setting(6.0e-4), warmup_ratio=0.04),
 }
 
 # the target architectures 0.7.0's DFlash registry takes (components/speculative/dflash/registry.py,
@@ -78,11 +91,7 @@ TARGETS = (
 # and parallelism are left out (the CPU runs the target in this process, and vLLM serves a plain EAGLE-3 head)
 EAGLE3 = {
     "recipe_args": {
-        "seq_length": Setting(None),  # None: the longest row (nothing cut)
-        "micro_batch_size": Setting(1),
-        "grad_accumulation_steps": Setting(1),
-        "num_epochs": Setting(1),
-        "shuffle_seed": Setting(42),  # the rows' order and the draft's first weights
+        **_run_args(),
         "train_shuffle": Setting(True),
         "ttt_steps": Setting(None, required=True),  # the recipe has no fallback: the steps unrolled in training
         "aux_layer_ids": Setting(None),  # None: Automodel's [1, L/2-1, L-4] (a target of 8 layers or more)
@@ -97,13 +106,7 @@ EAGLE3 = {
         "packed_sequence_size": Setting(0),
         "log_every_steps": Setting(1, weights=False),
     },
-    "optimizer": {
-        "lr": Setting(None, required=True),  # the recipe has no fallback
-        "betas": Setting([0.9, 0.95]),
-        "weight_decay": Setting(0.0),
-        "warmup_ratio": Setting(0.05),
-        "min_lr_ratio": Setting(0.1),
-    },
+    "optimizer": _optimizer(Setting(None, required=True), warmup_ratio=0.05),  # lr: the recipe has no fallback
 }
 
 # the target architectures 0.7.0's EAGLE-3 registry takes (components/speculative/eagle/registry.py,
