@@ -111,7 +111,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _accept_lines(plan: plan_mod.Plan) -> list[str]:
     """What `accept` would measure, and with a report in place the next round for its weakest slices (on
     the store as it is now)."""
-    out = trained.preview(plan, standing.mixes_again(plan))
+    # the mix's job is planned to compare it with its record only where a training would read its output
+    out = trained.preview(plan, plan.config.train is not None and standing.mixes_again(plan))
     out += [line] if (line := measurements.preview(plan)) is not None else []
     report_file = plan.config.acceptance_dir / layout.ACCEPTANCE_REPORT
     if plan.config.accept is None or not report_file.exists():

@@ -54,8 +54,7 @@ def record(folder: Path) -> dict[str, Any] | None:
 
 def rate(store: Path) -> tuple[float, dict[str, Any]] | None:
     """Dataset tokens (times epochs) per GPU-second of the store's latest finished training (a CPU one counts
-    as one GPU), and
-    its record: what `plan` estimates the next one's GPU-hours with."""
+    as one GPU), and its record: what `plan` estimates the next one's GPU-hours with."""
     found = []
     for folder in layout.trained_entries(store):
         rec = record(folder)
