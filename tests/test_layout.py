@@ -303,6 +303,23 @@ def test_cpu_stages_import_no_engine() -> None:
         assert out.strip() == "[]", (stage, out)
 
 
+def test_a_job_imports_its_own_stage_only() -> None:
+    """What rules/scripts/stage.py does before the work: the rule's stage found and its descriptor read
+    import that stage's package and no other (each other one costs its imports, ~0.15 CPU-s a job)."""
+    import json
+    import subprocess
+    import sys
+
+    for rule, stage in (("tokenize", "tokenize"), ("prepare_code", "prepare"), ("size_pilot", "size")):
+        code = (
+            "import json, sys, dflash_build.workflow; from dflash_build.stages import registry;"
+            f"registry.get(registry.of_rule({rule!r})).inputs;"
+            "print(json.dumps(sorted({m.split('.')[2] for m in sys.modules if m.startswith('dflash_build.stages.')})))"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert json.loads(out) == sorted({"common", "registry", stage}), rule
+
+
 def test_the_design_of_record_names_the_finish_reasons_the_records_have() -> None:
     from dflash_build.store import records
 
