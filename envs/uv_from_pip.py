@@ -1,7 +1,8 @@
-"""uv's options for the indexes pip is configured with on this machine (pip.conf, PIP_* variables): uv reads
-no pip configuration, and a machine's CPU torch may come from a wheel folder only pip knows. Printed for
-the Makefile's `uv pip install`; pip's own resolution takes the best version over every index, so uv does
-too (unsafe-best-match)."""
+"""uv's options for the indexes, wheel folders and constraints pip is configured with on this machine
+(pip.conf, PIP_* variables): uv reads no pip configuration, and a machine's CPU torch may come from a wheel
+folder only pip knows, or be capped by a constraints file only pip reads. Printed for the Makefile's
+`uv pip install`; pip's own resolution takes the best version over every index, so uv does too
+(unsafe-best-match)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import shlex
 import subprocess
 import sys
 
-OPTIONS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links"}
+OPTIONS = {
+    "index-url": "--index-url",
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+}
 
 
 def pip_config() -> dict[str, str]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
-import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,15 +107,9 @@ PACKAGE = "dflash_build.stages"
 @functools.cache
 def names() -> tuple[str, ...]:
     """Every stage's name: each subpackage of stages/ with a ``stage`` module, found without importing any
-    (a job imports its own stage only: about 0.15 CPU-s less a job than importing all of them)."""
-    root = importlib.import_module(PACKAGE)
-    return tuple(
-        sorted(
-            info.name
-            for info in pkgutil.iter_modules(root.__path__)
-            if info.ispkg and any((Path(path) / info.name / "stage.py").is_file() for path in root.__path__)
-        )
-    )
+    (a job imports its own stage only: 0.03 CPU-s less a job than importing all of them, measured)."""
+    folder = Path(importlib.import_module(PACKAGE).__file__ or "").parent
+    return tuple(sorted(p.parent.name for p in folder.glob("*/stage.py") if (p.parent / "__init__.py").is_file()))
 
 
 @functools.cache
