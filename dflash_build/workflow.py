@@ -317,6 +317,11 @@ def run_rule(smk: Any, stage: str, **given: Any) -> None:
             module.run(dataclasses.replace(job, given=given))  # given: what its rule's script passes (Job.given)
 
 
+def run_job(smk: Any) -> None:
+    """Run the stage its rule runs (rules/scripts/stage.py, through :func:`dflash_build.warm.run`)."""
+    run_rule(smk, stages.of_rule(smk.rule))
+
+
 def generate_resources(engine: EngineSpec, given_gpus: Any) -> tuple[int, int, int | None]:
     """(gpu, gpu_jobs) one generate job asks for, and the gpu_jobs total to register (None: none).
 

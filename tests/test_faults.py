@@ -101,7 +101,8 @@ def finished_rows(store: Path) -> dict[tuple[str, str], tuple[int, bool]]:
 
 def wait_session_gone(session: int) -> None:
     """Until the jobs a killed Snakemake left finish what they were doing, as after a real scheduler crash."""
-    # a build started in its own session is Snakemake and its jobs (an engine host starts a session of its own)
+    # a build started in its own session is Snakemake, its jobs and the warm runner that ends with it (an engine
+    # host starts a session of its own)
     finished = f"the jobs of the killed build (session {session}) finished"
     wait_until(lambda: not engine_host.processes(session=session), 120, finished)
 

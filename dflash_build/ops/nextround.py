@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from dflash_build import config as config_mod
 from dflash_build import plan as plan_mod
+from dflash_build import workflow
 from dflash_build.ops import estimate, forecast
 from dflash_build.plan import Plan
 from dflash_build.publish import release
@@ -217,3 +218,9 @@ def rows(rounds: list[NextRound]) -> list[dict[str, Any]]:
 def table(plan: Plan, weak: list[tuple[str, str]], dataset: Path) -> list[dict[str, Any]]:
     """The next round of ``weak`` slices as the acceptance report keeps it."""
     return rows(next_round(plan, weak, dataset))
+
+
+def accept_job(smk: Any) -> None:
+    """The accept job (rules/scripts/accept.py): the report's next round is this table, `plan`'s own
+    estimate, which the stage is given (a stage imports no ops)."""
+    workflow.run_rule(smk, "accept", next_round=table)

@@ -1,5 +1,5 @@
-from dflash_build.stages import registry
-from dflash_build.workflow import run_rule
+from dflash_build import warm
 
-# the stage its rule runs (its name, or the one that leads it: prepare_SOURCE, size_pilot)
-run_rule(snakemake, registry.of_rule(snakemake.rule))  # noqa: F821 (Snakemake injects `snakemake`)
+# the stage its rule runs (its name, or the one that leads it: prepare_SOURCE, size_pilot), done by a fork
+# of the run's warm job runner where one serves the job (dflash_build.warm), else in this process
+warm.run(snakemake, "dflash_build.workflow:run_job")  # noqa: F821 (Snakemake injects `snakemake`)
