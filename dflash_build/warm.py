@@ -192,7 +192,7 @@ def delegate(conn: socket.socket, smk: Any, target: str) -> int | None:
         try:
             return _read_word(conn)
         except OSError:
-            os.kill(pid, signal.SIGKILL)  # the runner died: its fork must not go on unwatched
+            _kill(pid)  # the runner died: its fork must not go on unwatched
             sys.exit(f"dflash-build: the warm job runner stopped while it ran job {pid}; run the build again")
 
 
@@ -219,15 +219,20 @@ def _read_word(conn: socket.socket) -> int:
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     conn.settimeout(REQUEST_SECONDS)
     head, fds, _, _ = socket.recv_fds(conn, _WORD.size, 3)
-    size = int(_WORD.unpack(head)[0])
-    payload = b""
-    while len(payload) < size:
-        chunk = conn.recv(min(size - len(payload), 1 << 20))
-        if not chunk:
-            raise ConnectionResetError("the job closed the connection")
-        payload += chunk
-    conn.settimeout(None)
-    return pickle.loads(payload), fds
+    try:
+        size = int(_WORD.unpack(head)[0])
+        payload = b""
+        while len(payload) < size:
+            chunk = conn.recv(min(size - len(payload), 1 << 20))
+            if not chunk:
+                raise ConnectionResetError("the job closed the connection")
+            payload += chunk
+        conn.settimeout(None)
+        return pickle.loads(payload), fds
+    except BaseException:  # the job's stdio must not stay open here: its reader would wait for the runner
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def serve(address: str) -> None:
@@ -287,7 +292,7 @@ class Runner:
                 pid = self.fork(request, fds, conn)
                 self.forks[os.pidfd_open(pid)] = (pid, request["snakemake"].rule, conn)  # tracked at once
             conn.sendall(_WORD.pack(pid))
-        except (OSError, pickle.UnpicklingError, EOFError, struct.error):
+        except Exception:  # a request it cannot read (the job then runs itself) or a job gone meanwhile
             if pid:
                 _kill(pid)  # its job's process went before it knew: the fork goes too, and is reaped
         finally:
@@ -322,7 +327,8 @@ class Runner:
         return pid
 
     def child(self, request: dict[str, Any], fds: list[int]) -> None:
-        """In the fork: become the job's process, do the job, exit as its process would."""
+        """In the fork: become the job's process, do the job, exit as its process would; never return into
+        the runner's loop, whatever fails."""
         try:
             self.listener.close()
             for pidfd, (_, _, conn) in self.forks.items():
@@ -331,14 +337,16 @@ class Runner:
             if self.leader is not None:
                 os.close(self.leader)
             become(request, fds)
+            before = set(sys.modules)
+            status = job_status(request["target"], request["snakemake"])
+            with contextlib.suppress(OSError):  # what it imported, for the runner to load for the rule's next job
+                report = "\n".join(sorted(set(sys.modules) - before))
+                Path(f"{self.address}.{os.getpid()}.modules").write_text(report)
+            finish(status)
         except BaseException:  # the set-up failed: the job's process exits 1, as a job that failed
             traceback.print_exc()
-            finish(1)
-        before = set(sys.modules)
-        status = job_status(request["target"], request["snakemake"])
-        with contextlib.suppress(OSError):  # what it imported, for the runner to load for the rule's next job
-            Path(f"{self.address}.{os.getpid()}.modules").write_text("\n".join(sorted(set(sys.modules) - before)))
-        finish(status)
+        finally:
+            os._exit(1)
 
     def reap(self, pidfd: int) -> None:
         pid, rule, conn = self.forks.pop(pidfd)
