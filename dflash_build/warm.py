@@ -37,6 +37,7 @@ import pickle
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -88,6 +89,9 @@ def runner_address() -> Path | None:
             return None
         folder = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"dflash-warm-{os.getuid()}"
         folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return None  # a folder another user made or opened: no job's stdio goes through it
         kind = [sys.executable, str(os.getsid(0)), *shared_path(), *code_stamp(), *sorted(_shared(os.environ))]
     except OSError:
         return None
@@ -173,7 +177,8 @@ def delegate(conn: socket.socket, smk: Any, target: str) -> int | None:
     """Hand the job to the runner and wait for its fork: the fork's exit code (negative: the signal that
     ended it), or None where the runner declines it (the job then runs here)."""
     request = {"target": target, "snakemake": smk, "cwd": os.getcwd(), "env": dict(os.environ)}
-    request |= {"path": sys.path, "argv": sys.argv, "group": os.getpgrp()}
+    request |= {"path": sys.path, "argv": sys.argv, "group": os.getpgrp(), "umask": _umask()}
+    request["ignored"] = [sig for sig in signal.valid_signals() if signal.getsignal(sig) is signal.SIG_IGN]
     payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -194,6 +199,12 @@ def delegate(conn: socket.socket, smk: Any, target: str) -> int | None:
         except OSError:
             _kill(pid)  # the runner died: its fork must not go on unwatched
             sys.exit(f"dflash-build: the warm job runner stopped while it ran job {pid}; run the build again")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def exit_as(status: int) -> None:
@@ -219,6 +230,8 @@ def _read_word(conn: socket.socket) -> int:
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     conn.settimeout(REQUEST_SECONDS)
     head, fds, _, _ = socket.recv_fds(conn, _WORD.size, 3)
+    for fd in fds:  # no process the runner's imports start may hold a job's stdio
+        os.set_inheritable(fd, False)
     try:
         size = int(_WORD.unpack(head)[0])
         payload = b""
@@ -248,6 +261,7 @@ class Runner:
 
     def __init__(self, address: Path) -> None:
         self.address = address
+        os.close(os.pidfd_open(os.getpid()))  # a kernel without pidfds: the runner ends, the jobs run themselves
         self.env = sorted(_shared(os.environ))
         address.unlink(missing_ok=True)  # a runner that was killed: its starter holds the lock
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -255,6 +269,7 @@ class Runner:
         self.listener.listen(64)
         self.inode = address.stat().st_ino
         self.forks: dict[int, tuple[int, str, socket.socket]] = {}  # pidfd → (pid, rule, the job's connection)
+        self.gone: set[socket.socket] = set()  # connections of jobs killed while their fork ran
         self.learned: dict[str, set[str]] = {}  # rule → the modules its jobs imported
         self.idle_since = time.monotonic()
         self.leader = _snakemake_leader()
@@ -262,7 +277,8 @@ class Runner:
 
     def loop(self) -> None:
         while self.forks or not (self.leader_gone or time.monotonic() - self.idle_since >= IDLE_SECONDS):
-            watched = [self.listener, *self.forks, *(conn for _, _, conn in self.forks.values())]
+            conns = [conn for _, _, conn in self.forks.values() if conn not in self.gone]
+            watched = [self.listener, *self.forks, *conns]
             watched += [self.leader] if self.leader is not None and not self.leader_gone else []
             wait = None if self.forks else max(0.0, IDLE_SECONDS - (time.monotonic() - self.idle_since))
             ready, _, _ = select.select(watched, [], [], wait)
@@ -278,6 +294,7 @@ class Runner:
         elif isinstance(item, int) and item in self.forks:
             self.reap(item)
         else:  # a waiting job's connection: it closed (killed), so its fork goes too
+            self.gone.add(item)  # watched no more: the fork's pidfd says when it is gone
             for pid, _, conn in self.forks.values():
                 if conn is item:
                     _kill(pid)
@@ -290,11 +307,15 @@ class Runner:
             request, fds = _read_request(conn)
             if self.serves(request):
                 pid = self.fork(request, fds, conn)
+            if pid:
                 self.forks[os.pidfd_open(pid)] = (pid, request["snakemake"].rule, conn)  # tracked at once
             conn.sendall(_WORD.pack(pid))
         except Exception:  # a request it cannot read (the job then runs itself) or a job gone meanwhile
             if pid:
-                _kill(pid)  # its job's process went before it knew: the fork goes too, and is reaped
+                _kill(pid)  # its job's process went before it knew: the fork goes too
+                if pid not in (p for p, _, _ in self.forks.values()):
+                    os.waitpid(pid, 0)  # untracked (no pidfd): reaped here
+                    pid = 0
         finally:
             for fd in fds:
                 os.close(fd)
@@ -320,6 +341,11 @@ class Runner:
             if name not in sys.modules:
                 with contextlib.suppress(BaseException):  # one that imports only in its job's context stays cold
                     importlib.import_module(name)
+        if threading.active_count() > 1:  # one of those imports started a thread: the job runs itself
+            print(f"dflash-build: warm runner: a thread runs here after importing {names}", file=sys.stderr)
+            return 0
+        sys.stdout.flush()  # nothing an import printed here reaches a job's stdout
+        sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             conn.close()
@@ -350,6 +376,7 @@ class Runner:
 
     def reap(self, pidfd: int) -> None:
         pid, rule, conn = self.forks.pop(pidfd)
+        self.gone.discard(conn)
         os.close(pidfd)
         _, wait_status = os.waitpid(pid, 0)
         with contextlib.suppress(OSError):  # else the job's process is gone: its fork was killed for it
@@ -369,7 +396,7 @@ class Runner:
             fcntl.flock(lock, fcntl.LOCK_EX)
             with contextlib.suppress(OSError):
                 if self.address.stat().st_ino == self.inode:
-                    for path in (self.address, Path(f"{self.address}.log"), Path(f"{self.address}.lock")):
+                    for path in (self.address, Path(f"{self.address}.log")):  # the lock stays: others may wait on it
                         path.unlink(missing_ok=True)
 
 
@@ -397,6 +424,9 @@ def become(request: dict[str, Any], fds: list[int]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    for sig in request["ignored"]:  # what the job's process ignored when it started (nohup: SIGHUP)
+        signal.signal(sig, signal.SIG_IGN)
+    os.umask(request["umask"])
     for number, fd in enumerate(fds):
         os.dup2(fd, number)
         os.close(fd)
@@ -415,7 +445,7 @@ def job_status(target: str, smk: Any) -> int:
         call(target, smk)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
-            return e.code or 0
+            return (e.code or 0) & 0xFF  # as the interpreter exits: sys.exit(-1) is status 255
         print(e.code, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -433,7 +463,7 @@ def finish(status: int) -> None:
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     if status < 0:

@@ -36,6 +36,9 @@ def ok(smk):
 def exits(smk):
     sys.exit(3)
 
+def exits_negative(smk):
+    sys.exit(-1)
+
 def raises(smk):
     raise ValueError("a failing job")
 
@@ -51,7 +54,7 @@ SNAKEFILE = """
 rule ok:
     output: "ok/{n}"
     script: "job.py"
-for name in ("exits", "raises", "killed", "waits"):
+for name in ("exits", "exits_negative", "raises", "killed", "waits"):
     rule:
         name: name
         output: f"{name}/out"
@@ -91,10 +94,10 @@ def _seen(workdir: Path, n: int) -> list[str]:
 
 def test_jobs_are_forks_of_one_runner_in_their_jobs_group_and_end_as_their_processes_would(workflow: Path) -> None:
     """Each job's fork has the runner for parent (not Snakemake), Snakemake's process group, the job's
-    working directory, environment and output; a job that exits 3, raises or is killed by a signal fails
+    working directory, environment and output; a job that exits 3 or -1, raises or is killed by a signal fails
     as it does in a process of its own; a second build is served by the same runner, the first job of
     the rule included."""
-    first = _snakemake(workflow, "ok/1", "ok/2", "ok/3", "exits/out", "raises/out", "killed/out")
+    first = _snakemake(workflow, "ok/1", "ok/2", "ok/3", "exits/out", "exits_negative/out", "raises/out", "killed/out")
     said, _ = first.communicate(timeout=120)
     assert first.returncode != 0
     runners = {_seen(workflow, n)[1] for n in (1, 2, 3)}
@@ -106,11 +109,11 @@ def test_jobs_are_forks_of_one_runner_in_their_jobs_group_and_end_as_their_proce
     second = _snakemake(workflow, "ok/4")
     assert second.wait(timeout=120) == 0
     assert _seen(workflow, 4)[1] == _seen(workflow, 1)[1]
-    plain = _snakemake(workflow, "ok/5", "exits/out", "raises/out", "killed/out", warm_env="0")
+    plain = _snakemake(workflow, "ok/5", "exits/out", "exits_negative/out", "raises/out", "killed/out", warm_env="0")
     said_plain, _ = plain.communicate(timeout=120)
     assert int(_seen(workflow, 5)[1]) == plain.pid  # the job's own process, Snakemake's child
     for text in (said, said_plain):
-        assert "non-zero exit status 3" in text, text
+        assert "non-zero exit status 3" in text and "non-zero exit status 255" in text, text
         assert "ValueError: a failing job" in text, text
         assert re.search(r"died with <Signals.SIGKILL: 9>|negative exit status -9|exit status 137", text), text
 
