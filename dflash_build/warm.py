@@ -8,9 +8,9 @@ closed): its Snakemake object, working directory, import path, stdin, stdout and
 over a unix socket. The runner forks; the fork joins the job's process group and does the job; the job's
 process waits and exits as the fork did (its exit status, or the signal that ended it). Before it forks a
 job of a rule, the runner imports what the rule's earlier jobs imported (once each); it never runs job code
-itself. One runner serves every build of one kind (interpreter, environment, import path, working
-directory, terminal session, the package's code: :func:`runner_address`) and exits after ``IDLE_SECONDS``
-with nothing to do.
+itself. One runner serves every build of one kind (interpreter, environment, import path less the job's
+own folders, terminal session, the package's code: :func:`runner_address`) and exits after
+``IDLE_SECONDS`` with nothing to do, or with its session's leader where that is a Snakemake.
 
 Signals are what they are without it: a fork is in its job's process group, so Ctrl-C, a SLURM preemption
 and a kill of the group reach it as they reach a job; the job's own process ignores SIGINT, SIGTERM and
@@ -19,9 +19,9 @@ SIGHUP (the fork gets them from the group: relaying them would deliver them twic
 that dies by a signal makes its job's process die by the same one.
 
 A job runs in a process of its own, as before, when ``DFLASH_BUILD_WARM=0``, in a SLURM job (one job per
-Snakemake there), when its parent is not Snakemake, when the runner cannot start and while a Python thread
-runs in the runner (a fork of a process with threads can inherit a held lock): each a path that works,
-never an error.
+Snakemake there), when its parent is not Snakemake, when the socket's folder is not the user's own, when
+the runner cannot start and while a Python thread runs in the runner (a fork of a process with threads can
+inherit a held lock): each a path that works, never an error.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def runner_address() -> Path | None:
         st = folder.lstat()
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             return None  # a folder another user made or opened: no job's stdio goes through it
-        kind = [sys.executable, str(os.getsid(0)), *shared_path(), *code_stamp(), *sorted(_shared(os.environ))]
+        env = sorted(f"{k}={v}" for k, v in os.environ.items() if k not in _PER_JOB_VARIABLES)
+        kind = [sys.executable, str(os.getsid(0)), *shared_path(), *code_stamp(), *env]
     except OSError:
         return None
     return folder / f"{hashlib.sha256(chr(0).join(kind).encode()).hexdigest()[:24]}.sock"
@@ -107,10 +108,6 @@ def shared_path() -> list[str]:
     own = [e for e in sys.path if e == cwd and e != package_root]
     own += [e for e in sys.path if e.startswith(os.path.join(cwd, ".snakemake")) or "snakemake-runtime-cache" in e]
     return [e for e in sys.path if os.path.isabs(e) and e not in own]
-
-
-def _shared(env: dict[str, str] | os._Environ[str]) -> list[str]:
-    return [f"{k}={v}" for k, v in env.items() if k not in _PER_JOB_VARIABLES]
 
 
 def code_stamp() -> list[str]:
@@ -211,20 +208,29 @@ def exit_as(status: int) -> None:
     """Exit as the fork did: with its code, or killed by its signal."""
     if status >= 0:
         sys.exit(status)
-    if -status not in (signal.SIGKILL, signal.SIGSTOP):
-        signal.signal(-status, signal.SIG_DFL)
-    os.kill(os.getpid(), -status)
+    _die_by(-status)
     sys.exit(128 - status)  # a signal it could not be killed by (never: the fork died of it)
 
 
+def _die_by(sig: int) -> None:
+    """Be killed by ``sig`` whatever this process's handler for it."""
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+
+
 def _read_word(conn: socket.socket) -> int:
+    return int(_WORD.unpack(_read_exactly(conn, _WORD.size))[0])
+
+
+def _read_exactly(conn: socket.socket, size: int) -> bytes:
     data = b""
-    while len(data) < _WORD.size:
-        chunk = conn.recv(_WORD.size - len(data))
+    while len(data) < size:
+        chunk = conn.recv(min(size - len(data), 1 << 20))
         if not chunk:
-            raise ConnectionResetError("the runner closed the connection")
+            raise ConnectionResetError("the other end closed the connection")
         data += chunk
-    return int(_WORD.unpack(data)[0])
+    return data
 
 
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -233,13 +239,7 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     for fd in fds:  # no process the runner's imports start may hold a job's stdio
         os.set_inheritable(fd, False)
     try:
-        size = int(_WORD.unpack(head)[0])
-        payload = b""
-        while len(payload) < size:
-            chunk = conn.recv(min(size - len(payload), 1 << 20))
-            if not chunk:
-                raise ConnectionResetError("the job closed the connection")
-            payload += chunk
+        payload = _read_exactly(conn, int(_WORD.unpack(head)[0]))
         conn.settimeout(None)
         return pickle.loads(payload), fds
     except BaseException:  # the job's stdio must not stay open here: its reader would wait for the runner
@@ -262,7 +262,6 @@ class Runner:
     def __init__(self, address: Path) -> None:
         self.address = address
         os.close(os.pidfd_open(os.getpid()))  # a kernel without pidfds: the runner ends, the jobs run themselves
-        self.env = sorted(_shared(os.environ))
         address.unlink(missing_ok=True)  # a runner that was killed: its starter holds the lock
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(address))
@@ -305,8 +304,7 @@ class Runner:
         pid = 0
         try:
             request, fds = _read_request(conn)
-            if self.serves(request):
-                pid = self.fork(request, fds, conn)
+            pid = self.fork(request, fds, conn)
             if pid:
                 self.forks[os.pidfd_open(pid)] = (pid, request["snakemake"].rule, conn)  # tracked at once
             conn.sendall(_WORD.pack(pid))
@@ -323,26 +321,19 @@ class Runner:
             conn.close()
             self.idle_since = time.monotonic()
 
-    def serves(self, request: dict[str, Any]) -> bool:
-        """Whether a fork of this runner does the job as its own process would: the same environment, and
-        no Python thread here that a fork could inherit mid-lock (the native threads pyarrow's jemalloc and
-        torch start at import are restarted or idle across a fork, as in any forked data loader)."""
-        why = "its environment differs" if sorted(_shared(request["env"])) != self.env else ""
-        if threading.active_count() > 1:
-            why = "a Python thread runs here (started by a module it loaded)"
-        if why:
-            print(f"dflash-build: warm runner: a job of {request['snakemake'].rule} runs apart: {why}", file=sys.stderr)
-        return not why
-
     def fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
-        """Load what the rule's jobs imported before (each module once per runner), then fork."""
+        """Load what the rule's jobs imported before (each module once per runner), then fork: the fork's
+        pid, or 0 where the job runs itself. Not while a Python thread runs here, which a fork could inherit
+        mid-lock (the native threads pyarrow's jemalloc and torch start at import are restarted or idle
+        across a fork, as in any forked data loader). The environment needs no check: it names the runner."""
         names = [request["target"].partition(":")[0], *sorted(self.learned.get(request["snakemake"].rule, ()))]
         for name in names:
             if name not in sys.modules:
                 with contextlib.suppress(BaseException):  # one that imports only in its job's context stays cold
                     importlib.import_module(name)
-        if threading.active_count() > 1:  # one of those imports started a thread: the job runs itself
-            print(f"dflash-build: warm runner: a thread runs here after importing {names}", file=sys.stderr)
+        if threading.active_count() > 1:
+            rule = request["snakemake"].rule
+            print(f"dflash-build: warm runner: a job of {rule} runs apart: a Python thread runs here", file=sys.stderr)
             return 0
         sys.stdout.flush()  # nothing an import printed here reaches a job's stdout
         sys.stderr.flush()
@@ -467,6 +458,5 @@ def finish(status: int) -> None:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     if status < 0:
-        signal.signal(-status, signal.SIG_DFL)
-        os.kill(os.getpid(), -status)
+        _die_by(-status)
     os._exit(status & 0xFF)
